@@ -1,0 +1,1 @@
+"""The wire: `pipeline.proto`, its generated modules, and the array codec."""

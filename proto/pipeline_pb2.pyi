@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "penalty_context_size", "has_seed", "seed", "top_logprobs", "logprobs", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_CONTEXT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_CONTEXT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    repetition_context_size: int
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_context_size: int
+    has_seed: bool
+    seed: int
+    top_logprobs: int
+    logprobs: bool
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+
+class SeqEntry(_message.Message):
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    offset: int
+    num_tokens: int
+    sample: bool
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("frame_id", "kind", "microbatch", "seqs", "tokens", "hidden", "free", "stage_seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PREFILL: _ClassVar[Frame.Kind]
+        DECODE: _ClassVar[Frame.Kind]
+        CONTROL: _ClassVar[Frame.Kind]
+    PREFILL: Frame.Kind
+    DECODE: Frame.Kind
+    CONTROL: Frame.Kind
+    FRAME_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    frame_id: int
+    kind: Frame.Kind
+    microbatch: int
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqEntry]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    hidden: Tensor
+    free: _containers.RepeatedScalarFieldContainer[int]
+    stage_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., microbatch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenResult(_message.Message):
+    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Result(_message.Message):
+    __slots__ = ("frame_id", "tokens", "stage_seconds")
+    FRAME_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    frame_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
+    stage_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    start: int
+    end: int
+    next_address: str
+    max_batch: int
+    max_tokens: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    weight_bytes: int
+    model_bytes: int
+    max_context: int
+    fingerprint: str
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeReply(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    def __init__(self, freed: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth")
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    busy_seconds: float
+    uptime_seconds: float
+    frames: int
+    tokens: int
+    queue_depth: int
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    detail: str
+    model: str
+    start: int
+    end: int
+    num_layers: int
+    weight_bytes: int
+    active_bytes: int
+    cache_bytes: int
+    rss_bytes: int
+    live_seqs: _containers.RepeatedScalarFieldContainer[int]
+    stats: StageStats
+    next_address: str
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ...) -> None: ...
+
+class ResultsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForwardSummary(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: int
+    def __init__(self, frames: _Optional[int] = ...) -> None: ...
