@@ -1,0 +1,337 @@
+"""A stage's state and work, without any networking: Frames in, Frames or Results out.
+
+``StageRuntime`` owns the loaded layer range, every live sequence's caches and
+the micro-batch groups. It runs on the one thread that owns MLX in the stage
+process (see ``worker.py``); nothing here blocks on I/O.
+
+Sequences and caches:
+
+- A PREFILL frame carries one chunk of one sequence. The sequence's caches
+  are its own (mlx-lm ``KVCache`` per block) until it joins a decode group.
+- A DECODE frame carries one token for each member of micro-batch group
+  ``microbatch``. The group's caches are batched (mlx-lm ``BatchKVCache``,
+  left-padded, so members may have different lengths). Members that the head
+  added since the group's last step are merged in; members it dropped are
+  filtered out; rows follow the frame's order.
+- ``free`` drops sequences wherever they are. Every frame is validated before
+  any state changes; a bad frame raises ``FrameError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from mlxpipe.proto import codec
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.sampling import SamplingError, SeqSampler, pick_batch
+from mlxpipe.shards.slicing import StageModel
+
+logger = logging.getLogger(__name__)
+
+
+class FrameError(ValueError):
+    """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Seq:
+    length: int = 0                   # tokens in this stage's caches
+    caches: Optional[list] = None     # own caches, while in no group
+    group: Optional[int] = None       # decode group holding its caches
+    sampler: Optional[SeqSampler] = None  # last stage only
+
+
+@dataclass
+class _Group:
+    members: List[int] = field(default_factory=list)  # row order of the caches
+    caches: list = field(default_factory=list)
+
+
+@dataclass
+class StageLimits:
+    max_batch: int = 64        # rows in a decode frame
+    max_tokens: int = 4096     # tokens in a prefill frame
+    max_context: int = 8192    # tokens per sequence
+    max_seqs: int = 256        # live sequences
+
+
+@dataclass
+class StageStatsCounter:
+    busy_seconds: float = 0.0
+    frames: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class StageRuntime:
+    def __init__(self, model: StageModel, hidden_size: int, vocab_size: int, limits: StageLimits):
+        self.model = model
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.seqs: Dict[int, _Seq] = {}
+        self.groups: Dict[int, _Group] = {}
+        self.stats = StageStatsCounter()
+
+    # -- bookkeeping -------------------------------------------------------
+
+    def free(self, seq_ids) -> int:
+        """Drop sequences (and their rows in decode groups). Unknown ids are ignored."""
+        freed = 0
+        by_group: Dict[int, List[int]] = {}
+        for sid in seq_ids:
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            freed += 1
+            if seq.group is not None:
+                by_group.setdefault(seq.group, []).append(sid)
+        for gid, gone in by_group.items():
+            group = self.groups[gid]
+            keep = [i for i, s in enumerate(group.members) if s not in gone]
+            if not keep:
+                del self.groups[gid]
+                continue
+            for c in group.caches:
+                c.filter(keep)
+            group.members = [group.members[i] for i in keep]
+        return freed
+
+    def free_all(self) -> int:
+        n = len(self.seqs)
+        self.seqs.clear()
+        self.groups.clear()
+        mx.clear_cache()
+        return n
+
+    def cache_bytes(self) -> int:
+        caches = [c for g in self.groups.values() for c in g.caches]
+        caches += [c for s in self.seqs.values() if s.caches for c in s.caches]
+        return sum(c.nbytes for c in caches)
+
+    # -- validation ----------------------------------------------------------
+
+    def _check(self, frame: pb.Frame) -> tuple[int, int]:
+        """Validate ``frame`` against this stage; return (rows, tokens per row)."""
+        lim = self.limits
+        if frame.kind == pb.Frame.CONTROL:
+            if frame.seqs or frame.tokens or frame.HasField("hidden"):
+                raise FrameError("a CONTROL frame carries only `free`")
+            return 0, 0
+        rows = len(frame.seqs)
+        if rows == 0:
+            raise FrameError("frame has no sequences")
+        if frame.kind == pb.Frame.PREFILL:
+            if rows != 1:
+                raise FrameError(f"a PREFILL frame carries one sequence, got {rows}")
+            n = frame.seqs[0].num_tokens
+            if not 1 <= n <= lim.max_tokens:
+                raise FrameError(f"prefill chunk of {n} tokens; this stage takes 1..{lim.max_tokens}")
+        elif frame.kind == pb.Frame.DECODE:
+            if rows > lim.max_batch:
+                raise FrameError(f"decode frame of {rows} rows; this stage takes at most {lim.max_batch}")
+            if any(e.num_tokens != 1 for e in frame.seqs):
+                raise FrameError("every row of a DECODE frame adds exactly one token")
+            n = 1
+        else:
+            raise FrameError(f"unknown frame kind {frame.kind}")
+        if len(frame.tokens) != rows * n:
+            raise FrameError(f"frame has {len(frame.tokens)} token ids for {rows} x {n} positions")
+        if self.model.first:
+            if frame.HasField("hidden"):
+                raise FrameError("the first stage takes token ids, not activations")
+            bad = [t for t in frame.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise FrameError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        elif not frame.HasField("hidden"):
+            raise FrameError("a frame into a later stage must carry activations")
+        elif frame.hidden.dtype not in codec.ACTIVATION_DTYPES:
+            raise FrameError(
+                f"activation dtype {frame.hidden.dtype!r} is not allowed "
+                f"(allowed: {sorted(codec.ACTIVATION_DTYPES)})"
+            )
+        ids = [e.seq_id for e in frame.seqs]
+        if len(set(ids)) != rows:
+            raise FrameError("a sequence appears twice in one frame")
+        freeing = set(frame.free)
+        for e in frame.seqs:
+            if e.offset + e.num_tokens > lim.max_context:
+                raise FrameError(
+                    f"sequence {e.seq_id} would reach {e.offset + e.num_tokens} tokens; "
+                    f"the model's context is {lim.max_context}"
+                )
+            seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
+            if frame.kind == pb.Frame.PREFILL and e.offset == 0:
+                if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
+                    raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
+            elif seq is None:
+                raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
+            elif seq.length != e.offset:
+                raise FrameError(
+                    f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset}",
+                    "FAILED_PRECONDITION",
+                )
+            elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
+                raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
+            if self.model.last and e.sampling.ByteSize():
+                try:
+                    SeqSampler(e.sampling, self.vocab_size)
+                except SamplingError as err:
+                    raise FrameError(f"sequence {e.seq_id}: {err}") from err
+        return rows, n
+
+    # -- work --------------------------------------------------------------
+
+    def run(self, frame: pb.Frame):
+        """Do one frame. Returns the Frame for the next stage, or, on the last
+        stage, the Result for the head."""
+        rows, n = self._check(frame)
+        hidden = None
+        if rows and not self.model.first:
+            try:
+                hidden = codec.decode(frame.hidden, expect_shape=(rows, n, self.hidden_size))
+            except codec.WireError as err:
+                raise FrameError(str(err)) from err
+        # Nothing below raises FrameError: state changes start here.
+        self.free(frame.free)
+        t0 = time.perf_counter()
+        out = None
+        if frame.kind == pb.Frame.PREFILL:
+            out = self._prefill(frame, hidden)
+        elif frame.kind == pb.Frame.DECODE:
+            out = self._decode(frame, hidden)
+        seconds = time.perf_counter() - t0
+        self.stats.busy_seconds += seconds
+        self.stats.frames += 1
+        self.stats.tokens += rows * n
+        timings = list(frame.stage_seconds) + [seconds]
+        if self.model.last:
+            return pb.Result(frame_id=frame.frame_id, tokens=out or [], stage_seconds=timings)
+        nxt = pb.Frame(
+            frame_id=frame.frame_id,
+            kind=frame.kind,
+            microbatch=frame.microbatch,
+            seqs=frame.seqs,
+            tokens=frame.tokens,
+            free=frame.free,
+            stage_seconds=timings,
+        )
+        if out is not None:
+            nxt.hidden.CopyFrom(codec.encode(out))
+        return nxt
+
+    def _new_seq(self, entry: pb.SeqEntry) -> _Seq:
+        if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
+            self.free([entry.seq_id])
+        seq = _Seq(caches=self.model.make_cache())
+        if self.model.last:
+            seq.sampler = SeqSampler(entry.sampling, self.vocab_size)
+        self.seqs[entry.seq_id] = seq
+        return seq
+
+    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array]):
+        entry = frame.seqs[0]
+        seq = self._new_seq(entry) if entry.offset == 0 else self.seqs[entry.seq_id]
+        tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
+        out = self.model(tokens, hidden, seq.caches)
+        seq.length += entry.num_tokens
+        if not self.model.last:
+            mx.eval(out)
+            return out
+        seq.sampler.observe(frame.tokens)
+        if not entry.sample:
+            mx.eval([c.state for c in seq.caches])
+            return []
+        return self._sample([entry], [seq], out[:, -1, :])
+
+    def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
+        group = self._regroup(frame.microbatch, [e.seq_id for e in frame.seqs])
+        tokens = mx.array(list(frame.tokens), dtype=mx.int32)[:, None]
+        out = self.model(tokens, hidden, group.caches)
+        seqs = [self.seqs[s] for s in group.members]
+        for seq in seqs:
+            seq.length += 1
+        if not self.model.last:
+            mx.eval(out)
+            return out
+        for seq, t in zip(seqs, frame.tokens):
+            seq.sampler.observe([t])
+        picked = [i for i, e in enumerate(frame.seqs) if e.sample]
+        if not picked:
+            mx.eval([c.state for c in group.caches])
+            return []
+        logits = out[:, -1, :]
+        if len(picked) < len(seqs):
+            logits = logits[mx.array(picked)]
+        return self._sample([frame.seqs[i] for i in picked], [seqs[i] for i in picked], logits)
+
+    def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
+        picks = pick_batch([s.sampler for s in seqs], logits, [s.length for s in seqs])
+        results = []
+        for e, (token, logprob, top) in zip(entries, picks):
+            r = pb.TokenResult(seq_id=e.seq_id, token=token, logprob=logprob)
+            if top is not None:
+                r.top_ids.extend(top[0])
+                r.top_logprobs.extend(top[1])
+            results.append(r)
+        return results
+
+    def _regroup(self, gid: int, members: List[int]) -> _Group:
+        """Make group ``gid`` hold exactly ``members``, caches in that row order."""
+        group = self.groups.get(gid)
+        if group is not None and group.members == members:
+            return group
+        wanted = set(members)
+        # Members that moved here from another group leave it first.
+        for sid in members:
+            seq = self.seqs[sid]
+            if seq.group is not None and seq.group != gid:
+                self._detach(seq.group, [sid])
+        if group is not None:
+            leaving = [s for s in group.members if s not in wanted]
+            if leaving:
+                self._detach(gid, leaving)
+            group = self.groups.get(gid)
+        joining = [s for s in members if self.seqs[s].group != gid]
+        if joining:
+            per_layer = list(zip(*(self.seqs[s].caches for s in joining)))
+            merged = [type(cs[0]).merge(list(cs)) for cs in per_layer]
+            if group is None:
+                group = self.groups[gid] = _Group(members=list(joining), caches=merged)
+            else:
+                for c, m in zip(group.caches, merged):
+                    c.extend(m)
+                group.members += joining
+            for s in joining:
+                self.seqs[s].caches = None
+                self.seqs[s].group = gid
+        if group.members != members:
+            order = [group.members.index(s) for s in members]
+            for c in group.caches:
+                c.filter(order)
+            group.members = list(members)
+        return group
+
+    def _detach(self, gid: int, sids: List[int]) -> None:
+        """Take sequences out of a group, back into caches of their own."""
+        group = self.groups[gid]
+        for sid in sids:
+            row = group.members.index(sid)
+            self.seqs[sid].caches = [c.extract(row) for c in group.caches]
+            self.seqs[sid].group = None
+        keep = [i for i, s in enumerate(group.members) if s not in sids]
+        if not keep:
+            del self.groups[gid]
+            return
+        for c in group.caches:
+            c.filter(keep)
+        group.members = [group.members[i] for i in keep]

@@ -1,0 +1,314 @@
+"""The stage process: a gRPC server in front of one ``StageRuntime``.
+
+Threads: asyncio runs the gRPC server; one worker thread owns MLX and does all
+array work (loading, every frame, frees). They meet through queues.
+
+Per ``Forward`` stream three tasks run: a reader (frames off the wire into a
+bounded queue: its length is the stage's queue depth), a computer (one frame at
+a time on the MLX thread) and a sender (outputs to the next stage's
+``Forward`` stream, or, on the last stage, to the head's ``Results`` stream).
+Activations go straight from a stage to the next, never through the head.
+
+    python -m mlxpipe.shards.worker --listen 127.0.0.1:50051
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import logging
+import os
+import resource
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import grpc
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.rpc import CHANNEL_OPTIONS
+from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
+
+logger = logging.getLogger(__name__)
+
+QUEUE_FRAMES = 64  # frames buffered per Forward stream before gRPC flow control pushes back
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # macOS: ru_maxrss is in bytes there
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def fingerprint(path: Path) -> str:
+    """Identify a model folder by its config and its weight files' names and sizes."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+class _Loaded:
+    """A loaded shard: the runtime plus what Load replied."""
+
+    def __init__(self, runtime: StageRuntime, reply: pb.LoadReply, request: pb.LoadRequest):
+        self.runtime = runtime
+        self.reply = reply
+        self.request = request
+
+
+class StageServicer(pb_grpc.StageServicer):
+    def __init__(self):
+        self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self.loaded: Optional[_Loaded] = None
+        self.state, self.detail = "empty", "no shard loaded yet"
+        self.next_channel: Optional[grpc.aio.Channel] = None
+        self.next_stub: Optional[pb_grpc.StageStub] = None
+        self.results: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        self._results_reader: Optional[asyncio.Task] = None
+        self._queued = 0
+        self._load_lock = asyncio.Lock()
+
+    async def _mlx(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
+
+    # -- Load ----------------------------------------------------------------
+
+    def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
+        import mlx.core as mx
+
+        from mlxpipe.shards.slicing import load_stage, warm_up
+        from mlxpipe.shards.store import resolve_model
+
+        path = resolve_model(request.model)
+        gc.collect()  # let a replaced shard's arrays go before measuring
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        stage, config = load_stage(path, request.start, request.end)
+        text = config.get("text_config", config)
+        hidden = int(text["hidden_size"])
+        vocab = int(text["vocab_size"])
+        max_context = int(text.get("max_position_embeddings") or 1 << 20)
+        warm_up(stage, hidden)
+        weight_bytes = max(mx.get_active_memory() - before, 0)
+        model_bytes = sum(
+            f.stat().st_size for f in path.glob("*.safetensors")
+        )
+        limits = StageLimits(
+            max_batch=request.max_batch or StageLimits.max_batch,
+            max_tokens=request.max_tokens or StageLimits.max_tokens,
+            max_context=max_context,
+        )
+        runtime = StageRuntime(stage, hidden, vocab, limits)
+        reply = pb.LoadReply(
+            model_path=str(path),
+            model_type=config.get("model_type", ""),
+            num_layers=stage.num_layers,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            weight_bytes=weight_bytes,
+            model_bytes=model_bytes,
+            max_context=max_context,
+            fingerprint=fingerprint(path),
+        )
+        return _Loaded(runtime, reply, request)
+
+    async def Load(self, request: pb.LoadRequest, context):
+        from mlxpipe.shards.store import ModelNotFound
+
+        async with self._load_lock:
+            if request.end <= request.start:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"layer range [{request.start}, {request.end}) is empty",
+                )
+            if self.loaded is not None and self.loaded.request == request:
+                await self._mlx(self.loaded.runtime.free_all)
+                return self.loaded.reply
+            self.loaded = None
+            self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
+            try:
+                loaded = await self._mlx(self._load_sync, request)
+            except ModelNotFound as err:
+                self.state, self.detail = "empty", str(err)
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+            except ValueError as err:
+                self.state, self.detail = "empty", str(err)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except Exception as err:  # noqa: BLE001 - a broken model folder, reported to the caller
+                logger.exception("loading failed")
+                self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
+                await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
+            if self.next_channel is not None:
+                await self.next_channel.close()
+                self.next_channel = self.next_stub = None
+            if request.next_address:
+                self.next_channel = grpc.aio.insecure_channel(request.next_address, options=CHANNEL_OPTIONS)
+                self.next_stub = pb_grpc.StageStub(self.next_channel)
+            self.loaded = loaded
+            self.state, self.detail = "ready", ""
+            logger.info(
+                "loaded %s layers [%d, %d) of %d: %.1f MB",
+                loaded.reply.model_path, request.start, request.end,
+                loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
+            )
+            return loaded.reply
+
+    # -- Forward -------------------------------------------------------------
+
+    async def Forward(self, request_iterator, context):
+        loaded = self.loaded
+        if loaded is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
+        last = not loaded.request.next_address
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        downstream = None if last else self.next_stub.Forward()
+        count = 0
+
+        async def read():
+            async for frame in request_iterator:
+                self._queued += 1
+                await inbox.put(frame)
+            await inbox.put(None)
+
+        async def compute():
+            nonlocal count
+            while (frame := await inbox.get()) is not None:
+                self._queued -= 1
+                out = await self._mlx(loaded.runtime.run, frame)
+                count += 1
+                await outbox.put(out)
+            await outbox.put(None)
+
+        async def send():
+            while (out := await outbox.get()) is not None:
+                if last:
+                    await self.results.put(out)
+                else:
+                    await downstream.write(out)
+            if downstream is not None:
+                await downstream.done_writing()
+                await downstream
+
+        tasks = [asyncio.ensure_future(t()) for t in (read, compute, send)]
+        try:
+            await asyncio.gather(*tasks)
+        except FrameError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        except grpc.aio.AioRpcError as err:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"next stage {loaded.request.next_address} failed: {err.code().name}: {err.details()}",
+            )
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._queued -= inbox.qsize()
+            if downstream is not None and not downstream.done():
+                downstream.cancel()
+        return pb.ForwardSummary(frames=count)
+
+    async def Results(self, request, context):
+        if self.loaded is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
+        if self.loaded.request.next_address:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "only the last stage has results")
+        # One head at a time: a new subscriber replaces the old one.
+        if self._results_reader is not None:
+            self._results_reader.cancel()
+        self._results_reader = asyncio.current_task()
+        while True:
+            yield await self.results.get()
+
+    # -- Free, Health ----------------------------------------------------------
+
+    async def Free(self, request: pb.FreeRequest, context):
+        loaded = self.loaded
+        if loaded is None:
+            return pb.FreeReply(freed=0)
+        if request.seq_ids:
+            freed = await self._mlx(loaded.runtime.free, list(request.seq_ids))
+        else:
+            freed = await self._mlx(loaded.runtime.free_all)
+        return pb.FreeReply(freed=freed)
+
+    async def Health(self, request, context):
+        import mlx.core as mx
+
+        reply = pb.HealthReply(
+            state=self.state,
+            detail=self.detail,
+            active_bytes=mx.get_active_memory(),
+            rss_bytes=_rss_bytes(),
+        )
+        loaded = self.loaded
+        if loaded is not None:
+            rt = loaded.runtime
+            reply.model = loaded.reply.model_path
+            reply.start, reply.end = loaded.request.start, loaded.request.end
+            reply.num_layers = loaded.reply.num_layers
+            reply.weight_bytes = loaded.reply.weight_bytes
+            reply.next_address = loaded.request.next_address
+            reply.live_seqs.extend(sorted(list(rt.seqs)))
+            reply.cache_bytes = rt.cache_bytes()
+            reply.stats.CopyFrom(
+                pb.StageStats(
+                    busy_seconds=rt.stats.busy_seconds,
+                    uptime_seconds=time.monotonic() - rt.stats.started,
+                    frames=rt.stats.frames,
+                    tokens=rt.stats.tokens,
+                    queue_depth=max(self._queued, 0),
+                )
+            )
+        return reply
+
+
+async def serve(listen: str, ready_line: bool = True) -> None:
+    """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    servicer = StageServicer()
+    pb_grpc.add_StageServicer_to_server(servicer, server)
+    host, _, port = listen.rpartition(":")
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {listen}")
+    await server.start()
+    if ready_line:
+        # The one line a parent process waits for to learn the address.
+        print(f"mlxpipe node listening on {host}:{bound}", flush=True)
+    logger.info("stage listening on %s:%d", host, bound)
+    await server.wait_for_termination()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
+    parser.add_argument("--listen", default="127.0.0.1:50051",
+                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one)")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="pin this process to one CPU core (Linux), so that it stands for one node")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.cpu is not None:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {args.cpu})
+        else:
+            print("warning: --cpu is not supported on this platform", file=sys.stderr)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args.listen))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

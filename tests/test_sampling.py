@@ -1,0 +1,77 @@
+"""Token choice on the last stage: mlx-lm's samplers, per-sequence seeds, validation."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.sampling import SamplingError, SeqSampler, pick_batch
+
+V = 64
+
+
+def logits(rows=1, seed=0):
+    mx.random.seed(seed)
+    return mx.random.normal((rows, V)) * 3
+
+
+def test_greedy_rows_match_argmax_of_log_softmax():
+    x = logits(4)
+    picks = pick_batch([SeqSampler(pb.SamplingParams(), V) for _ in range(4)], x, [0] * 4)
+    want = mx.argmax(x - mx.logsumexp(x, axis=-1, keepdims=True), axis=-1).tolist()
+    assert [p[0] for p in picks] == want
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    x = logits()
+    params = pb.SamplingParams(temperature=1.5, has_seed=True, seed=42)
+
+    def draw(p, positions):
+        s = SeqSampler(p, V)
+        return [pick_batch([s], x, [pos])[0][0] for pos in positions]
+
+    a = draw(params, range(40))
+    assert a == draw(params, range(40))
+    other = pb.SamplingParams(temperature=1.5, has_seed=True, seed=43)
+    assert a != draw(other, range(40))
+    assert len(set(a)) > 3  # it is sampling, not greedy
+
+
+def test_logprobs_and_top_logprobs():
+    x = logits()
+    s = SeqSampler(pb.SamplingParams(logprobs=True, top_logprobs=3), V)
+    ((token, lp, (ids, lps)),) = pick_batch([s], x, [0])
+    ref = (x - mx.logsumexp(x, axis=-1, keepdims=True))[0]
+    order = mx.argsort(-ref).tolist()
+    assert token == order[0] and ids == order[:3]
+    assert lp == pytest.approx(ref[token].item(), abs=1e-5)
+    assert lps == pytest.approx([ref[i].item() for i in ids], abs=1e-5)
+
+
+def test_repetition_penalty_uses_the_history():
+    x = mx.zeros((1, V))
+    x[0, 5] = 2.0
+    x[0, 6] = 1.9
+    s = SeqSampler(pb.SamplingParams(repetition_penalty=1.5), V)
+    s.observe([5])
+    assert pick_batch([s], x, [1])[0][0] == 6
+
+
+def test_logit_bias():
+    x = logits()
+    s = SeqSampler(pb.SamplingParams(logit_bias={9: 100.0}), V)
+    assert pick_batch([s], x, [0])[0][0] == 9
+
+
+@pytest.mark.parametrize("params,message", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=V), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(top_logprobs=21), "top_logprobs"),
+    (dict(logit_bias={V + 3: 1.0}), "logit_bias"),
+])
+def test_impossible_parameters_are_refused(params, message):
+    with pytest.raises(SamplingError, match=message):
+        SeqSampler(pb.SamplingParams(**params), V)
