@@ -1,0 +1,146 @@
+"""The ``mlxpipe`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="mlx-lm model folder, a Hugging Face repo id already in the local cache, "
+                        "or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
+    p.add_argument("--stages", type=int, default=2, help="local stage processes to start (default 2)")
+    p.add_argument("--nodes", default="",
+                   help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order")
+    p.add_argument("--split", default=None,
+                   help="'even', or layers per stage such as 18,12")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per pipeline frame")
+    p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i")
+
+
+def _cluster_config(args):
+    from mlxpipe.server.cluster import ClusterConfig
+
+    return ClusterConfig(
+        model=args.model,
+        stages=args.stages,
+        nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
+        split=args.split,
+        chunk_size=args.chunk_size,
+        pin=args.pin,
+    )
+
+
+def cmd_pull(args) -> int:
+    from mlxpipe.shards.store import pull_default
+
+    path = pull_default(progress=None if not args.quiet else False)
+    print(path)
+    return 0
+
+
+def cmd_node(args) -> int:
+    from mlxpipe.shards import worker
+
+    argv = ["--listen", args.listen, "--log-level", args.log_level]
+    if args.cpu is not None:
+        argv += ["--cpu", str(args.cpu)]
+    worker.main(argv)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from mlxpipe.server.cluster import Cluster
+    from mlxpipe.server.textgen import sampling_params, stream_text
+
+    log = logging.getLogger("mlxpipe")
+
+    async def run() -> None:
+        async with Cluster(_cluster_config(args)) as cluster:
+            for line in cluster.describe():
+                log.info(line)
+            tok = cluster.tokenizer
+            if args.no_chat or not tok.has_chat_template:
+                prompt = tok.encode(args.prompt)
+            else:
+                prompt = tok.apply_chat_template(
+                    [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+                )
+            sampling = sampling_params(temperature=args.temp, top_p=args.top_p, seed=args.seed)
+            stream = cluster.engine.submit(prompt, args.max_tokens, sampling)
+            n = 0
+            async for chunk in stream_text(tok, stream):
+                n += len(chunk.tokens)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if stream.first_token_at and n > 1:
+                secs = time.monotonic() - stream.first_token_at
+                log.info("%d prompt tokens, %d generated, %.2f tokens/s after the first",
+                         len(prompt), n, (n - 1) / secs)
+
+    asyncio.run(run())
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxpipe",
+        description="Run a model too large for one Mac across several: layer-sharded MLX stages "
+                    "streaming micro-batched activations over gRPC.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("pull", help="fetch and convert the embedded default model once")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.set_defaults(fn=cmd_pull)
+
+    p = sub.add_parser("node", help="run one stage worker that a head can drive")
+    p.add_argument("--listen", default="127.0.0.1:50051",
+                   help="host:port to listen on (default 127.0.0.1:50051)")
+    p.add_argument("--cpu", type=int, default=None, help="pin the worker to one CPU core (Linux)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(fn=cmd_node)
+
+    p = sub.add_parser("generate", help="generate text from one prompt through the pipeline")
+    _cluster_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.set_defaults(fn=cmd_generate)
+
+    from mlxpipe.server import bench
+
+    p = sub.add_parser("bench", help="tokens/s of the pipeline beside plain mlx-lm, measured side by side")
+    bench.add_arguments(p)
+    p.set_defaults(fn=bench.run)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(message)s")
+    from mlxpipe.server.engine import GenerationFailed
+    from mlxpipe.server.pipeline import PipelineError
+
+    try:
+        return args.fn(args)
+    except (ValueError, PipelineError, GenerationFailed) as err:
+        # Errors a user can act on: the message, not a traceback (unless -v).
+        if args.verbose:
+            raise
+        print(f"mlxpipe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The head's side of the wire: stage processes, shard loading, frames in, results out.
+
+``LocalStages`` starts stage worker processes on this machine. ``Pipeline``
+connects to a list of stage addresses (local or remote), tells each which
+layers of which model to load and where its next stage is, then keeps two
+long-lived streams open: ``Forward`` into stage 0 and ``Results`` out of the
+last stage. Activations never pass through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional, Sequence, Tuple
+
+import grpc
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.rpc import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 900.0
+CALL_TIMEOUT_S = 10.0
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot take or finish work; the message says where and why."""
+
+
+def even_split(num_layers: int, stages: int) -> List[Tuple[int, int]]:
+    """Half-open layer ranges of (nearly) equal size; earlier stages get the extra
+    layers, since the last one also carries the output head."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def split_from_sizes(sizes: Sequence[int], num_layers: int) -> List[Tuple[int, int]]:
+    """``--split 18,12`` -> [(0, 18), (18, 30)]."""
+    if any(s <= 0 for s in sizes) or sum(sizes) != num_layers:
+        raise ValueError(f"split {list(sizes)} must be positive and sum to the model's {num_layers} layers")
+    ranges, start = [], 0
+    for s in sizes:
+        ranges.append((start, start + s))
+        start += s
+    return ranges
+
+
+class LocalStages:
+    """Stage worker processes on this machine, one per stage, on loopback."""
+
+    def __init__(self, count: int, host: str = "127.0.0.1", cpus: Optional[List[int]] = None,
+                 log_level: str = "WARNING"):
+        self.count, self.host, self.cpus, self.log_level = count, host, cpus, log_level
+        self.procs: List[subprocess.Popen] = []
+        self.addresses: List[str] = []
+
+    def start(self, timeout: float = 120.0) -> List[str]:
+        for i in range(self.count):
+            cmd = [sys.executable, "-m", "mlxpipe.shards.worker", "--listen", f"{self.host}:0",
+                   "--log-level", self.log_level]
+            if self.cpus:
+                cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+            self.procs.append(proc)
+        for proc in self.procs:
+            self.addresses.append(self._await_ready(proc, timeout))
+        return self.addresses
+
+    @staticmethod
+    def _await_ready(proc: subprocess.Popen, timeout: float) -> str:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            raise PipelineError(f"stage process {proc.pid} did not start within {timeout:.0f}s")
+        line = proc.stdout.readline().strip()
+        if not line.startswith("mlxpipe node listening on "):
+            proc.kill()
+            raise PipelineError(f"stage process {proc.pid} failed to start (exit {proc.poll()}): {line!r}")
+        return line.rsplit(" ", 1)[1]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class StageInfo:
+    address: str
+    start: int
+    end: int
+    load: Optional[pb.LoadReply] = None
+
+
+class Pipeline:
+    """A chain of stages holding one model, driven by the head."""
+
+    def __init__(self, addresses: Sequence[str], ranges: Sequence[Tuple[int, int]], model: str,
+                 max_batch: int = 64, max_tokens: int = 4096):
+        if len(addresses) != len(ranges):
+            raise ValueError(f"{len(addresses)} stage addresses for {len(ranges)} layer ranges")
+        self.stages = [StageInfo(a, s, e) for a, (s, e) in zip(addresses, ranges)]
+        self.model = model
+        self.max_batch, self.max_tokens = max_batch, max_tokens
+        self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
+        self._forward = None
+        self._results = None
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._writer: Optional[asyncio.Task] = None
+
+    async def load(self) -> List[pb.LoadReply]:
+        """Every stage loads its range, all at once."""
+
+        async def one(i: int) -> pb.LoadReply:
+            st = self.stages[i]
+            nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
+            req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
+                                 max_batch=self.max_batch, max_tokens=self.max_tokens)
+            try:
+                st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                raise PipelineError(
+                    f"stage {i} at {st.address} could not load layers [{st.start}, {st.end}): "
+                    f"{err.code().name}: {err.details()}"
+                ) from err
+            return st.load
+
+        replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
+        prints = {r.fingerprint for r in replies}
+        if len(prints) != 1:
+            raise PipelineError(f"stages hold different models (fingerprints {sorted(prints)})")
+        return replies
+
+    async def open(self) -> None:
+        """Open the Results stream of the last stage, then the Forward stream of the first."""
+        self._results = self.stubs[-1].Results(pb.ResultsRequest())
+        self._forward = self.stubs[0].Forward()
+        self._writer = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        while True:
+            frame = await self._outbox.get()
+            await self._forward.write(frame)
+
+    def send(self, frame: pb.Frame) -> None:
+        """Queue a frame for stage 0; frames go out in the order sent."""
+        self._outbox.put_nowait(frame)
+
+    async def results(self) -> AsyncIterator[pb.Result]:
+        """Results from the last stage, until the pipeline breaks (PipelineError)."""
+        try:
+            async for result in self._results:
+                yield result
+        except grpc.aio.AioRpcError as err:
+            raise PipelineError(await self._diagnose(err)) from err
+        raise PipelineError("the last stage closed its results stream")
+
+    async def _diagnose(self, err: grpc.aio.AioRpcError) -> str:
+        """Say which stream broke and why, preferring the Forward stream's status."""
+        if self._forward is not None and self._forward.done():
+            try:
+                await self._forward
+            except grpc.aio.AioRpcError as ferr:
+                return f"stage 0 at {self.stages[0].address}: {ferr.code().name}: {ferr.details()}"
+        return f"last stage at {self.stages[-1].address}: {err.code().name}: {err.details()}"
+
+    async def health(self) -> List[Tuple[StageInfo, Optional[pb.HealthReply], str]]:
+        """(stage, reply or None, error) for every stage, asked at once."""
+
+        async def one(i: int):
+            try:
+                return self.stages[i], await self.stubs[i].Health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S), ""
+            except grpc.aio.AioRpcError as err:
+                return self.stages[i], None, f"{err.code().name}: {err.details()}"
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
+
+    async def free(self, seq_ids: Sequence[int] = ()) -> None:
+        """Free sequences (all, when empty) on every stage, out of band."""
+        await asyncio.gather(
+            *(s.Free(pb.FreeRequest(seq_ids=list(seq_ids)), timeout=CALL_TIMEOUT_S) for s in self.stubs),
+            return_exceptions=True,
+        )
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+        for call in (self._forward, self._results):
+            if call is not None:
+                call.cancel()
+        for ch in self.channels:
+            await ch.close()

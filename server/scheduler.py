@@ -1,0 +1,275 @@
+"""What goes into the pipeline next: pure logic, no I/O, no MLX.
+
+The engine feeds it requests (``add``, ``cancel``) and results (``on_result``)
+and asks it for the frames to send (``schedule``). It keeps every sequence's
+truth: its prompt, the tokens generated so far, where it is in the pipeline.
+
+Rules:
+
+- Prefill is chunked (token-level pipelining, as in TeraPipe): all but the
+  last token of the prompt go in chunks of ``chunk_size``, sent back to back
+  without waiting for results, so stage 1 works on chunk k while stage 0 works
+  on chunk k+1. The last token goes alone and is sampled, exactly as mlx-lm's
+  ``generate_step`` does it. At most ``max_prefill_inflight`` prefill frames
+  are in flight, in arrival order (no starvation).
+- Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
+  at most one frame in flight; while stage i runs group g, stage i+1 runs group
+  g-1. A sequence whose first token arrives joins the smallest group at that
+  group's next step; one that finishes or is cancelled leaves, and its caches
+  are freed on every stage by the ``free`` list of the next frame.
+- Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, FrozenSet, List, Optional, Tuple
+
+from mlxpipe.proto import pipeline_pb2 as pb
+
+
+class QueueFull(RuntimeError):
+    """The server holds as many requests as it may; try again later."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: List[int]
+    max_tokens: int
+    sampling: pb.SamplingParams
+    eos: FrozenSet[int] = frozenset()
+    max_context: int = 1 << 30
+    generated: List[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    sent: int = 0                  # tokens of `feed` sent as prefill
+    feed: List[int] = field(default_factory=list)  # what prefill pushes (prompt, or prompt + generated on replay)
+    group: Optional[int] = None
+    busy: bool = False             # a decode frame holding it is in flight
+    known: bool = False            # stages may hold caches for it
+    finish_reason: Optional[str] = None
+
+    @property
+    def cached(self) -> int:
+        """Tokens the stages hold (or will, once in-flight frames land) for it."""
+        return len(self.prompt) + len(self.generated) - 1 if self.phase == Phase.RUNNING else self.sent
+
+
+@dataclass
+class Flight:
+    kind: int
+    seq_ids: List[int]
+    group: Optional[int] = None
+
+
+@dataclass
+class SchedulerConfig:
+    num_groups: int = 2            # micro-batch groups in flight (default: one per stage)
+    max_batch: int = 32            # sequences per group
+    chunk_size: int = 256          # prefill tokens per frame
+    max_prefill_inflight: int = 2  # prefill frames in flight
+    max_running: Optional[int] = None  # sequences holding caches (default: num_groups x max_batch)
+    max_waiting: int = 256         # requests queued before QueueFull
+
+
+@dataclass
+class TokenEvent:
+    seq: Sequence
+    token: int
+    logprob: float
+    top: Optional[Tuple[List[int], List[float]]]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        if config.max_running is None:
+            config.max_running = config.num_groups * config.max_batch
+        if config.max_running > config.num_groups * config.max_batch:
+            raise ValueError(
+                f"max_running {config.max_running} exceeds {config.num_groups} groups x "
+                f"{config.max_batch} sequences"
+            )
+        if config.num_groups < 1 or config.chunk_size < 1 or config.max_prefill_inflight < 1:
+            raise ValueError("num_groups, chunk_size and max_prefill_inflight must be positive")
+        self.config = config
+        self.seqs: Dict[int, Sequence] = {}
+        self.waiting: Deque[Sequence] = deque()
+        self.prefilling: List[Sequence] = []
+        self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
+        self.inflight: Dict[int, Flight] = {}
+        self.pending_free: List[int] = []
+        self._frame_ids = itertools.count(1)
+
+    # -- requests -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        seq.feed = list(seq.prompt)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, seq_id: int, reason: str = "cancelled") -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None and seq.phase != Phase.DONE:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.phase == Phase.WAITING:
+            self.waiting.remove(seq)
+        elif seq.phase == Phase.PREFILL:
+            self.prefilling.remove(seq)
+        elif seq.group is not None:
+            self.groups[seq.group].remove(seq.seq_id)
+            seq.group = None
+        seq.phase = Phase.DONE
+        seq.finish_reason = reason
+        if seq.known:
+            self.pending_free.append(seq.seq_id)
+        del self.seqs[seq.seq_id]
+
+    @property
+    def live(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs and not self.inflight and not self.pending_free
+
+    # -- scheduling -----------------------------------------------------------
+
+    def schedule(self) -> List[pb.Frame]:
+        """The frames to send now, in order."""
+        frames: List[pb.Frame] = []
+        self._admit()
+        frames += self._decode_frames()
+        frames += self._prefill_frames()
+        if self.pending_free:
+            if not frames:
+                frames.append(self._frame(pb.Frame.CONTROL, [], []))
+            frames[0].free.extend(self.pending_free)
+            self.pending_free.clear()
+        return frames
+
+    def _admit(self) -> None:
+        holding = len(self.prefilling) + sum(len(g) for g in self.groups)
+        while self.waiting and holding < self.config.max_running:
+            seq = self.waiting.popleft()
+            seq.phase = Phase.PREFILL
+            self.prefilling.append(seq)
+            holding += 1
+
+    def _frame(self, kind: int, seq_ids: List[int], entries, group: Optional[int] = None, tokens=()) -> pb.Frame:
+        fid = next(self._frame_ids)
+        self.inflight[fid] = Flight(kind, seq_ids, group)
+        return pb.Frame(frame_id=fid, kind=kind, microbatch=group or 0, seqs=entries, tokens=list(tokens))
+
+    def _decode_frames(self) -> List[pb.Frame]:
+        frames = []
+        busy_groups = {f.group for f in self.inflight.values() if f.kind == pb.Frame.DECODE}
+        for g, members in enumerate(self.groups):
+            if not members or g in busy_groups:
+                continue
+            seqs = [self.seqs[s] for s in members]
+            entries = [
+                pb.SeqEntry(seq_id=s.seq_id, offset=s.cached, num_tokens=1, sample=True) for s in seqs
+            ]
+            tokens = [s.generated[-1] for s in seqs]
+            for s in seqs:
+                s.busy = True
+            frames.append(self._frame(pb.Frame.DECODE, list(members), entries, g, tokens))
+        return frames
+
+    def _prefill_frames(self) -> List[pb.Frame]:
+        frames = []
+        inflight = sum(1 for f in self.inflight.values() if f.kind == pb.Frame.PREFILL)
+        for seq in list(self.prefilling):
+            while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
+                body = len(seq.feed) - 1  # all but the last token go in chunks
+                if seq.sent < body:
+                    n, sample = min(self.config.chunk_size, body - seq.sent), False
+                else:
+                    n, sample = 1, True
+                entry = pb.SeqEntry(seq_id=seq.seq_id, offset=seq.sent, num_tokens=n, sample=sample)
+                if seq.sent == 0:
+                    entry.sampling.CopyFrom(seq.sampling)
+                tokens = seq.feed[seq.sent : seq.sent + n]
+                frames.append(self._frame(pb.Frame.PREFILL, [seq.seq_id], [entry], tokens=tokens))
+                seq.sent += n
+                seq.known = True
+                inflight += 1
+            if inflight >= self.config.max_prefill_inflight:
+                break
+        return frames
+
+    # -- results --------------------------------------------------------------
+
+    def on_result(self, result: pb.Result) -> List[TokenEvent]:
+        """Take one Result; return the tokens it gave live sequences."""
+        flight = self.inflight.pop(result.frame_id, None)
+        if flight is None:
+            return []
+        events = []
+        by_id = {t.seq_id: t for t in result.tokens}
+        for sid in flight.seq_ids:
+            seq = self.seqs.get(sid)
+            if seq is None:  # finished or cancelled while the frame was in flight
+                continue
+            seq.busy = False
+            t = by_id.get(sid)
+            if t is None:
+                continue
+            seq.generated.append(t.token)
+            if seq.phase == Phase.PREFILL:
+                self.prefilling.remove(seq)
+                seq.phase = Phase.RUNNING
+                self._join_group(seq)
+            top = (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None
+            reason = None
+            if t.token in seq.eos:
+                reason = "stop"
+            elif len(seq.generated) >= seq.max_tokens or len(seq.prompt) + len(seq.generated) >= seq.max_context:
+                reason = "length"
+            if reason:
+                self._finish(seq, reason)
+            events.append(TokenEvent(seq, t.token, t.logprob, top, reason is not None))
+        return events
+
+    def _join_group(self, seq: Sequence) -> None:
+        # The smallest group; admission (max_running <= num_groups * max_batch)
+        # guarantees it has room.
+        g = min(range(len(self.groups)), key=lambda i: (len(self.groups[i]), i))
+        self.groups[g].append(seq.seq_id)
+        seq.group = g
+
+    # -- failures -------------------------------------------------------------
+
+    def replay_all(self) -> List[Sequence]:
+        """The pipeline lost its state: every live sequence starts over from its
+        prompt plus the tokens generated so far, ahead of new requests, in the
+        order they arrived. In-flight frames are forgotten."""
+        self.inflight.clear()
+        self.pending_free.clear()
+        live = sorted(
+            (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
+            key=lambda s: s.seq_id,
+        )
+        self.prefilling = []
+        self.groups = [[] for _ in range(self.config.num_groups)]
+        for seq in reversed(live):
+            seq.phase = Phase.WAITING
+            seq.feed = seq.prompt + seq.generated
+            seq.sent, seq.group, seq.busy, seq.known = 0, None, False, False
+            self.waiting.appendleft(seq)
+        return live

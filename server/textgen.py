@@ -1,0 +1,97 @@
+"""From token streams to text: mlx-lm's streaming detokenizer plus stop strings.
+
+``stream_text`` never yields half a UTF-8 character (the detokenizer holds
+incomplete bytes back) and never yields any part of a stop string: text that
+could still turn out to be the start of one is held until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Dict, List, Optional, Sequence
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.engine import RequestStream, Token
+
+
+def sampling_params(
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    seed: Optional[int] = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    logit_bias: Optional[Dict[int, float]] = None,
+) -> pb.SamplingParams:
+    """The wire's SamplingParams from OpenAI-style values."""
+    p = pb.SamplingParams(
+        temperature=temperature,
+        top_p=top_p if 0 < top_p < 1 else 0.0,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty or 0.0,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+    )
+    if seed is not None:
+        p.has_seed = True
+        p.seed = seed % (1 << 64)
+    for k, v in (logit_bias or {}).items():
+        p.logit_bias[int(k)] = float(v)
+    return p
+
+
+@dataclass
+class TextChunk:
+    text: str                                   # new text (may be empty)
+    tokens: List[Token] = field(default_factory=list)  # tokens taken since the last chunk
+    finish_reason: Optional[str] = None         # set on the last chunk
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = ()) -> AsyncIterator[TextChunk]:
+    """Text chunks of a request; cancels the request when a stop string appears."""
+    stops = [s for s in stop if s]
+    detok = tokenizer.detokenizer
+    eos = tokenizer.eos_token_ids
+    emitted = 0
+    taken: List[Token] = []
+    async for token in stream:
+        taken.append(token)
+        finish = token.finish_reason
+        if not (finish == "stop" and token.id in eos):
+            detok.add_token(token.id)
+        if finish is not None:
+            detok.finalize()
+        text = detok.text
+        if stops:
+            # Text before `emitted` holds no stop string, nor the start of one.
+            hit = min((i for i in (text.find(s, emitted) for s in stops) if i >= 0), default=-1)
+            if hit >= 0:
+                stream.cancel()
+                yield TextChunk(text[emitted:hit], taken, "stop")
+                return
+        end = len(text) if finish is not None else len(text) - _held_back(text[emitted:], stops)
+        chunk = TextChunk(text[emitted:end], taken, finish)
+        emitted = end
+        taken = []
+        if chunk.text or chunk.tokens:
+            yield chunk
+        if finish is not None:
+            return
