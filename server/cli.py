@@ -118,7 +118,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(fn=cmd_generate)
 
-    from mlxpipe.server import bench
+    from mlxpipe.server import bench, serve
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API over a pipeline "
+                                     "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)")
+    _cluster_args(p)
+    serve.add_arguments(p)
+    p.set_defaults(fn=lambda args: serve.run(args, _cluster_config(args)))
 
     p = sub.add_parser("bench", help="tokens/s of the pipeline beside plain mlx-lm, measured side by side")
     bench.add_arguments(p)

@@ -68,16 +68,23 @@ class LocalStages:
         self.addresses: List[str] = []
 
     def start(self, timeout: float = 120.0) -> List[str]:
-        for i in range(self.count):
-            cmd = [sys.executable, "-m", "mlxpipe.shards.worker", "--listen", f"{self.host}:0",
-                   "--log-level", self.log_level]
-            if self.cpus:
-                cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-            self.procs.append(proc)
-        for proc in self.procs:
-            self.addresses.append(self._await_ready(proc, timeout))
+        try:
+            for i in range(self.count):
+                self.procs.append(self.spawn(i))
+            for proc in self.procs:
+                self.addresses.append(self._await_ready(proc, timeout))
+        except BaseException:
+            self.stop()
+            raise
         return self.addresses
+
+    def spawn(self, i: int, listen: Optional[str] = None) -> subprocess.Popen:
+        """Start stage process ``i`` (on a free port unless ``listen`` is given)."""
+        cmd = [sys.executable, "-m", "mlxpipe.shards.worker", "--listen", listen or f"{self.host}:0",
+               "--log-level", self.log_level, "--exit-with-parent"]
+        if self.cpus:
+            cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
 
     @staticmethod
     def _await_ready(proc: subprocess.Popen, timeout: float) -> str:

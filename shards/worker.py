@@ -272,7 +272,18 @@ class StageServicer(pb_grpc.StageServicer):
         return reply
 
 
-async def serve(listen: str, ready_line: bool = True) -> None:
+async def _exit_with_parent(server) -> None:
+    """Stop when the process that started us is gone (a head killed with -9
+    must not leave stage processes behind)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    logger.warning("parent process %d is gone; stopping", parent)
+    await server.stop(grace=None)
+    os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
+
+
+async def serve(listen: str, ready_line: bool = True, exit_with_parent: bool = False) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     servicer = StageServicer()
@@ -286,7 +297,10 @@ async def serve(listen: str, ready_line: bool = True) -> None:
         # The one line a parent process waits for to learn the address.
         print(f"mlxpipe node listening on {host}:{bound}", flush=True)
     logger.info("stage listening on %s:%d", host, bound)
+    watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
     await server.wait_for_termination()
+    if watcher is not None:
+        watcher.cancel()
 
 
 def main(argv=None) -> None:
@@ -296,6 +310,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop when the parent process exits (for stages a head starts itself)")
     args = parser.parse_args(argv)
     if args.cpu is not None:
         if hasattr(os, "sched_setaffinity"):
@@ -305,7 +321,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(args.listen))
+        asyncio.run(serve(args.listen, exit_with_parent=args.exit_with_parent))
     except KeyboardInterrupt:
         pass
 

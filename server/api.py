@@ -1,0 +1,408 @@
+"""The OpenAI-compatible HTTP API: where a request enters.
+
+Routes translate; the engine generates. The handlers only validate, tokenize
+(in a worker thread, so a huge prompt never stalls the event loop), submit to
+the ``Engine`` and format what comes back. No MLX work happens in this process.
+
+Errors always have OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, with a 4xx status for anything the client can fix: bad input never
+gets a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Dict, List, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlxpipe.server.engine import GenerationFailed, RequestStream
+from mlxpipe.server.scheduler import QueueFull
+from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxpipe.server.textgen import TextChunk, sampling_params, stream_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ApiOptions:
+    model_id: str                      # the name /v1/models lists
+    aliases: Tuple[str, ...] = ()      # other names accepted in `model`
+    default_max_tokens: int = 512      # when a request gives none (capped by the context)
+    default_temperature: float = 1.0   # OpenAI's default
+    retry_after_s: int = 2             # told to clients refused for load
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: Optional[str] = None, code: Optional[str] = None,
+                   headers: Optional[Dict[str, str]] = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(err: RequestValidationError, content_type: str) -> Tuple[str, Optional[str]]:
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        if "json" not in content_type:
+            return "send the request body as JSON, with the header Content-Type: application/json", None
+        return "the request body must be a JSON object", None
+    param = ".".join(loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Generation:
+    """One request's n streams, their text, and their usage."""
+
+    def __init__(self, prompt_tokens: int, streams: List[RequestStream]):
+        self.prompt_tokens = prompt_tokens
+        self.streams = streams
+        self.completion_tokens = 0
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def create_app(cluster, options: ApiOptions) -> FastAPI:
+    """The FastAPI app serving ``cluster`` (a started ``Cluster``)."""
+    app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
+    engine = cluster.engine
+    tok = cluster.tokenizer
+    vocab = int(cluster.model_config.get("vocab_size", 0)) or len(tok)
+    names = {options.model_id, "default", *options.aliases}
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), code=None)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    # -- helpers ------------------------------------------------------------
+
+    def check_model(name: str) -> None:
+        if name not in names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{options.model_id}'",
+                           param="model", code="model_not_found")
+
+    def check_sampling(req) -> None:
+        if req.top_k is not None and req.top_k >= vocab:
+            raise ApiError(400, f"top_k must be below the vocabulary size {vocab}", param="top_k")
+        for k in req.logit_bias or {}:
+            if not 0 <= int(k) < vocab:
+                raise ApiError(400, f"logit_bias token {k} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")
+
+    def budget(req, prompt_len: int) -> int:
+        context = engine.max_context
+        if prompt_len >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+                                f"prompt is {prompt_len} tokens. Please shorten it.",
+                           param="messages", code="context_length_exceeded")
+        asked = req.token_budget()
+        if asked is None:
+            return min(options.default_max_tokens, context - prompt_len)
+        if prompt_len + asked > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
+                                f"for the completion). Please reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    def submit(req, prompt: List[int], logprobs: bool, top_logprobs: int) -> Generation:
+        check_sampling(req)
+        max_tokens = budget(req, len(prompt))
+        streams = []
+        try:
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                sampling = sampling_params(
+                    temperature=options.default_temperature if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=req.top_k or 0,
+                    min_p=req.min_p or 0.0,
+                    repetition_penalty=req.repetition_penalty,
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    seed=seed,
+                    logprobs=logprobs,
+                    top_logprobs=top_logprobs,
+                    logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                )
+                streams.append(engine.submit(prompt, max_tokens, sampling))
+        except QueueFull as err:
+            for s in streams:
+                s.cancel()
+            raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
+                           code="server_busy", headers={"Retry-After": str(options.retry_after_s)})
+        except GenerationFailed as err:
+            raise ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
+                           headers={"Retry-After": str(options.retry_after_s)})
+        return Generation(len(prompt), streams)
+
+    def token_text(token_id: int) -> str:
+        return tok.decode([token_id])
+
+    def chat_logprobs(chunk: TextChunk) -> dict:
+        content = []
+        for t in chunk.tokens:
+            text = token_text(t.id)
+            entry = {"token": text, "logprob": t.logprob, "bytes": list(text.encode()), "top_logprobs": []}
+            if t.top:
+                entry["top_logprobs"] = [
+                    {"token": token_text(i), "logprob": lp, "bytes": list(token_text(i).encode())}
+                    for i, lp in zip(*t.top)
+                ]
+            content.append(entry)
+        return {"content": content}
+
+    def completion_logprobs(chunk: TextChunk, offset: int) -> dict:
+        tokens = [token_text(t.id) for t in chunk.tokens]
+        offsets, pos = [], offset
+        for text in tokens:
+            offsets.append(pos)
+            pos += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [t.logprob for t in chunk.tokens],
+            "top_logprobs": [{token_text(i): lp for i, lp in zip(*t.top)} if t.top else None
+                             for t in chunk.tokens],
+            "text_offset": offsets,
+        }
+
+    async def chunks(gen: Generation, stops: List[str]) -> AsyncIterator[Tuple[int, TextChunk]]:
+        """(choice index, chunk) from all n streams, as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for c in stream_text(tok, stream, stops):
+                    await queue.put((i, c))
+            except Exception as err:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, err))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(gen.streams)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    gen.completion_tokens += len(item.tokens)
+                    yield i, item
+        finally:
+            gen.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def collect_all(request: Request, gen: Generation, stops: List[str]) -> List[List[TextChunk]]:
+        """Every chunk of every choice; cancels the generation if the client goes away."""
+        out: List[List[TextChunk]] = [[] for _ in gen.streams]
+
+        async def gather():
+            async for i, c in chunks(gen, stops):
+                out[i].append(c)
+
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        work, watcher = asyncio.ensure_future(gather()), asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                gen.cancel()
+        if work not in done:
+            raise ApiError(499, "client closed the request")
+        try:
+            work.result()
+        except GenerationFailed as err:
+            raise ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
+                           headers={"Retry-After": str(options.retry_after_s)})
+        return out
+
+    def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def encode(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    # -- routes ---------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}]}
+
+    @app.get("/health")
+    async def health():
+        reasons = []
+        if engine.failure:
+            reasons.append(f"pipeline failed: {engine.failure}")
+        stages = []
+        for i, (st, reply, err) in enumerate(await cluster.pipeline.health()):
+            info = {"stage": i, "address": st.address, "layers": [st.start, st.end]}
+            if reply is None:
+                info["state"] = "unreachable"
+                reasons.append(f"stage {i} at {st.address} is unreachable: {err}")
+            else:
+                info.update(state=reply.state, live_sequences=len(reply.live_seqs),
+                            weight_bytes=reply.weight_bytes, cache_bytes=reply.cache_bytes)
+                if reply.state != "ready":
+                    reasons.append(f"stage {i} at {st.address} is {reply.state}: {reply.detail}")
+            stages.append(info)
+        body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
+                "stages": stages, "live_requests": engine.scheduler.live}
+        if reasons:
+            body["reason"] = "; ".join(reasons)
+        return JSONResponse(body, status_code=200 if not reasons else 503)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        if tok.has_chat_template:
+            prompt = await encode(lambda: tok.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            prompt = await encode(tok.encode, "\n".join(m["content"] for m in messages))
+        top = req.top_logprobs or 0
+        gen = submit(req, prompt, req.logprobs, top)
+        rid, created, stops = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.stop_strings()
+        base = {"id": rid, "created": created, "model": options.model_id}
+
+        if req.stream:
+            async def events():
+                obj = dict(base, object="chat.completion.chunk")
+                for i in range(req.n):
+                    yield _sse(obj | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+                try:
+                    async for i, c in chunks(gen, stops):
+                        choice = {"index": i, "delta": {"content": c.text} if c.text else {},
+                                  "logprobs": chat_logprobs(c) if req.logprobs else None,
+                                  "finish_reason": c.finish_reason}
+                        yield _sse(obj | {"choices": [choice]})
+                except GenerationFailed as err:
+                    yield _sse({"error": {"message": str(err), "type": "server_error",
+                                          "code": "pipeline_unavailable", "param": None}})
+                    return
+                if req.include_usage():
+                    yield _sse(obj | {"choices": [], "usage": gen.usage()})
+                yield "data: [DONE]\n\n"
+
+            return stream_response(events())
+
+        out = await collect_all(request, gen, stops)
+        choices = []
+        for i, cs in enumerate(out):
+            choice = {"index": i, "message": {"role": "assistant", "content": "".join(c.text for c in cs)},
+                      "logprobs": None, "finish_reason": cs[-1].finish_reason if cs else "stop"}
+            if req.logprobs:
+                choice["logprobs"] = {"content": [e for c in cs for e in chat_logprobs(c)["content"]]}
+            choices.append(choice)
+        return dict(base, object="chat.completion", choices=choices, usage=gen.usage())
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
+            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+            prompt = await encode(tok.encode, text)
+        else:
+            prompt = list(req.prompt)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})",
+                               param="prompt")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        top = req.logprobs or 0
+        gen = submit(req, prompt, req.logprobs is not None, top)
+        rid, created, stops = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.stop_strings()
+        base = {"id": rid, "object": "text_completion", "created": created, "model": options.model_id}
+
+        if req.stream:
+            async def events():
+                offsets = [0] * req.n
+                try:
+                    async for i, c in chunks(gen, stops):
+                        lp = completion_logprobs(c, offsets[i]) if req.logprobs is not None else None
+                        offsets[i] += len(c.text)
+                        yield _sse(base | {"choices": [{"index": i, "text": c.text, "logprobs": lp,
+                                                        "finish_reason": c.finish_reason}]})
+                except GenerationFailed as err:
+                    yield _sse({"error": {"message": str(err), "type": "server_error",
+                                          "code": "pipeline_unavailable", "param": None}})
+                    return
+                if req.include_usage():
+                    yield _sse(base | {"choices": [], "usage": gen.usage()})
+                yield "data: [DONE]\n\n"
+
+            return stream_response(events())
+
+        out = await collect_all(request, gen, stops)
+        choices = []
+        for i, cs in enumerate(out):
+            lp = None
+            if req.logprobs is not None:
+                parts, offset = [], 0
+                for c in cs:
+                    parts.append(completion_logprobs(c, offset))
+                    offset += len(c.text)
+                lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                    "text_offset")}
+            choices.append({"index": i, "text": "".join(c.text for c in cs), "logprobs": lp,
+                            "finish_reason": cs[-1].finish_reason if cs else "stop"})
+        return dict(base, choices=choices, usage=gen.usage())
+
+    return app

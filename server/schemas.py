@@ -1,0 +1,148 @@
+"""OpenAI request bodies, validated at the HTTP edge (pydantic lives only here).
+
+Bounds are OpenAI's where it has them; the extensions mlx_lm.server accepts
+(``top_k``, ``min_p``, ``repetition_penalty``) are accepted too. Unknown fields
+are ignored, as OpenAI-compatible servers do, except the ones whose meaning we
+cannot honour (``tools``, structured ``response_format``), which are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_N = 8
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, List[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    seed: Optional[int] = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    stop: Union[str, List[str], None] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[Dict[str, float]] = None
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop strings are at most {MAX_STOP_LENGTH} characters")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {b}")
+        return v
+
+    def stop_strings(self) -> List[str]:
+        return list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.tools:
+            raise ValueError("tool calling is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def token_budget(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, List[str], List[int]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported by this server")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise ValueError("send one prompt per request (batched prompts are not supported)")
+        if not self.prompt:
+            raise ValueError("the prompt is empty")
+        return self
+
+    def token_budget(self) -> Optional[int]:
+        return self.max_tokens

@@ -1,0 +1,78 @@
+"""``mlxpipe serve``: a pipeline behind the OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from mlxpipe.server.api import ApiOptions, create_app
+from mlxpipe.server.cluster import Cluster, ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+
+def model_id(model_arg: str, path: Path) -> str:
+    """What /v1/models calls the model: a repo id as given, else the folder's name."""
+    if model_arg and not Path(model_arg).expanduser().exists() and "/" in model_arg:
+        return model_arg
+    return path.name
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # serve() handles SIGINT/SIGTERM itself: uvicorn would re-raise the
+        # signal after its shutdown, killing the process before the stage
+        # processes it started are stopped.
+        yield
+
+
+async def serve(config: ClusterConfig, host: str, port: int, options: dict) -> None:
+    cluster = await Cluster(config).start()
+    try:
+        api = ApiOptions(model_id=model_id(config.model, cluster.model_path), aliases=(config.model,),
+                         **options)
+        app = create_app(cluster, api)
+        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        lifespan="off", timeout_graceful_shutdown=5))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if task.done():
+                await task  # raises why it could not start
+                raise SystemExit(f"could not listen on {host}:{port}")
+            await asyncio.sleep(0.05)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        # What a user (or a test) reads to know where to connect.
+        print(f"mlxpipe serving {api.model_id} on http://{host}:{bound}/v1", flush=True)
+        for line in cluster.describe()[1:]:
+            print(f"  {line}", flush=True)
+        await task
+    finally:
+        await cluster.stop()
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="tokens to generate when a request does not say (default 512)")
+    p.add_argument("--temp", type=float, default=1.0,
+                   help="temperature when a request does not say (default 1.0, as OpenAI)")
+
+
+def run(args, config: ClusterConfig) -> int:
+    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp}
+    try:
+        asyncio.run(serve(config, args.host, args.port, options))
+    except KeyboardInterrupt:
+        pass
+    return 0
+

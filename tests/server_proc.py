@@ -1,0 +1,43 @@
+"""Start `mlxpipe serve` as a real process and wait until it is ready."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env=None, timeout: float = 180):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=None, text=True, env=env or os.environ.copy())
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server failed to start: {line!r}")
+        self.base_url = line.split(" on ")[1].strip()          # http://127.0.0.1:PORT/v1
+        self.root = self.base_url.removesuffix("/v1")
+        self.banner = [line]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.root}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server never became healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

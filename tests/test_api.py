@@ -1,0 +1,254 @@
+"""The OpenAI-compatible API, driven by the official `openai` client and httpx
+against a real server process with real stage processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from server_proc import ServerProcess
+
+SYSTEM = "You are a terse assistant."
+QUESTION = "Why is the sky blue?"
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    srv = ServerProcess("--model", str(default_model), "--stages", "2")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_chat(default_model):
+    """mlx-lm's greedy text for a chat (same template), and the prompt length."""
+    from mlx_lm import generate, load
+
+    model, tok = load(str(default_model))
+
+    def run(messages, max_tokens):
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return generate(model, tok, prompt=prompt, max_tokens=max_tokens), len(prompt)
+
+    def run_text(text, max_tokens):
+        return generate(model, tok, prompt=tok.encode(text), max_tokens=max_tokens)
+
+    run.text = run_text
+    return run
+
+
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [server.banner[0].split()[2]]
+    health = httpx.get(f"{server.root}/health").json()
+    assert health["status"] == "ok"
+    assert [s["layers"] for s in health["stages"]] == [[0, 15], [15, 30]]
+    assert all(s["state"] == "ready" for s in health["stages"])
+
+
+def test_chat_greedy_equals_mlx_lm(client, mlx_lm_chat):
+    want, prompt_len = mlx_lm_chat(MESSAGES, 24)
+    r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, 24)
+    assert r.usage.total_tokens == prompt_len + 24
+
+
+def test_chat_streaming_equals_non_streaming(client, mlx_lm_chat):
+    want, prompt_len = mlx_lm_chat(MESSAGES, 24)
+    chunks = list(client.chat.completions.create(model="default", messages=MESSAGES, temperature=0,
+                                                 max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 5  # really streamed
+
+
+def test_completion_greedy_equals_mlx_lm(client, mlx_lm_chat):
+    prompt = "The capital of France is"
+    want = mlx_lm_chat.text(prompt, 16)
+    r = client.completions.create(model="default", prompt=prompt, temperature=0, max_tokens=16)
+    assert r.choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="default", prompt=prompt, temperature=0, max_tokens=16, stream=True))
+    assert streamed == want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_answer_and_never_appear(client, mlx_lm_chat, stream):
+    full, _ = mlx_lm_chat(MESSAGES, 40)
+    words = full.split()
+    stop = words[len(words) // 2]
+    expected = full[: full.index(stop)]
+    kw = dict(model="default", messages=MESSAGES, temperature=0, max_tokens=40, stop=["@@never@@", stop])
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][-1]
+    else:
+        r = client.chat.completions.create(**kw)
+        text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+    assert text == expected and stop not in text
+    assert reason == "stop"
+
+
+def test_seed_gives_the_same_answer(client):
+    kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story."}],
+              temperature=1.0, top_p=0.95, max_tokens=16)
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    c = client.chat.completions.create(seed=99, **kw).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 8
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token  # greedy picks the most likely token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    c = client.completions.create(model="default", prompt="One, two,", temperature=0, max_tokens=4, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(d) == 2 for d in lp.top_logprobs)
+    # mlx-lm's streaming detokenizer drops the one space that starts a text.
+    assert "".join(lp.tokens).removeprefix(" ") == c.choices[0].text
+
+
+def test_n_choices(client):
+    r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=6, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: the same twice
+    assert r.usage.completion_tokens == 12
+
+
+def _live(server):
+    return [s["live_sequences"] for s in httpx.get(f"{server.root}/health").json()["stages"]]
+
+
+def test_client_disconnect_frees_caches_on_every_stage(server):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.base_url}/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any("content" in line for line in got)
+            assert max(_live(server)) == 1  # the sequence holds caches while it streams
+    deadline = time.monotonic() + 20
+    while max(_live(server)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live(server) == [0, 0]
+
+
+def test_concurrent_requests_all_stream_while_others_run(server):
+    async def one(http, i, events):
+        body = {"model": "default", "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                "max_tokens": 12, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{server.base_url}/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            first = True
+            async for line in resp.aiter_lines():
+                if first and '"content":"' in line and '"content":""' not in line:
+                    events.append(("first", i))
+                    first = False
+        events.append(("done", i))
+
+    async def main():
+        events = []
+        async with httpx.AsyncClient(timeout=120) as http:
+            await asyncio.gather(*(one(http, i, events) for i in range(4)))
+        return events
+
+    events = asyncio.run(main())
+    first_done = events.index(next(e for e in events if e[0] == "done"))
+    assert {i for kind, i in events[:first_done] if kind == "first"} == {0, 1, 2, 3}
+
+
+OK_CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LONG = "hello " * 9000
+
+BAD_REQUESTS = [
+    ("bad JSON", "chat", b"{bad json", 400, "not valid JSON"),
+    ("body is an array", "chat", b"[1, 2]", 400, "must be a JSON object"),
+    ("messages not a list", "chat", OK_CHAT | {"messages": "hi"}, 400, "messages"),
+    ("empty messages", "chat", OK_CHAT | {"messages": []}, 400, "at least 1 item"),
+    ("missing messages", "chat", {"model": "default"}, 400, "messages: Field required"),
+    ("unknown model", "chat", OK_CHAT | {"model": "gpt-17"}, 404, "does not exist"),
+    ("max_tokens not a number", "chat", OK_CHAT | {"max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens zero", "chat", OK_CHAT | {"max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens beyond the context", "chat", OK_CHAT | {"max_tokens": 10**6}, 400, "maximum context length"),
+    ("prompt longer than the context", "chat", OK_CHAT | {"messages": [{"role": "user", "content": LONG}]},
+     400, "maximum context length"),
+    ("negative temperature", "chat", OK_CHAT | {"temperature": -1}, 400, "temperature"),
+    ("absurd temperature", "chat", OK_CHAT | {"temperature": 50}, 400, "temperature"),
+    ("top_p above 1", "chat", OK_CHAT | {"top_p": 1.5}, 400, "top_p"),
+    ("negative top_k", "chat", OK_CHAT | {"top_k": -3}, 400, "top_k"),
+    ("top_k beyond the vocabulary", "chat", OK_CHAT | {"top_k": 10**6}, 400, "vocabulary"),
+    ("presence_penalty out of range", "chat", OK_CHAT | {"presence_penalty": 9}, 400, "presence_penalty"),
+    ("n zero", "chat", OK_CHAT | {"n": 0}, 400, "n"),
+    ("n too many", "chat", OK_CHAT | {"n": 100}, 400, "n"),
+    ("top_logprobs too many", "chat", OK_CHAT | {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("too many stop strings", "chat", OK_CHAT | {"stop": [str(i) for i in range(100)]}, 400, "stop"),
+    ("unknown role", "chat", OK_CHAT | {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("content of the wrong type", "chat", OK_CHAT | {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("logit_bias key not a token id", "chat", OK_CHAT | {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("tools", "chat", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tool calling"),
+    ("seed not an integer", "chat", OK_CHAT | {"seed": "x"}, 400, "seed"),
+    ("min_p above 1", "chat", OK_CHAT | {"min_p": 2}, 400, "min_p"),
+    ("repetition_penalty zero", "chat", OK_CHAT | {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("empty completion prompt", "completions", {"model": "default", "prompt": ""}, 400, "empty"),
+    ("completion token outside the vocabulary", "completions", {"model": "default", "prompt": [1, 999999]},
+     400, "outside the vocabulary"),
+    ("echo", "completions", {"model": "default", "prompt": "hi", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("what,route,body,status,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_a_clear_4xx(server, what, route, body, status, message):
+    url = f"{server.base_url}/{'chat/completions' if route == 'chat' else 'completions'}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert message in err["message"], err["message"]
+
+
+def test_still_serving_after_bad_requests(server, client):
+    for _, route, body, _, _ in BAD_REQUESTS[:5]:
+        httpx.post(f"{server.base_url}/chat/completions", content=body if isinstance(body, bytes) else None,
+                   json=None if isinstance(body, bytes) else body, timeout=60)
+    r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+def test_wrong_method_and_path_are_openai_shaped(server):
+    r = httpx.get(f"{server.base_url}/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(f"{server.base_url}/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
