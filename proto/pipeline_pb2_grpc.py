@@ -34,6 +34,11 @@ class StageStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Profile = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Profile',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/mlxpipe.v1.Stage/Load',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LoadRequest.SerializeToString,
@@ -63,6 +68,13 @@ class StageStub:
 
 class StageServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Profile(self, request, context):
+        """Time this node on a model, for the partition planner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Load(self, request, context):
         """Load layers [start, end) of a model and connect to the next stage.
@@ -103,6 +115,11 @@ class StageServicer:
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.SerializeToString,
+            ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.LoadRequest.FromString,
@@ -138,6 +155,33 @@ def add_StageServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Stage:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Profile',
+            mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Load(request,

@@ -295,8 +295,13 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                 info["state"] = "unreachable"
                 reasons.append(f"stage {i} at {st.address} is unreachable: {err}")
             else:
+                st_ = reply.stats
                 info.update(state=reply.state, live_sequences=len(reply.live_seqs),
-                            weight_bytes=reply.weight_bytes, cache_bytes=reply.cache_bytes)
+                            weight_bytes=reply.weight_bytes, cache_bytes=reply.cache_bytes,
+                            busy_seconds=st_.busy_seconds, uptime_seconds=st_.uptime_seconds,
+                            busy_fraction=st_.busy_fraction, idle_fraction=1.0 - st_.busy_fraction,
+                            tokens_per_s=st_.tokens_per_s, queue_depth=st_.queue_depth,
+                            frames=st_.frames, tokens=st_.tokens)
                 if reply.state != "ready":
                     reasons.append(f"stage {i} at {st.address} is {reply.state}: {reply.detail}")
             stages.append(info)

@@ -15,10 +15,18 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="local stage processes to start (default 2)")
     p.add_argument("--nodes", default="",
                    help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order")
-    p.add_argument("--split", default=None,
-                   help="'even', or layers per stage such as 18,12")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per pipeline frame")
-    p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i")
+    p.add_argument("--split", default="auto",
+                   help="how to cut the layers: 'auto' (default: the planner balances measured stage "
+                        "times within each node's memory), 'even', or layers per stage such as 18,12")
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="prefill tokens per pipeline frame (default 256); chunks of a long prompt flow "
+                        "through the stages back to back")
+    p.add_argument("--groups", type=int, default=None,
+                   help="micro-batch groups in flight (default: one per stage)")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences per micro-batch group (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued before the server answers 429 (default 256)")
+    p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
 
 
 def _cluster_config(args):
@@ -30,6 +38,9 @@ def _cluster_config(args):
         nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
         split=args.split,
         chunk_size=args.chunk_size,
+        groups=args.groups,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
         pin=args.pin,
     )
 
@@ -48,6 +59,8 @@ def cmd_node(args) -> int:
     argv = ["--listen", args.listen, "--log-level", args.log_level]
     if args.cpu is not None:
         argv += ["--cpu", str(args.cpu)]
+    if args.memory:
+        argv += ["--memory", args.memory]
     worker.main(argv)
     return 0
 
@@ -105,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--listen", default="127.0.0.1:50051",
                    help="host:port to listen on (default 127.0.0.1:50051)")
     p.add_argument("--cpu", type=int, default=None, help="pin the worker to one CPU core (Linux)")
+    p.add_argument("--memory", default=None,
+                   help="memory this node offers for weights and caches, e.g. 150GB (default: 75%% of RAM)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(fn=cmd_node)
 
@@ -118,7 +133,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(fn=cmd_generate)
 
-    from mlxpipe.server import bench, serve
+    from mlxpipe.server import bench, planner, serve
+
+    p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
+    planner.add_arguments(p)
+    p.set_defaults(fn=planner.run)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API over a pipeline "
                                      "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)")

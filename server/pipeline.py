@@ -124,11 +124,8 @@ class StageInfo:
 class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
-    def __init__(self, addresses: Sequence[str], ranges: Sequence[Tuple[int, int]], model: str,
-                 max_batch: int = 64, max_tokens: int = 4096):
-        if len(addresses) != len(ranges):
-            raise ValueError(f"{len(addresses)} stage addresses for {len(ranges)} layer ranges")
-        self.stages = [StageInfo(a, s, e) for a, (s, e) in zip(addresses, ranges)]
+    def __init__(self, addresses: Sequence[str], model: str, max_batch: int = 64, max_tokens: int = 4096):
+        self.stages = [StageInfo(a, 0, 0) for a in addresses]
         self.model = model
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
@@ -137,6 +134,26 @@ class Pipeline:
         self._results = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._writer: Optional[asyncio.Task] = None
+
+    async def profile(self, indices: Sequence[int], batch: int) -> List[pb.ProfileReply]:
+        """Ask stages (by index) to time the model, for the planner."""
+
+        async def one(i: int) -> pb.ProfileReply:
+            try:
+                return await self.stubs[i].Profile(pb.ProfileRequest(model=self.model, batch=batch),
+                                                   timeout=LOAD_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                raise PipelineError(f"stage {i} at {self.stages[i].address} could not profile the model: "
+                                    f"{err.code().name}: {err.details()}") from err
+
+        return list(await asyncio.gather(*(one(i) for i in indices)))
+
+    def assign(self, ranges: Sequence[Tuple[int, int]]) -> None:
+        """Give stage i the layers ``ranges[i]``."""
+        if len(ranges) != len(self.stages):
+            raise ValueError(f"{len(ranges)} layer ranges for {len(self.stages)} stages")
+        for st, (s, e) in zip(self.stages, ranges):
+            st.start, st.end = s, e
 
     async def load(self) -> List[pb.LoadReply]:
         """Every stage loads its range, all at once."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -66,10 +67,51 @@ class StageLimits:
 
 @dataclass
 class StageStatsCounter:
-    busy_seconds: float = 0.0
+    """Busy time (computing a frame) against wall time: the rest is the bubble."""
+
+    busy_seconds: float = 0.0         # finished frames
     frames: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
+    running_since: Optional[float] = None  # the frame being computed now
+    recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
+
+    WINDOW = 10.0  # seconds the recent figures cover
+
+    def begin(self) -> None:
+        self.running_since = time.monotonic()
+
+    def end(self, tokens: int) -> float:
+        now = time.monotonic()
+        seconds = now - self.running_since
+        self.running_since = None
+        self.busy_seconds += seconds
+        self.frames += 1
+        self.tokens += tokens
+        self.recent.append((now, seconds, tokens))
+        while self.recent and self.recent[0][0] < now - self.WINDOW:
+            self.recent.popleft()
+        return seconds
+
+    def busy_now(self) -> float:
+        """Busy seconds so far, the frame in progress included."""
+        since = self.running_since
+        return self.busy_seconds + (time.monotonic() - since if since is not None else 0.0)
+
+    def window(self) -> Tuple[float, float]:
+        """(busy fraction, token positions per second) over the last WINDOW seconds."""
+        now = time.monotonic()
+        lo = max(now - self.WINDOW, self.started)
+        span = max(now - lo, 1e-9)
+        busy = tokens = 0.0
+        for end, seconds, n in list(self.recent):
+            if end > lo:
+                busy += min(seconds, end - lo)
+                tokens += n
+        since = self.running_since
+        if since is not None:
+            busy += now - max(since, lo)
+        return min(busy / span, 1.0), tokens / span
 
 
 class StageRuntime:
@@ -203,16 +245,15 @@ class StageRuntime:
                 raise FrameError(str(err)) from err
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
-        t0 = time.perf_counter()
+        self.stats.begin()
         out = None
-        if frame.kind == pb.Frame.PREFILL:
-            out = self._prefill(frame, hidden)
-        elif frame.kind == pb.Frame.DECODE:
-            out = self._decode(frame, hidden)
-        seconds = time.perf_counter() - t0
-        self.stats.busy_seconds += seconds
-        self.stats.frames += 1
-        self.stats.tokens += rows * n
+        try:
+            if frame.kind == pb.Frame.PREFILL:
+                out = self._prefill(frame, hidden)
+            elif frame.kind == pb.Frame.DECODE:
+                out = self._decode(frame, hidden)
+        finally:
+            seconds = self.stats.end(rows * n)
         timings = list(frame.stage_seconds) + [seconds]
         if self.model.last:
             return pb.Result(frame_id=frame.frame_id, tokens=out or [], stage_seconds=timings)

@@ -65,7 +65,8 @@ class _Loaded:
 
 
 class StageServicer(pb_grpc.StageServicer):
-    def __init__(self):
+    def __init__(self, memory_bytes: Optional[int] = None):
+        self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self.loaded: Optional[_Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
@@ -79,7 +80,32 @@ class StageServicer(pb_grpc.StageServicer):
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
 
-    # -- Load ----------------------------------------------------------------
+    # -- Profile, Load --------------------------------------------------------
+
+    def _profile_sync(self, request: pb.ProfileRequest) -> pb.ProfileReply:
+        from mlxpipe.shards.profile import MEMORY_SHARE, profile, total_memory
+        from mlxpipe.shards.store import resolve_model
+
+        path = resolve_model(request.model)
+        result = profile(path, fingerprint(path), batch=request.batch or 8)
+        return pb.ProfileReply(
+            layer_seconds=result["layer_seconds"],
+            embed_seconds=result["embed_seconds"],
+            head_seconds=result["head_seconds"],
+            memory_bytes=self.memory_bytes or int(total_memory() * MEMORY_SHARE),
+            node=result["node"],
+            cached=result["cached"],
+        )
+
+    async def Profile(self, request: pb.ProfileRequest, context):
+        from mlxpipe.shards.store import ModelNotFound
+
+        try:
+            return await self._mlx(self._profile_sync, request)
+        except ModelNotFound as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
         import mlx.core as mx
@@ -260,9 +286,12 @@ class StageServicer(pb_grpc.StageServicer):
             reply.next_address = loaded.request.next_address
             reply.live_seqs.extend(sorted(list(rt.seqs)))
             reply.cache_bytes = rt.cache_bytes()
+            busy_fraction, tokens_per_s = rt.stats.window()
             reply.stats.CopyFrom(
                 pb.StageStats(
-                    busy_seconds=rt.stats.busy_seconds,
+                    busy_seconds=rt.stats.busy_now(),
+                    busy_fraction=busy_fraction,
+                    tokens_per_s=tokens_per_s,
                     uptime_seconds=time.monotonic() - rt.stats.started,
                     frames=rt.stats.frames,
                     tokens=rt.stats.tokens,
@@ -283,10 +312,11 @@ async def _exit_with_parent(server) -> None:
     os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
 
 
-async def serve(listen: str, ready_line: bool = True, exit_with_parent: bool = False) -> None:
+async def serve(listen: str, ready_line: bool = True, exit_with_parent: bool = False,
+                memory_bytes: Optional[int] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    servicer = StageServicer()
+    servicer = StageServicer(memory_bytes)
     pb_grpc.add_StageServicer_to_server(servicer, server)
     host, _, port = listen.rpartition(":")
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -310,6 +340,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--memory", default=None,
+                        help="memory this node offers for weights and caches, e.g. 150GB "
+                             "(default: 75%% of physical memory)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the parent process exits (for stages a head starts itself)")
     args = parser.parse_args(argv)
@@ -321,7 +354,12 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(args.listen, exit_with_parent=args.exit_with_parent))
+        memory = None
+        if args.memory:
+            from mlxpipe.server.planner import parse_size
+
+            memory = parse_size(args.memory)
+        asyncio.run(serve(args.listen, exit_with_parent=args.exit_with_parent, memory_bytes=memory))
     except KeyboardInterrupt:
         pass
 

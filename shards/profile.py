@@ -1,0 +1,105 @@
+"""How fast this node runs a model: one block of each kind, the embedding, the head.
+
+The planner needs seconds per decode step for each layer and for the first
+and last stages' extras. A profile times, on a batch of ``batch`` rows of one
+token each, one block of every kind the model has (blocks alike in class and
+sub-module classes cost alike), the first block with the embedding, and the
+last block with the final norm, output head and sampling. Each measurement
+loads just the blocks it runs. Results are cached per model fingerprint, node
+and batch under ``$MLXPIPE_HOME/profiles``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxpipe.shards.slicing import layer_owner, load_stage
+from mlxpipe.shards.store import mlxpipe_home
+
+logger = logging.getLogger(__name__)
+
+MEMORY_SHARE = 0.75  # of physical memory a node offers by default (macOS's default GPU wired limit)
+
+
+def node_name() -> str:
+    return f"{platform.node()}-{platform.machine()}"
+
+
+def total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def block_kind(block: nn.Module) -> str:
+    """Blocks of one class with the same classes of sub-modules cost the same."""
+    parts = sorted(f"{k}:{type(v).__name__}" for k, v in block.children().items() if isinstance(v, nn.Module))
+    return f"{type(block).__name__}({','.join(parts)})"
+
+
+def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, repeats: int) -> float:
+    stage, _ = load_stage(path, start, end)
+    tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    hidden = None if stage.first else mx.zeros((batch, 1, hidden_size), dtype=mx.float32)
+
+    def once() -> float:
+        caches = stage.make_cache()
+        t0 = time.perf_counter()
+        out = stage(tokens, hidden, caches)
+        if stage.last:  # what sampling adds: log-softmax and a pick per row
+            logits = out[:, -1, :]
+            out = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        mx.eval(out)
+        return time.perf_counter() - t0
+
+    once()  # reads the weights and compiles kernels
+    return statistics.median(once() for _ in range(repeats))
+
+
+def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> Dict:
+    """Seconds per decode step of ``batch`` rows: per layer, embedding, head."""
+    cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
+    if cache_file.exists():
+        return json.loads(cache_file.read_text()) | {"cached": True}
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(path, lazy=True)
+    blocks = layer_owner(model)["layers"]
+    n = len(blocks)
+    kinds: Dict[str, List[int]] = {}
+    for i, b in enumerate(blocks):
+        kinds.setdefault(block_kind(b), []).append(i)
+    del model, blocks
+    hidden = int(config.get("text_config", config)["hidden_size"])
+    seconds_of_kind = {}
+    for kind, idx in kinds.items():
+        inner = [i for i in idx if 0 < i < n - 1] or idx
+        i = inner[len(inner) // 2]
+        seconds_of_kind[kind] = _time_range(path, i, i + 1, batch, hidden, repeats)
+    layer_seconds = [0.0] * n
+    for kind, idx in kinds.items():
+        for i in idx:
+            layer_seconds[i] = seconds_of_kind[kind]
+    first = _time_range(path, 0, 1, batch, hidden, repeats)
+    last = _time_range(path, n - 1, n, batch, hidden, repeats)
+    result = {
+        "layer_seconds": layer_seconds,
+        "embed_seconds": max(first - layer_seconds[0], 0.0),
+        "head_seconds": max(last - layer_seconds[n - 1], 0.0),
+        "batch": batch,
+        "node": node_name(),
+    }
+    mx.clear_cache()
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text(json.dumps(result))
+    logger.info("profiled %s: %.1f ms per layer (median), head %.1f ms, batch %d", path,
+                1000 * statistics.median(layer_seconds), 1000 * result["head_seconds"], batch)
+    return result | {"cached": False}

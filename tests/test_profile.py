@@ -1,0 +1,65 @@
+"""The planner on a live cluster: stages time the model, the head balances the split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from conftest import run_async
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.pipeline import LocalStages
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def test_stage_profiles_the_model_and_caches_it(default_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXPIPE_HOME", str(tmp_path))  # a fresh profile cache
+    local = LocalStages(1)
+    (address,) = local.start()
+    try:
+        stub = pb_grpc.StageStub(grpc.insecure_channel(address))
+        first = stub.Profile(pb.ProfileRequest(model=str(default_model), batch=4), timeout=300)
+        assert len(first.layer_seconds) == 30 and not first.cached
+        assert min(first.layer_seconds) > 0
+        # The tied 49,152-row head costs more than one of the 30 layers.
+        assert first.head_seconds > max(first.layer_seconds)
+        assert first.memory_bytes > 1 << 30
+        again = stub.Profile(pb.ProfileRequest(model=str(default_model), batch=4), timeout=60)
+        assert again.cached and list(again.layer_seconds) == list(first.layer_seconds)
+        assert list(tmp_path.glob("profiles/*-b4.json"))
+    finally:
+        local.stop()
+
+
+def test_planned_split_gives_the_last_stage_fewer_layers(default_model):
+    async def main():
+        async with Cluster(ClusterConfig(model=str(default_model), stages=2)) as cluster:
+            return [(s.start, s.end) for s in cluster.pipeline.stages], cluster.plan_note
+
+    ranges, note = run_async(main())
+    (a0, a1), (b0, b1) = ranges
+    assert a0 == 0 and a1 == b0 and b1 == 30
+    assert b1 - b0 < a1 - a0, f"the last stage carries the head: {ranges}"
+    assert "planned" in note
+
+
+def test_plan_command_needs_no_weights():
+    out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "plan", "--model",
+                          str(CONFIGS / "deepseek_v3.json"), "--nodes", "2x512GB", "--bits", "4", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["feasible"] and plan["num_layers"] == 61
+    stages = plan["stages"]
+    assert stages[0]["start"] == 0 and stages[-1]["end"] == 61
+    assert all(a["end"] == b["start"] for a, b in zip(stages, stages[1:]))
+    small = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "plan", "--model",
+                            str(CONFIGS / "deepseek_v3.json"), "--nodes", "2x64GB", "--bits", "4"],
+                           capture_output=True, text=True, timeout=60)
+    assert small.returncode == 2 and "short" in small.stderr
