@@ -123,23 +123,25 @@ class Result(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
     next_address: str
     max_batch: int
     max_tokens: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    max_cache_bytes: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,8 @@ class LoadReply(_message.Message):
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -158,7 +162,9 @@ class LoadReply(_message.Message):
     model_bytes: int
     max_context: int
     fingerprint: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    kv_bytes_per_token: int
+    max_cache_bytes: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch")

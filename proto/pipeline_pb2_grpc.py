@@ -86,7 +86,9 @@ class StageServicer:
     def Forward(self, request_iterator, context):
         """Frames from the head (stage 0) or from the previous stage. A malformed
         frame ends the stream with INVALID_ARGUMENT, an unknown sequence with
-        NOT_FOUND; the stage keeps serving other and later streams.
+        NOT_FOUND; the stage keeps serving other and later streams. When a stream
+        ends, for whatever reason, the sequences it brought are freed: the head
+        holds every sequence's tokens and replays them on a new stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,17 +3,20 @@ layer split, engine. Shared by ``mlxpipe generate``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-import statistics
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.engine import Engine
-from mlxpipe.server.pipeline import LocalStages, Pipeline, even_split, split_from_sizes
+from mlxpipe.server.engine import Engine, Supervision
+from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, even_split, probe,
+                                     split_from_sizes)
 from mlxpipe.server.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,9 @@ class ClusterConfig:
     profile_batch: int = 8          # rows per decode step the planner balances for
     context: Optional[int] = None   # tokens per sequence the KV cache must hold (default: min(model, 8192))
     concurrency: int = 4            # sequences whose KV cache must fit, for planning memory
+    restart: bool = True            # restart local stage processes that die or stall, in place
+    rejoin_timeout_s: float = 30.0  # how long a failed remote node gets to come back before re-planning
+    supervision: Supervision = field(default_factory=Supervision)
     stage_log_level: str = "WARNING"
 
 
@@ -63,7 +69,8 @@ def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, in
 
 
 class Cluster:
-    """A started pipeline with its engine and tokenizer."""
+    """A started pipeline with its engine and tokenizer, and the means to rebuild
+    it after a fault (``rebuild``, which the engine calls)."""
 
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -73,7 +80,18 @@ class Cluster:
         self.tokenizer = None
         self.model_path: Optional[Path] = None
         self.model_config: dict = {}
+        self.addresses: List[str] = []   # every stage we may use, in pipeline order
+        self.profiles: Dict[str, pb.ProfileReply] = {}  # by address
         self.plan_note = ""
+
+    @property
+    def _model_arg(self) -> str:
+        # Local stages load the head's own folder; remote nodes resolve the name themselves.
+        return str(self.model_path) if not self.config.nodes else self.config.model
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model_config["num_hidden_layers"])
 
     async def start(self) -> "Cluster":
         from mlx_lm.utils import load_tokenizer
@@ -86,48 +104,113 @@ class Cluster:
         self.tokenizer = load_tokenizer(self.model_path,
                                         eos_token_ids=self.model_config.get("eos_token_id"))
         n = len(cfg.nodes) or cfg.stages
-        num_layers = int(self.model_config["num_hidden_layers"])
         if cfg.split not in (None, "auto"):
-            fixed_ranges(num_layers, n, cfg.split)  # refuse a bad --split before starting anything
-        addresses = list(cfg.nodes)
-        if not addresses:
-            self.local = LocalStages(n, cpus=available_cpus() if cfg.pin else None,
-                                     log_level=cfg.stage_log_level)
-            addresses = self.local.start()
-        # Local stages load the head's own folder; remote nodes resolve the name themselves.
-        model_arg = str(self.model_path) if not cfg.nodes else cfg.model
+            fixed_ranges(self.num_layers, n, cfg.split)  # refuse a bad --split before starting anything
         try:
-            self.pipeline = Pipeline(addresses, model_arg, max_batch=cfg.max_batch, max_tokens=cfg.chunk_size)
-            if cfg.split in (None, "auto"):
-                ranges, keep = await self._plan(num_layers)
-                if keep != list(range(len(addresses))):
-                    await self.pipeline.close()
-                    addresses = [addresses[i] for i in keep]
-                    self.pipeline = Pipeline(addresses, model_arg, max_batch=cfg.max_batch,
-                                             max_tokens=cfg.chunk_size)
+            if cfg.nodes:
+                self.addresses = list(cfg.nodes)
             else:
-                ranges = fixed_ranges(num_layers, n, cfg.split)
-            self.pipeline.assign(ranges)
-            groups = cfg.groups or len(addresses)
+                self.local = LocalStages(n, cpus=available_cpus() if cfg.pin else None,
+                                         log_level=cfg.stage_log_level)
+                self.addresses = self.local.start()
+            self.pipeline = await self._build(self.addresses)
             sched = SchedulerConfig(
-                num_groups=groups,
+                max_kv_tokens=self.kv_token_budget(),
+                num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,
-                max_prefill_inflight=len(addresses),
+                max_prefill_inflight=n,
                 max_running=cfg.max_running,
                 max_waiting=cfg.max_waiting,
             )
-            replies = await self.pipeline.load()
             self.engine = Engine(self.pipeline, sched,
                                  eos_token_ids=sorted(self.tokenizer.eos_token_ids),
-                                 max_context=replies[0].max_context)
+                                 max_context=self.pipeline.stages[0].load.max_context,
+                                 rebuild=self.rebuild, supervision=cfg.supervision)
             await self.engine.start()
         except BaseException:
             await self.stop()
             raise
         return self
 
-    async def _plan(self, num_layers: int) -> Tuple[List[Tuple[int, int]], List[int]]:
+    def _pipeline(self, addresses: List[str]) -> Pipeline:
+        cfg = self.config
+        cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
+        if self.local is not None:
+            # Local stages share this machine's memory.
+            from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
+
+            model_bytes = sum(f.stat().st_size for f in self.model_path.glob("*.safetensors"))
+            cap = max(int(total_memory() * MEMORY_SHARE) - model_bytes, 0) // len(addresses)
+        return Pipeline(addresses, self._model_arg, max_batch=cfg.max_batch, max_tokens=cfg.chunk_size,
+                        max_cache_bytes=cap)
+
+    def kv_token_budget(self) -> int:
+        """KV positions the scheduler may reserve: the tightest stage's cache cap over
+        what a token costs there, halved for the padding of batched caches."""
+        loads = [st.load for st in self.pipeline.stages]
+        return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+
+    async def _build(self, addresses: List[str]) -> Pipeline:
+        """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
+        cfg = self.config
+        pipeline = self._pipeline(addresses)
+        try:
+            if cfg.split in (None, "auto"):
+                ranges, keep = await self._plan(pipeline)
+                if keep != list(range(len(addresses))):  # the planner left nodes out
+                    await pipeline.close()
+                    pipeline = self._pipeline([addresses[i] for i in keep])
+            elif len(addresses) == (len(cfg.nodes) or cfg.stages):
+                ranges = fixed_ranges(self.num_layers, len(addresses), cfg.split)
+            else:  # fewer stages than the fixed split names: after a loss, split evenly
+                ranges = even_split(self.num_layers, len(addresses))
+            pipeline.assign(ranges)
+            await pipeline.load()
+        except BaseException:
+            await pipeline.close()
+            raise
+        return pipeline
+
+    async def rebuild(self, why: str, suspects: Sequence[int]) -> Pipeline:
+        """A new loaded pipeline after a fault, over the stages that work.
+
+        Local stages that died or stalled are restarted in place (``restart``);
+        remote nodes get ``rejoin_timeout_s`` to come back. Whatever still does
+        not answer is left out and the layers are re-planned over the rest."""
+        cfg = self.config
+        # The suspects are a hint; what answers a health check now is the truth.
+        up = dict(zip(self.addresses, await probe(self.addresses)))
+        logger.warning("rebuilding after: %s; suspects %s; answering: %s", why,
+                       [self.pipeline.stages[i].address for i in suspects if i < len(self.pipeline.stages)],
+                       [a for a, ok in up.items() if ok])
+        if self.local is not None and cfg.restart:
+            for i, address in enumerate(self.addresses):
+                if not up[address] or not self.local.alive(i):
+                    await asyncio.to_thread(self.local.restart, i)
+                    up[address] = True
+        elif self.local is None:
+            deadline = time.monotonic() + cfg.rejoin_timeout_s
+            while not all(up.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                down = [a for a, ok in up.items() if not ok]
+                for a, ok in zip(down, await probe(down)):
+                    up[a] = ok
+        alive = [a for a in self.addresses if up[a]]
+        while alive:
+            try:
+                self.pipeline = await self._build(alive)
+                self.engine.scheduler.config.max_kv_tokens = self.kv_token_budget()
+                return self.pipeline
+            except PipelineError as err:  # e.g. a stage that cannot reach its successor
+                gone = {alive[i] for i in err.suspects if i < len(alive)}
+                if not gone:
+                    raise
+                logger.warning("leaving out %s: %s", sorted(gone), err)
+                alive = [a for a in alive if a not in gone]
+        raise PipelineError(f"no stage is left to run the model ({why})")
+
+    async def _plan(self, pipeline: Pipeline) -> Tuple[List[Tuple[int, int]], List[int]]:
         """Balance stage time within each node's memory (server/planner.py).
 
         Local stages share this machine: one profiles, and each gets an equal
@@ -137,23 +220,31 @@ class Cluster:
         from mlxpipe.server import planner
 
         cfg = self.config
-        count = len(self.pipeline.stages)
+        count = len(pipeline.stages)
+        addresses = [st.address for st in pipeline.stages]
         local = self.local is not None
-        profiles = await self.pipeline.profile([0] if local else range(count), cfg.profile_batch)
+        wanted = [i for i, a in enumerate(addresses) if a not in self.profiles]
+        if local and self.profiles:
+            wanted = []  # one profile serves every local stage
+        elif local:
+            wanted = [0]
+        for i, reply in zip(wanted, await pipeline.profile(wanted, cfg.profile_batch)):
+            self.profiles[addresses[i]] = reply
         if local:
-            share = profiles[0].memory_bytes // count
-            profiles = [pb.ProfileReply(layer_seconds=profiles[0].layer_seconds,
-                                        embed_seconds=profiles[0].embed_seconds,
-                                        head_seconds=profiles[0].head_seconds,
-                                        memory_bytes=share, node=profiles[0].node)] * count
+            first = next(iter(self.profiles.values()))
+            profiles = [first] * count
+            memory = [first.memory_bytes // count] * count
+        else:
+            profiles = [self.profiles[a] for a in addresses]
+            memory = [p.memory_bytes for p in profiles]
         cost = planner.load_model_cost(self.model_path)
         nodes = []
-        for st, prof in zip(self.pipeline.stages, profiles):
+        for address, prof, mem in zip(addresses, profiles, memory):
             by_kind: Dict[str, List[float]] = {}
             for layer, secs in zip(cost.layers, prof.layer_seconds):
                 by_kind.setdefault(layer.kind, []).append(secs)
             nodes.append(planner.NodeSpec(
-                name=st.address, memory_bytes=prof.memory_bytes,
+                name=address, memory_bytes=mem,
                 layer_seconds={k: statistics.median(v) for k, v in by_kind.items()},
                 embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds))
         context = cfg.context or min(int(self.model_config.get("max_position_embeddings") or 8192), 8192)
@@ -163,8 +254,8 @@ class Cluster:
             layer_bytes = [l.weight_bytes + l.kv_bytes_per_token * context * cfg.concurrency for l in cost.layers]
             layer_bytes[0] += cost.embed_bytes
             layer_bytes[-1] += cost.head_bytes
-            ranges = planner.balanced_ranges(num_layers, times, embed, head, count,
-                                             memory=[n.memory_bytes for n in nodes], layer_bytes=layer_bytes)
+            ranges = planner.balanced_ranges(self.num_layers, times, embed, head, count,
+                                             memory=memory, layer_bytes=layer_bytes)
             keep = list(range(count))
         else:
             plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency)

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.pipeline import Pipeline, PipelineError
@@ -55,9 +55,11 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Token:
-        if self.done:
+        if self.done and self.queue.empty():
             raise StopAsyncIteration
         item = await self.queue.get()
+        if item is None:  # cancelled
+            raise StopAsyncIteration
         if isinstance(item, Exception):
             self.done = True
             raise item
@@ -68,6 +70,7 @@ class RequestStream:
     def cancel(self) -> None:
         if not self.done:
             self.done = True
+            self.queue.put_nowait(None)  # wakes a consumer waiting for the next token
             self.engine.cancel(self.seq_id)
 
 
@@ -75,41 +78,78 @@ class RequestStream:
 class EngineStats:
     requests: int = 0
     tokens: int = 0
+    recoveries: int = 0
     started: float = field(default_factory=time.monotonic)
     # Per-stage compute seconds, summed over every frame's Result.
     stage_seconds: List[float] = field(default_factory=list)
 
 
+class StageDown(RuntimeError):
+    """A health check found a stage dead, stalled or not ready."""
+
+    def __init__(self, message: str, suspects: Sequence[int]):
+        super().__init__(message)
+        self.suspects = list(suspects)
+
+
+# rebuild(why, suspect stage indices) -> a loaded Pipeline without the fault, or raises.
+Rebuild = Callable[[str, Sequence[int]], Awaitable[Pipeline]]
+
+
+@dataclass
+class Supervision:
+    health_interval_s: float = 1.0   # how often every stage's health is checked
+    health_timeout_s: float = 2.0    # a stage that does not answer within this is down
+    recovery_timeout_s: float = 120.0  # one rebuild (restart or wait, re-plan, reload) at most
+    retry_interval_s: float = 5.0    # after a failed recovery, try again this often
+
+
 class Engine:
+    """Runs generation over a pipeline, and keeps it running.
+
+    A supervisor task watches three things: the Results stream, the Forward
+    stream and, every second, every stage's health. When one fails the engine
+    stops sending, hands the fault to ``rebuild`` (which restarts, waits for or
+    leaves out the failed stages, re-plans and reloads), then replays every
+    live sequence from its prompt plus the tokens generated so far and goes on.
+    Clients see a pause. Only when no pipeline can be rebuilt do live requests
+    end, with ``GenerationFailed``.
+    """
+
     def __init__(self, pipeline: Pipeline, config: SchedulerConfig,
-                 eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30):
+                 eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
+                 rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None):
         self.pipeline = pipeline
         self.scheduler = Scheduler(config)
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context
+        self.rebuild = rebuild
+        self.supervision = supervision or Supervision()
         self.streams: Dict[int, RequestStream] = {}
         self.stats = EngineStats(stage_seconds=[0.0] * len(pipeline.stages))
-        self.failure: Optional[str] = None
+        self.state = "ready"              # "ready", "recovering" or "failed"
+        self.failure: Optional[str] = None  # why, while not ready
         self._ids = itertools.count(1)
-        self._reader: Optional[asyncio.Task] = None
+        self._supervisor: Optional[asyncio.Task] = None
         self._idle = asyncio.Event()
         self._idle.set()
 
     async def start(self) -> None:
         await self.pipeline.open()
-        self._reader = asyncio.ensure_future(self._read())
+        self._supervisor = asyncio.ensure_future(self._supervise())
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         await self.pipeline.close()
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Optional[pb.SamplingParams] = None, stop_at_eos: bool = True) -> RequestStream:
         """Queue a request. Raises ``QueueFull`` when the server is at capacity,
-        ``GenerationFailed`` when the pipeline is down."""
-        if self.failure:
+        ``GenerationFailed`` when the pipeline is down. While it recovers,
+        requests queue and wait."""
+        if self.state == "failed":
             raise GenerationFailed(self.failure)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -121,6 +161,9 @@ class Engine:
         seq_id = next(self._ids)
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context)
+        if seq.reserve > self.scheduler.config.max_kv_tokens:
+            raise ValueError(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
+                             f"have room for {self.scheduler.config.max_kv_tokens}")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id, len(prompt))
         self.streams[seq_id] = stream
@@ -134,11 +177,10 @@ class Engine:
         self._pump()
 
     def _pump(self) -> None:
-        if self.failure:
-            return
-        for frame in self.scheduler.schedule():
-            self.pipeline.send(frame)
-        if self.scheduler.idle:
+        if self.state == "ready":
+            for frame in self.scheduler.schedule():
+                self.pipeline.send(frame)
+        if self.scheduler.idle or self.state == "failed":
             self._idle.set()
         else:
             self._idle.clear()
@@ -161,29 +203,84 @@ class Engine:
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
 
+    # -- supervision -------------------------------------------------------------
+
     async def _read(self) -> None:
+        async for result in self.pipeline.results():
+            for i, s in enumerate(result.stage_seconds[: len(self.stats.stage_seconds)]):
+                self.stats.stage_seconds[i] += s
+            self._deliver(self.scheduler.on_result(result))
+            self._pump()
+
+    async def _monitor(self) -> None:
+        sup = self.supervision
+        while True:
+            await asyncio.sleep(sup.health_interval_s)
+            down = []
+            for i, (st, reply, err) in enumerate(await self.pipeline.health(timeout=sup.health_timeout_s)):
+                if reply is None or reply.state != "ready":
+                    down.append((i, f"stage {i} at {st.address} is "
+                                    + (f"unreachable ({err})" if reply is None else f"{reply.state}: {reply.detail}")))
+            if down:
+                raise StageDown("; ".join(d for _, d in down), [i for i, _ in down])
+
+    async def _run_pipeline(self) -> Tuple[str, List[int]]:
+        """Run until the pipeline breaks; return why, and which stages are suspect."""
+        tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward())]
         try:
-            async for result in self.pipeline.results():
-                for i, s in enumerate(result.stage_seconds[: len(self.stats.stage_seconds)]):
-                    self.stats.stage_seconds[i] += s
-                self._deliver(self.scheduler.on_result(result))
-                self._pump()
-        except PipelineError as err:
-            self._fail(str(err))
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - never leave requests hanging
-            logger.exception("engine reader failed")
-            self._fail(f"{type(err).__name__}: {err}")
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        err = next(iter(done)).exception()
+        if isinstance(err, StageDown):
+            return str(err), err.suspects
+        if isinstance(err, PipelineError):
+            return str(err), list(err.suspects)
+        if err is None:
+            return "the pipeline's streams closed", []
+        logger.error("engine failure", exc_info=err)
+        return f"{type(err).__name__}: {err}", []
+
+    async def _supervise(self) -> None:
+        sup = self.supervision
+        while True:
+            why, suspects = await self._run_pipeline()
+            logger.warning("pipeline broke: %s", why)
+            if self.rebuild is None:
+                self._fail(why)
+                return
+            self.state, self.failure = "recovering", why
+            await self.pipeline.close()
+            live = self.scheduler.replay_all()
+            logger.warning("recovering; %d live sequences will be replayed", len(live))
+            while True:
+                try:
+                    self.pipeline = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
+                    await self.pipeline.open()
+                    break
+                except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests
+                    reason = f"{why}; no pipeline could be rebuilt: {err}"
+                    if self.state != "failed":
+                        self._fail(reason)
+                    await asyncio.sleep(sup.retry_interval_s)
+            self.state, self.failure = "ready", None
+            self.stats.recoveries += 1
+            self.stats.stage_seconds = [0.0] * len(self.pipeline.stages)
+            logger.warning("recovered: %d stages", len(self.pipeline.stages))
+            self._pump()
 
     def _fail(self, why: str) -> None:
+        """No pipeline: every live request ends with a clear error, never a hang."""
         logger.error("pipeline failed: %s", why)
-        self.failure = why
-        self._idle.set()
+        self.state, self.failure = "failed", why
         for seq_id, stream in list(self.streams.items()):
             stream.queue.put_nowait(GenerationFailed(f"pipeline failed: {why}"))
             self.scheduler.cancel(seq_id)
         self.streams.clear()
+        self.scheduler.replay_all()  # forget what the dead pipeline held
+        self._pump()
 
 
 async def collect(stream: RequestStream) -> List[Token]:

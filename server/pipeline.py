@@ -30,7 +30,12 @@ CALL_TIMEOUT_S = 10.0
 
 
 class PipelineError(RuntimeError):
-    """The pipeline cannot take or finish work; the message says where and why."""
+    """The pipeline cannot take or finish work; the message says where and why.
+    ``suspects`` lists the indices of the stages at fault, when known."""
+
+    def __init__(self, message: str, suspects: Sequence[int] = ()):
+        super().__init__(message)
+        self.suspects = list(suspects)
 
 
 def even_split(num_layers: int, stages: int) -> List[Tuple[int, int]]:
@@ -101,6 +106,20 @@ class LocalStages:
             raise PipelineError(f"stage process {proc.pid} failed to start (exit {proc.poll()}): {line!r}")
         return line.rsplit(" ", 1)[1]
 
+    def alive(self, i: int) -> bool:
+        return self.procs[i].poll() is None
+
+    def restart(self, i: int, timeout: float = 120.0) -> str:
+        """Kill stage process ``i`` (dead, stalled or not) and start it again on its address."""
+        old = self.procs[i]
+        if old.poll() is None:
+            old.kill()  # works on a stopped (SIGSTOP) process too
+        old.wait()
+        self.procs[i] = self.spawn(i, listen=self.addresses[i])
+        address = self._await_ready(self.procs[i], timeout)
+        logger.warning("restarted stage process %d on %s", i, address)
+        return address
+
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -111,6 +130,20 @@ class LocalStages:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+async def probe(addresses: Sequence[str], timeout: float = 2.0) -> List[bool]:
+    """Whether each stage answers a health check within ``timeout``."""
+
+    async def one(address: str) -> bool:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+
+    return list(await asyncio.gather(*(one(a) for a in addresses)))
 
 
 @dataclass
@@ -124,10 +157,11 @@ class StageInfo:
 class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
-    def __init__(self, addresses: Sequence[str], model: str, max_batch: int = 64, max_tokens: int = 4096):
+    def __init__(self, addresses: Sequence[str], model: str, max_batch: int = 64, max_tokens: int = 4096,
+                 max_cache_bytes: int = 0):
         self.stages = [StageInfo(a, 0, 0) for a in addresses]
         self.model = model
-        self.max_batch, self.max_tokens = max_batch, max_tokens
+        self.max_batch, self.max_tokens, self.max_cache_bytes = max_batch, max_tokens, max_cache_bytes
         self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self._forward = None
@@ -162,13 +196,16 @@ class Pipeline:
             st = self.stages[i]
             nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
-                                 max_batch=self.max_batch, max_tokens=self.max_tokens)
+                                 max_batch=self.max_batch, max_tokens=self.max_tokens,
+                                 max_cache_bytes=self.max_cache_bytes)
             try:
                 st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S)
             except grpc.aio.AioRpcError as err:
+                # A stage that cannot reach its successor blames the successor.
+                suspect = i + 1 if "next stage" in (err.details() or "") else i
                 raise PipelineError(
                     f"stage {i} at {st.address} could not load layers [{st.start}, {st.end}): "
-                    f"{err.code().name}: {err.details()}"
+                    f"{err.code().name}: {err.details()}", [suspect]
                 ) from err
             return st.load
 
@@ -185,9 +222,13 @@ class Pipeline:
         self._writer = asyncio.ensure_future(self._write())
 
     async def _write(self) -> None:
-        while True:
-            frame = await self._outbox.get()
-            await self._forward.write(frame)
+        try:
+            while True:
+                frame = await self._outbox.get()
+                await self._forward.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            # The stream broke; watch_forward reports why.
+            logger.info("forward stream write failed: %s", err)
 
     def send(self, frame: pb.Frame) -> None:
         """Queue a frame for stage 0; frames go out in the order sent."""
@@ -195,28 +236,33 @@ class Pipeline:
 
     async def results(self) -> AsyncIterator[pb.Result]:
         """Results from the last stage, until the pipeline breaks (PipelineError)."""
+        last = len(self.stages) - 1
         try:
             async for result in self._results:
                 yield result
         except grpc.aio.AioRpcError as err:
-            raise PipelineError(await self._diagnose(err)) from err
-        raise PipelineError("the last stage closed its results stream")
+            raise PipelineError(f"results stream of the last stage at {self.stages[last].address} broke: "
+                                f"{err.code().name}: {err.details()}", [last]) from err
+        raise PipelineError("the last stage closed its results stream", [last])
 
-    async def _diagnose(self, err: grpc.aio.AioRpcError) -> str:
-        """Say which stream broke and why, preferring the Forward stream's status."""
-        if self._forward is not None and self._forward.done():
-            try:
-                await self._forward
-            except grpc.aio.AioRpcError as ferr:
-                return f"stage 0 at {self.stages[0].address}: {ferr.code().name}: {ferr.details()}"
-        return f"last stage at {self.stages[-1].address}: {err.code().name}: {err.details()}"
+    async def watch_forward(self) -> None:
+        """Return never; raise PipelineError when the Forward stream into stage 0 ends.
 
-    async def health(self) -> List[Tuple[StageInfo, Optional[pb.HealthReply], str]]:
+        A stage that loses its successor ends its own upstream stream with
+        UNAVAILABLE, so a break anywhere along the chain arrives here."""
+        try:
+            await self._forward
+        except grpc.aio.AioRpcError as err:
+            raise PipelineError(f"forward stream into stage 0 at {self.stages[0].address} broke: "
+                                f"{err.code().name}: {err.details()}") from err
+        raise PipelineError("stage 0 closed the forward stream")
+
+    async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[StageInfo, Optional[pb.HealthReply], str]]:
         """(stage, reply or None, error) for every stage, asked at once."""
 
         async def one(i: int):
             try:
-                return self.stages[i], await self.stubs[i].Health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S), ""
+                return self.stages[i], await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout), ""
             except grpc.aio.AioRpcError as err:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
 

@@ -60,6 +60,11 @@ class Sequence:
     finish_reason: Optional[str] = None
 
     @property
+    def reserve(self) -> int:
+        """KV positions this sequence may come to hold on every stage."""
+        return min(len(self.prompt) + self.max_tokens, self.max_context)
+
+    @property
     def cached(self) -> int:
         """Tokens the stages hold (or will, once in-flight frames land) for it."""
         return len(self.prompt) + len(self.generated) - 1 if self.phase == Phase.RUNNING else self.sent
@@ -80,6 +85,7 @@ class SchedulerConfig:
     max_prefill_inflight: int = 2  # prefill frames in flight
     max_running: Optional[int] = None  # sequences holding caches (default: num_groups x max_batch)
     max_waiting: int = 256         # requests queued before QueueFull
+    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences may reserve
 
 
 @dataclass
@@ -162,13 +168,23 @@ class Scheduler:
             self.pending_free.clear()
         return frames
 
+    @property
+    def kv_reserved(self) -> int:
+        """KV positions admitted sequences may grow to: prompt plus token budget each."""
+        return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
+
     def _admit(self) -> None:
         holding = len(self.prefilling) + sum(len(g) for g in self.groups)
+        reserved = self.kv_reserved
         while self.waiting and holding < self.config.max_running:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if reserved + seq.reserve > self.config.max_kv_tokens and holding:
+                break  # wait for KV memory to free up (FIFO: nobody overtakes)
+            self.waiting.popleft()
             seq.phase = Phase.PREFILL
             self.prefilling.append(seq)
             holding += 1
+            reserved += seq.reserve
 
     def _frame(self, kind: int, seq_ids: List[int], entries, group: Optional[int] = None, tokens=()) -> pb.Frame:
         fid = next(self._frame_ids)

@@ -167,12 +167,19 @@ def load_stage(path: Path, start: int, end: int) -> tuple[StageModel, dict]:
     return StageModel(model, start, end), config
 
 
-def warm_up(stage: StageModel, hidden_size: int) -> None:
+def warm_up(stage: StageModel, hidden_size: int) -> int:
     """One throwaway token through the range: reads (materializes) exactly the
-    weights the range uses and compiles its kernels."""
+    weights the range uses and compiles its kernels. Returns the range's KV-cache
+    bytes per token of context (float32 activations assumed on a later stage)."""
     caches = stage.make_cache()
     tokens = mx.zeros((1, 1), dtype=mx.int32)
     hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
     mx.eval(stage(tokens, hidden, caches))
+    per_token = 0
+    for c in caches:  # caches allocate ahead; measure per position of what they allocated
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+            per_token += (keys.nbytes + values.nbytes) // keys.shape[2]
     del caches
     mx.clear_cache()
+    return per_token

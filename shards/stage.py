@@ -49,6 +49,7 @@ class _Seq:
     caches: Optional[list] = None     # own caches, while in no group
     group: Optional[int] = None       # decode group holding its caches
     sampler: Optional[SeqSampler] = None  # last stage only
+    session: int = 0                  # the Forward stream that brought it
 
 
 @dataclass
@@ -63,6 +64,7 @@ class StageLimits:
     max_tokens: int = 4096     # tokens in a prefill frame
     max_context: int = 8192    # tokens per sequence
     max_seqs: int = 256        # live sequences
+    max_cache_bytes: int = 0   # KV-cache bytes this stage may hold (0: no cap)
 
 
 @dataclass
@@ -148,6 +150,10 @@ class StageRuntime:
             group.members = [group.members[i] for i in keep]
         return freed
 
+    def free_session(self, session: int) -> int:
+        """Drop every sequence a (now closed) Forward stream brought."""
+        return self.free([sid for sid, seq in self.seqs.items() if seq.session == session])
+
     def free_all(self) -> int:
         n = len(self.seqs)
         self.seqs.clear()
@@ -215,6 +221,9 @@ class StageRuntime:
             if frame.kind == pb.Frame.PREFILL and e.offset == 0:
                 if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
                     raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
+                if lim.max_cache_bytes and self.cache_bytes() >= lim.max_cache_bytes:
+                    raise FrameError(f"this stage's KV caches hold {self.cache_bytes()} bytes, its cap is "
+                                     f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
             elif seq is None:
                 raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
             elif seq.length != e.offset:
@@ -233,9 +242,9 @@ class StageRuntime:
 
     # -- work --------------------------------------------------------------
 
-    def run(self, frame: pb.Frame):
-        """Do one frame. Returns the Frame for the next stage, or, on the last
-        stage, the Result for the head."""
+    def run(self, frame: pb.Frame, session: int = 0):
+        """Do one frame from Forward stream ``session``. Returns the Frame for
+        the next stage, or, on the last stage, the Result for the head."""
         rows, n = self._check(frame)
         hidden = None
         if rows and not self.model.first:
@@ -249,7 +258,7 @@ class StageRuntime:
         out = None
         try:
             if frame.kind == pb.Frame.PREFILL:
-                out = self._prefill(frame, hidden)
+                out = self._prefill(frame, hidden, session)
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
         finally:
@@ -270,18 +279,18 @@ class StageRuntime:
             nxt.hidden.CopyFrom(codec.encode(out))
         return nxt
 
-    def _new_seq(self, entry: pb.SeqEntry) -> _Seq:
+    def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
             self.free([entry.seq_id])
-        seq = _Seq(caches=self.model.make_cache())
+        seq = _Seq(caches=self.model.make_cache(), session=session)
         if self.model.last:
             seq.sampler = SeqSampler(entry.sampling, self.vocab_size)
         self.seqs[entry.seq_id] = seq
         return seq
 
-    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array]):
+    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]
-        seq = self._new_seq(entry) if entry.offset == 0 else self.seqs[entry.seq_id]
+        seq = self._new_seq(entry, session) if entry.offset == 0 else self.seqs[entry.seq_id]
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
         out = self.model(tokens, hidden, seq.caches)
         seq.length += entry.num_tokens

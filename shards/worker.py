@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import hashlib
 import logging
 import os
@@ -31,12 +32,13 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import CHANNEL_OPTIONS
+from mlxpipe.proto.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
 
 logger = logging.getLogger(__name__)
 
 QUEUE_FRAMES = 64  # frames buffered per Forward stream before gRPC flow control pushes back
+NEXT_HOP_TIMEOUT_S = 5.0  # how long Load waits to reach the next stage
 
 
 def _rss_bytes() -> int:
@@ -76,6 +78,8 @@ class StageServicer(pb_grpc.StageServicer):
         self._results_reader: Optional[asyncio.Task] = None
         self._queued = 0
         self._load_lock = asyncio.Lock()
+        self._sessions = itertools.count(1)
+        self._streams: set = set()  # Forward handlers running now
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -110,6 +114,7 @@ class StageServicer(pb_grpc.StageServicer):
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
         import mlx.core as mx
 
+        from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
         from mlxpipe.shards.slicing import load_stage, warm_up
         from mlxpipe.shards.store import resolve_model
 
@@ -122,15 +127,17 @@ class StageServicer(pb_grpc.StageServicer):
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
-        warm_up(stage, hidden)
+        kv_bytes_per_token = warm_up(stage, hidden)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         model_bytes = sum(
             f.stat().st_size for f in path.glob("*.safetensors")
         )
+        offered = self.memory_bytes or int(total_memory() * MEMORY_SHARE)
         limits = StageLimits(
             max_batch=request.max_batch or StageLimits.max_batch,
             max_tokens=request.max_tokens or StageLimits.max_tokens,
             max_context=max_context,
+            max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
         )
         runtime = StageRuntime(stage, hidden, vocab, limits)
         reply = pb.LoadReply(
@@ -143,6 +150,8 @@ class StageServicer(pb_grpc.StageServicer):
             model_bytes=model_bytes,
             max_context=max_context,
             fingerprint=fingerprint(path),
+            kv_bytes_per_token=kv_bytes_per_token,
+            max_cache_bytes=limits.max_cache_bytes,
         )
         return _Loaded(runtime, reply, request)
 
@@ -155,6 +164,10 @@ class StageServicer(pb_grpc.StageServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"layer range [{request.start}, {request.end}) is empty",
                 )
+            # A new head session starts here: streams of the old one must not
+            # run another frame (one could replay a stale prefill over a new
+            # sequence of the same id), and their results are stale.
+            await self._end_streams()
             if self.loaded is not None and self.loaded.request == request:
                 await self._mlx(self.loaded.runtime.free_all)
                 return self.loaded.reply
@@ -178,6 +191,15 @@ class StageServicer(pb_grpc.StageServicer):
             if request.next_address:
                 self.next_channel = grpc.aio.insecure_channel(request.next_address, options=CHANNEL_OPTIONS)
                 self.next_stub = pb_grpc.StageStub(self.next_channel)
+                try:  # a stage that cannot reach its successor is no use in this pipeline
+                    await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S)
+                except grpc.aio.AioRpcError as err:
+                    self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"next stage {request.next_address} is unreachable from this stage: "
+                        f"{err.code().name}: {err.details()}",
+                    )
             self.loaded = loaded
             self.state, self.detail = "ready", ""
             logger.info(
@@ -186,6 +208,13 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return loaded.reply
+
+    async def _end_streams(self) -> None:
+        for task in list(self._streams):
+            task.cancel()
+        await asyncio.gather(*self._streams, return_exceptions=True)
+        while not self.results.empty():
+            self.results.get_nowait()
 
     # -- Forward -------------------------------------------------------------
 
@@ -197,6 +226,9 @@ class StageServicer(pb_grpc.StageServicer):
         inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         downstream = None if last else self.next_stub.Forward()
+        session = next(self._sessions)
+        me = asyncio.current_task()
+        self._streams.add(me)
         count = 0
 
         async def read():
@@ -209,7 +241,7 @@ class StageServicer(pb_grpc.StageServicer):
             nonlocal count
             while (frame := await inbox.get()) is not None:
                 self._queued -= 1
-                out = await self._mlx(loaded.runtime.run, frame)
+                out = await self._mlx(loaded.runtime.run, frame, session)
                 count += 1
                 await outbox.put(out)
             await outbox.put(None)
@@ -241,6 +273,11 @@ class StageServicer(pb_grpc.StageServicer):
             self._queued -= inbox.qsize()
             if downstream is not None and not downstream.done():
                 downstream.cancel()
+            # However the stream ended, its sequences go: the head replays them.
+            freed = await asyncio.shield(self._mlx(loaded.runtime.free_session, session))
+            if freed:
+                logger.info("stream %d ended; freed %d sequences", session, freed)
+            self._streams.discard(me)
         return pb.ForwardSummary(frames=count)
 
     async def Results(self, request, context):
@@ -315,7 +352,7 @@ async def _exit_with_parent(server) -> None:
 async def serve(listen: str, ready_line: bool = True, exit_with_parent: bool = False,
                 memory_bytes: Optional[int] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = StageServicer(memory_bytes)
     pb_grpc.add_StageServicer_to_server(servicer, server)
     host, _, port = listen.rpartition(":")

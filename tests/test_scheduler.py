@@ -162,3 +162,14 @@ def test_a_new_sequence_joins_at_its_groups_next_step():
     s.on_result(result(d1))
     (d2,) = s.schedule()
     assert [e.seq_id for e in d2.seqs] == [1, 2]
+
+
+def test_kv_budget_caps_admission_in_arrival_order():
+    # Each sequence reserves prompt (5) + budget (4) = 9 KV positions; room for 20.
+    s = Scheduler(SchedulerConfig(max_kv_tokens=20, max_prefill_inflight=10))
+    for i in range(1, 5):
+        s.add(seq(i))
+    assert {f.seqs[0].seq_id for f in s.schedule()} == {1, 2}
+    assert s.kv_reserved == 18
+    s.cancel(1)
+    assert {f.seqs[0].seq_id for f in s.schedule() if f.kind == pb.Frame.PREFILL} == {3}
