@@ -258,6 +258,14 @@ class ResultsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ForwardSummary(_message.Message):
     __slots__ = ("frames",)
     FRAMES_FIELD_NUMBER: _ClassVar[int]

@@ -34,6 +34,11 @@ class StageStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Ping = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Ping',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/mlxpipe.v1.Stage/Profile',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
@@ -68,6 +73,13 @@ class StageStub:
 
 class StageServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Ping(self, request, context):
+        """Liveness only, and the one call that needs no cluster secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Profile(self, request, context):
         """Time this node on a model, for the partition planner.
@@ -117,6 +129,11 @@ class StageServicer:
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.SerializeToString,
+            ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.FromString,
@@ -157,6 +174,33 @@ def add_StageServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Stage:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Ping',
+            mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Profile(request,

@@ -1,12 +1,30 @@
-"""How stages and the head open gRPC channels and servers: one set of options.
+"""How stages and the head open gRPC channels and servers: options, the cluster
+secret, TLS, and the stage service's registration. The one place that does it.
 
 Keepalive pings every second, answered within two, on every channel: a
 stage that dies, stalls (SIGSTOP) or drops off the network is noticed within
 about three seconds even while no frame is moving, because an HTTP/2 PING
 needs the peer's process, not just its kernel, to answer.
+
+Security (``Security``): every call but ``Ping`` carries the cluster secret
+(``authorization: Bearer ...`` metadata), which a node compares in constant
+time; optional TLS (and mutual TLS when the node is given a CA) through grpc's
+own credentials.
 """
 
 from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 
 # Frames are bounded by the limits each stage checks; this only caps what gRPC
 # itself will take for one message.
@@ -38,3 +56,150 @@ SERVER_OPTIONS = _MESSAGES + [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+SECRET_ENV = "MLXPIPE_SECRET"
+UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
+
+
+def _read(path: Optional[str]) -> Optional[bytes]:
+    return Path(path).expanduser().read_bytes() if path else None
+
+
+@dataclass
+class Security:
+    """This process's credentials toward the cluster."""
+
+    secret: Optional[str] = None  # the shared cluster secret
+    ca: Optional[bytes] = None    # PEM: verify peers; on a node it also demands client certificates
+    cert: Optional[bytes] = None  # PEM: our certificate (a node's server cert; a head's client cert)
+    key: Optional[bytes] = None   # PEM: its private key
+
+    @classmethod
+    def from_options(cls, secret: Optional[str] = None, secret_file: Optional[str] = None,
+                     ca: Optional[str] = None, cert: Optional[str] = None,
+                     key: Optional[str] = None) -> "Security":
+        """From command-line options; the secret may also come from $MLXPIPE_SECRET."""
+        if secret_file:
+            secret = Path(secret_file).expanduser().read_text().strip()
+        secret = secret or os.environ.get(SECRET_ENV) or None
+        if secret is not None and len(secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 characters "
+                             "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if bool(cert) != bool(key):
+            raise ValueError("give --tls-cert and --tls-key together")
+        return cls(secret, _read(ca), _read(cert), _read(key))
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def metadata(self) -> Tuple[Tuple[str, str], ...]:
+        """What every call (but Ping) carries."""
+        return (("authorization", f"Bearer {self.secret}"),) if self.secret else ()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to a stage: TLS when we hold a CA (and a client cert for mutual TLS)."""
+        if self.ca is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                             certificate_chain=self.cert)
+        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+    def add_port(self, server: grpc.aio.Server, listen: str) -> int:
+        """Listen on ``listen``: TLS when we hold a certificate, mutual TLS when also a CA."""
+        if self.cert is None:
+            return server.add_insecure_port(listen)
+        creds = grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                            require_client_auth=self.ca is not None)
+        return server.add_secure_port(listen, creds)
+
+    def accepts(self, metadata) -> bool:
+        """Whether call metadata carries our secret (always, when we have none)."""
+        if not self.secret:
+            return True
+        want = f"Bearer {self.secret}".encode()
+        for k, v in metadata or ():
+            if k == "authorization":
+                got = v.encode() if isinstance(v, str) else v
+                return hmac.compare_digest(got, want)
+        return False
+
+
+class _Malformed:
+    """A request message that did not parse: handlers answer INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, err: Exception):
+        self.message = f"malformed {kind} message: {err}"
+
+
+def _parser(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, RuntimeWarning, ValueError) as err:
+            return _Malformed(message_type.__name__, err)
+
+    return parse
+
+
+def malformed(request) -> Optional[str]:
+    """The complaint about a request that did not parse, or None."""
+    return request.message if isinstance(request, _Malformed) else None
+
+
+class _SecretCheck(grpc.aio.ServerInterceptor):
+    """Refuse every call without the cluster secret, except the bare liveness check."""
+
+    def __init__(self, security: Security):
+        self.security = security
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method in UNAUTHENTICATED_METHODS:
+            return handler
+        if self.security.accepts(details.invocation_metadata):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "this node needs the cluster secret (authorization: Bearer ...)")
+
+        async def deny_streaming(request, context):
+            await deny(request, context)
+            yield  # pragma: no cover - an async generator for response streams
+
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}
+        fn = deny_streaming if handler.response_streaming else deny
+        return kind[(handler.request_streaming, handler.response_streaming)](fn)
+
+
+def stage_handlers(servicer: pb_grpc.StageServicer) -> dict:
+    """The Stage service's methods, each parsing its request itself, so that bytes
+    that are no protobuf get INVALID_ARGUMENT rather than an internal error."""
+    return {
+        "Ping": grpc.unary_unary_rpc_method_handler(servicer.Ping, _parser(pb.PingRequest),
+                                                     pb.PingReply.SerializeToString),
+        "Profile": grpc.unary_unary_rpc_method_handler(servicer.Profile, _parser(pb.ProfileRequest),
+                                                        pb.ProfileReply.SerializeToString),
+        "Load": grpc.unary_unary_rpc_method_handler(servicer.Load, _parser(pb.LoadRequest),
+                                                     pb.LoadReply.SerializeToString),
+        "Forward": grpc.stream_unary_rpc_method_handler(servicer.Forward, _parser(pb.Frame),
+                                                         pb.ForwardSummary.SerializeToString),
+        "Results": grpc.unary_stream_rpc_method_handler(servicer.Results, _parser(pb.ResultsRequest),
+                                                         pb.Result.SerializeToString),
+        "Free": grpc.unary_unary_rpc_method_handler(servicer.Free, _parser(pb.FreeRequest),
+                                                     pb.FreeReply.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(servicer.Health, _parser(pb.HealthRequest),
+                                                       pb.HealthReply.SerializeToString),
+    }
+
+
+def stage_server(servicer: pb_grpc.StageServicer, security: Security) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` that checks the cluster secret."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("mlxpipe.v1.Stage", stage_handlers(servicer)),))
+    return server

@@ -12,16 +12,19 @@ gets a 5xx.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.engine import GenerationFailed, RequestStream
@@ -39,6 +42,47 @@ class ApiOptions:
     default_max_tokens: int = 512      # when a request gives none (capped by the context)
     default_temperature: float = 1.0   # OpenAI's default
     retry_after_s: int = 2             # told to clients refused for load
+    api_key: Optional[str] = None      # when set, /v1/* and /health need "Authorization: Bearer <key>"
+    cors_origins: Tuple[str, ...] = () # origins browsers may call from (none: no CORS headers)
+    max_body_bytes: int = 4 << 20      # larger request bodies get 413
+    max_prompt_tokens: Optional[int] = None  # default: the model's context
+    max_tokens_limit: Optional[int] = None   # largest max_tokens a request may ask (default: the context)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413, by
+    Content-Length or while they stream in, before anything parses them."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = error_response(413, f"the request body is larger than {self.limit} bytes",
+                                 code="request_too_large")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await too_big(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 class ApiError(Exception):
@@ -95,10 +139,34 @@ class Generation:
 def create_app(cluster, options: ApiOptions) -> FastAPI:
     """The FastAPI app serving ``cluster`` (a started ``Cluster``)."""
     app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
-    engine = cluster.engine
+    static = Path(__file__).parent / "static"
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(static / "index.html")
+
+    app.mount("/static", StaticFiles(directory=static), name="static")
     tok = cluster.tokenizer
     vocab = int(cluster.model_config.get("vocab_size", 0)) or len(tok)
     names = {options.model_id, "default", *options.aliases}
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    if options.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics")
+        if options.api_key and protected and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
+                return error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    engine = cluster.engine
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -111,7 +179,10 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), code=None)
+        detail = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body could not be read as JSON (malformed, or nested too deeply)"
+        return error_response(exc.status_code, detail, code=None)
 
     @app.exception_handler(Exception)
     async def _bug(request, exc: Exception):
@@ -135,13 +206,20 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
 
     def budget(req, prompt_len: int) -> int:
         context = engine.max_context
+        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
+            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
+                                f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
+        limit = options.max_tokens_limit
+        if limit and (req.token_budget() or 0) > limit:
+            raise ApiError(400, f"max_tokens is {req.token_budget()}; this server allows at most {limit}",
+                           param="max_tokens")
         if prompt_len >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
         asked = req.token_budget()
         if asked is None:
-            return min(options.default_max_tokens, context - prompt_len)
+            return min(options.default_max_tokens, limit or context, context - prompt_len)
         if prompt_len + asked > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
                                 f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
@@ -178,6 +256,10 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         except GenerationFailed as err:
             raise ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
                            headers={"Retry-After": str(options.retry_after_s)})
+        except ValueError as err:  # e.g. more KV cache than the stages hold
+            for s in streams:
+                s.cancel()
+            raise ApiError(400, str(err), param="max_tokens")
         return Generation(len(prompt), streams)
 
     def token_text(token_id: int) -> str:
@@ -274,7 +356,10 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def encode(fn, *args):
-        return await asyncio.to_thread(fn, *args)
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (TypeError, ValueError, UnicodeError) as err:  # text the tokenizer cannot take
+            raise ApiError(400, f"the text could not be tokenized: {err}", param="messages")
 
     # -- routes ---------------------------------------------------------------
 
@@ -286,8 +371,8 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
     @app.get("/health")
     async def health():
         reasons = []
-        if engine.failure:
-            reasons.append(f"pipeline failed: {engine.failure}")
+        if engine.state != "ready":
+            reasons.append(f"pipeline {engine.state}: {engine.failure}")
         stages = []
         for i, (st, reply, err) in enumerate(await cluster.pipeline.health()):
             info = {"stage": i, "address": st.address, "layers": [st.start, st.end]}
@@ -306,7 +391,8 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                     reasons.append(f"stage {i} at {st.address} is {reply.state}: {reply.detail}")
             stages.append(info)
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
-                "stages": stages, "live_requests": engine.scheduler.live}
+                "state": engine.state, "stages": stages, "live_requests": engine.scheduler.live,
+                "recoveries": engine.stats.recoveries}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)

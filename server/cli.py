@@ -27,12 +27,21 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
+    p.add_argument("--secret-file", default=None,
+                   help="file with the cluster secret the --nodes share (or set $MLXPIPE_SECRET); "
+                        "local stages get a random one")
+    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the --nodes' TLS certificates")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate, for nodes demanding mutual TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
 
 
 def _cluster_config(args):
+    from mlxpipe.proto.rpc import Security
     from mlxpipe.server.cluster import ClusterConfig
 
     return ClusterConfig(
+        security=Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
+                                       key=args.tls_key),
         model=args.model,
         stages=args.stages,
         nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
@@ -50,18 +59,6 @@ def cmd_pull(args) -> int:
 
     path = pull_default(progress=None if not args.quiet else False)
     print(path)
-    return 0
-
-
-def cmd_node(args) -> int:
-    from mlxpipe.shards import worker
-
-    argv = ["--listen", args.listen, "--log-level", args.log_level]
-    if args.cpu is not None:
-        argv += ["--cpu", str(args.cpu)]
-    if args.memory:
-        argv += ["--memory", args.memory]
-    worker.main(argv)
     return 0
 
 
@@ -114,14 +111,11 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(fn=cmd_pull)
 
+    from mlxpipe.shards import worker
+
     p = sub.add_parser("node", help="run one stage worker that a head can drive")
-    p.add_argument("--listen", default="127.0.0.1:50051",
-                   help="host:port to listen on (default 127.0.0.1:50051)")
-    p.add_argument("--cpu", type=int, default=None, help="pin the worker to one CPU core (Linux)")
-    p.add_argument("--memory", default=None,
-                   help="memory this node offers for weights and caches, e.g. 150GB (default: 75%% of RAM)")
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(fn=cmd_node)
+    worker.add_arguments(p)
+    p.set_defaults(fn=worker.run)
 
     p = sub.add_parser("generate", help="generate text from one prompt through the pipeline")
     _cluster_args(p)
@@ -133,7 +127,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(fn=cmd_generate)
 
-    from mlxpipe.server import bench, planner, serve
+    from mlxpipe.server import bench, certs, planner, serve
+
+    p = sub.add_parser("certs", help="make a small cluster's CA and node/client certificates (TLS)")
+    certs.add_arguments(p)
+    p.set_defaults(fn=certs.run)
 
     p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
     planner.add_arguments(p)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto.rpc import Security
 from mlxpipe.server.engine import Engine, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, even_split, probe,
                                      split_from_sizes)
@@ -40,6 +42,7 @@ class ClusterConfig:
     restart: bool = True            # restart local stage processes that die or stall, in place
     rejoin_timeout_s: float = 30.0  # how long a failed remote node gets to come back before re-planning
     supervision: Supervision = field(default_factory=Supervision)
+    security: Security = field(default_factory=Security)  # toward --nodes (local stages get a fresh secret)
     stage_log_level: str = "WARNING"
 
 
@@ -83,6 +86,7 @@ class Cluster:
         self.addresses: List[str] = []   # every stage we may use, in pipeline order
         self.profiles: Dict[str, pb.ProfileReply] = {}  # by address
         self.plan_note = ""
+        self.security = Security()
 
     @property
     def _model_arg(self) -> str:
@@ -109,9 +113,13 @@ class Cluster:
         try:
             if cfg.nodes:
                 self.addresses = list(cfg.nodes)
+                self.security = cfg.security
             else:
-                self.local = LocalStages(n, cpus=available_cpus() if cfg.pin else None,
-                                         log_level=cfg.stage_log_level)
+                # Local stages: a random cluster secret of their own, so that other
+                # users of this machine cannot drive them either.
+                self.security = Security(secret=secrets.token_urlsafe(32))
+                self.local = LocalStages(n, self.security.secret, self.model_path.parent,
+                                         cpus=available_cpus() if cfg.pin else None, log_level=cfg.stage_log_level)
                 self.addresses = self.local.start()
             self.pipeline = await self._build(self.addresses)
             sched = SchedulerConfig(
@@ -142,8 +150,8 @@ class Cluster:
 
             model_bytes = sum(f.stat().st_size for f in self.model_path.glob("*.safetensors"))
             cap = max(int(total_memory() * MEMORY_SHARE) - model_bytes, 0) // len(addresses)
-        return Pipeline(addresses, self._model_arg, max_batch=cfg.max_batch, max_tokens=cfg.chunk_size,
-                        max_cache_bytes=cap)
+        return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
+                        max_tokens=cfg.chunk_size, max_cache_bytes=cap)
 
     def kv_token_budget(self) -> int:
         """KV positions the scheduler may reserve: the tightest stage's cache cap over
@@ -180,7 +188,7 @@ class Cluster:
         not answer is left out and the layers are re-planned over the rest."""
         cfg = self.config
         # The suspects are a hint; what answers a health check now is the truth.
-        up = dict(zip(self.addresses, await probe(self.addresses)))
+        up = dict(zip(self.addresses, await probe(self.addresses, self.security)))
         logger.warning("rebuilding after: %s; suspects %s; answering: %s", why,
                        [self.pipeline.stages[i].address for i in suspects if i < len(self.pipeline.stages)],
                        [a for a, ok in up.items() if ok])
@@ -194,7 +202,7 @@ class Cluster:
             while not all(up.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
                 down = [a for a, ok in up.items() if not ok]
-                for a, ok in zip(down, await probe(down)):
+                for a, ok in zip(down, await probe(down, self.security)):
                     up[a] = ok
         alive = [a for a in self.addresses if up[a]]
         while alive:

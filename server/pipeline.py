@@ -15,13 +15,14 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, List, Optional, Sequence, Tuple
 
 import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import CHANNEL_OPTIONS
+from mlxpipe.proto.rpc import SECRET_ENV, Security
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ def split_from_sizes(sizes: Sequence[int], num_layers: int) -> List[Tuple[int, i
 class LocalStages:
     """Stage worker processes on this machine, one per stage, on loopback."""
 
-    def __init__(self, count: int, host: str = "127.0.0.1", cpus: Optional[List[int]] = None,
-                 log_level: str = "WARNING"):
+    def __init__(self, count: int, secret: str, models_dir: Path, host: str = "127.0.0.1",
+                 cpus: Optional[List[int]] = None, log_level: str = "WARNING"):
         self.count, self.host, self.cpus, self.log_level = count, host, cpus, log_level
+        self.secret, self.models_dir = secret, models_dir
         self.procs: List[subprocess.Popen] = []
         self.addresses: List[str] = []
 
@@ -86,10 +88,12 @@ class LocalStages:
     def spawn(self, i: int, listen: Optional[str] = None) -> subprocess.Popen:
         """Start stage process ``i`` (on a free port unless ``listen`` is given)."""
         cmd = [sys.executable, "-m", "mlxpipe.shards.worker", "--listen", listen or f"{self.host}:0",
-               "--log-level", self.log_level, "--exit-with-parent"]
+               "--log-level", self.log_level, "--exit-with-parent", "--models-dir", str(self.models_dir)]
         if self.cpus:
             cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        # The secret goes by environment, not argv, which other users can read.
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                env=os.environ | {SECRET_ENV: self.secret})
 
     @staticmethod
     def _await_ready(proc: subprocess.Popen, timeout: float) -> str:
@@ -132,13 +136,14 @@ class LocalStages:
                 proc.wait()
 
 
-async def probe(addresses: Sequence[str], timeout: float = 2.0) -> List[bool]:
+async def probe(addresses: Sequence[str], security: Security, timeout: float = 2.0) -> List[bool]:
     """Whether each stage answers a health check within ``timeout``."""
 
     async def one(address: str) -> bool:
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        async with security.channel(address) as channel:
             try:
-                await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout)
+                await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout,
+                                                        metadata=security.metadata())
                 return True
             except grpc.aio.AioRpcError:
                 return False
@@ -157,12 +162,14 @@ class StageInfo:
 class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
-    def __init__(self, addresses: Sequence[str], model: str, max_batch: int = 64, max_tokens: int = 4096,
-                 max_cache_bytes: int = 0):
+    def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
+                 max_batch: int = 64, max_tokens: int = 4096, max_cache_bytes: int = 0):
         self.stages = [StageInfo(a, 0, 0) for a in addresses]
         self.model = model
+        self.security = security or Security()
+        self.md = self.security.metadata()  # every call carries the cluster secret
         self.max_batch, self.max_tokens, self.max_cache_bytes = max_batch, max_tokens, max_cache_bytes
-        self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.channels = [self.security.channel(a) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self._forward = None
         self._results = None
@@ -175,7 +182,7 @@ class Pipeline:
         async def one(i: int) -> pb.ProfileReply:
             try:
                 return await self.stubs[i].Profile(pb.ProfileRequest(model=self.model, batch=batch),
-                                                   timeout=LOAD_TIMEOUT_S)
+                                                   timeout=LOAD_TIMEOUT_S, metadata=self.md)
             except grpc.aio.AioRpcError as err:
                 raise PipelineError(f"stage {i} at {self.stages[i].address} could not profile the model: "
                                     f"{err.code().name}: {err.details()}") from err
@@ -199,7 +206,7 @@ class Pipeline:
                                  max_batch=self.max_batch, max_tokens=self.max_tokens,
                                  max_cache_bytes=self.max_cache_bytes)
             try:
-                st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S)
+                st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
             except grpc.aio.AioRpcError as err:
                 # A stage that cannot reach its successor blames the successor.
                 suspect = i + 1 if "next stage" in (err.details() or "") else i
@@ -217,8 +224,8 @@ class Pipeline:
 
     async def open(self) -> None:
         """Open the Results stream of the last stage, then the Forward stream of the first."""
-        self._results = self.stubs[-1].Results(pb.ResultsRequest())
-        self._forward = self.stubs[0].Forward()
+        self._results = self.stubs[-1].Results(pb.ResultsRequest(), metadata=self.md)
+        self._forward = self.stubs[0].Forward(metadata=self.md)
         self._writer = asyncio.ensure_future(self._write())
 
     async def _write(self) -> None:
@@ -262,7 +269,8 @@ class Pipeline:
 
         async def one(i: int):
             try:
-                return self.stages[i], await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout), ""
+                reply = await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout, metadata=self.md)
+                return self.stages[i], reply, ""
             except grpc.aio.AioRpcError as err:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
 
@@ -271,7 +279,8 @@ class Pipeline:
     async def free(self, seq_ids: Sequence[int] = ()) -> None:
         """Free sequences (all, when empty) on every stage, out of band."""
         await asyncio.gather(
-            *(s.Free(pb.FreeRequest(seq_ids=list(seq_ids)), timeout=CALL_TIMEOUT_S) for s in self.stubs),
+            *(s.Free(pb.FreeRequest(seq_ids=list(seq_ids)), timeout=CALL_TIMEOUT_S, metadata=self.md)
+              for s in self.stubs),
             return_exceptions=True,
         )
 

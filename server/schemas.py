@@ -11,11 +11,22 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_N = 8
+MAX_MESSAGES = 1024
+MAX_LOGIT_BIAS = 300
+
+
+def unicode_text(s: str) -> str:
+    """Refuse text that is not valid Unicode (JSON lets an unpaired surrogate through)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"text contains an unpaired surrogate at position {err.start}: not valid Unicode") from None
+    return s
 
 
 class TextPart(BaseModel):
@@ -30,6 +41,13 @@ class Message(BaseModel):
     content: Union[str, List[TextPart], None] = None
     name: Optional[str] = None
 
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        unicode_text(self.text())
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -39,7 +57,7 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -59,7 +77,7 @@ class _Sampling(BaseModel):
     seed: Optional[int] = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: Union[str, List[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[Dict[str, float]] = None
 
@@ -81,11 +99,15 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop strings are at most {MAX_STOP_LENGTH} characters")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            unicode_text(s)
         return stops
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
+        if v and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for k, b in (v or {}).items():
             if not k.lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys are token ids, got {k!r}")
@@ -101,9 +123,9 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: List[Message] = Field(min_length=1)
+    messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list] = None
     response_format: Optional[dict] = None
@@ -125,7 +147,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Union[str, List[str], List[int]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -142,6 +164,10 @@ class CompletionRequest(_Sampling):
                 raise ValueError("send one prompt per request (batched prompts are not supported)")
         if not self.prompt:
             raise ValueError("the prompt is empty")
+        if isinstance(self.prompt, str):
+            unicode_text(self.prompt)
+        elif isinstance(self.prompt[0], str):
+            unicode_text(self.prompt[0])
         return self
 
     def token_budget(self) -> Optional[int]:

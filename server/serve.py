@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -66,10 +67,25 @@ def add_arguments(p) -> None:
                    help="tokens to generate when a request does not say (default 512)")
     p.add_argument("--temp", type=float, default=1.0,
                    help="temperature when a request does not say (default 1.0, as OpenAI)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file with the API key clients must send as 'Authorization: Bearer <key>' "
+                        "(or set $MLXPIPE_API_KEY); default: no key")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="an origin browsers may call the API from (repeat; default: none)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt a request may send (default: the model's context)")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the model's context)")
 
 
 def run(args, config: ClusterConfig) -> int:
-    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp}
+    api_key = os.environ.get("MLXPIPE_API_KEY")
+    if args.api_key_file:
+        api_key = Path(args.api_key_file).expanduser().read_text().strip()
+    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp, "api_key": api_key or None,
+               "cors_origins": tuple(args.cors_origin), "max_body_bytes": args.max_body_bytes,
+               "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
     try:
         asyncio.run(serve(config, args.host, args.port, options))
     except KeyboardInterrupt:

@@ -161,9 +161,23 @@ def load_stage(path: Path, start: int, end: int) -> tuple[StageModel, dict]:
     Weights stay on disk until the first forward pass reads them; call
     ``warm_up`` to read them now.
     """
+    import json
+
     from mlx_lm.utils import load_model
 
-    model, config = load_model(Path(path), lazy=True)
+    from mlxpipe.shards.store import BrokenModel
+
+    path = Path(path)
+    try:
+        model, config = load_model(path, lazy=True)
+    except json.JSONDecodeError as err:
+        raise BrokenModel(f"{path / 'config.json'} is not valid JSON: {err}") from err
+    except KeyError as err:
+        raise BrokenModel(f"model folder {path} lacks the tensor {err}") from err
+    except RuntimeError as err:  # MLX reading a damaged safetensors file
+        raise BrokenModel(f"model folder {path} has a damaged weights file: {err}") from err
+    except (ValueError, FileNotFoundError) as err:  # mlx-lm: missing or misshapen tensors, unknown model type
+        raise BrokenModel(f"model folder {path} cannot be loaded: {err}") from err
     return StageModel(model, start, end), config
 
 

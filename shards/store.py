@@ -34,6 +34,14 @@ class ModelNotFound(ValueError):
     """No model where the user pointed; the message lists what was tried."""
 
 
+class BrokenModel(ValueError):
+    """A model folder that cannot be loaded: bad config, missing, misshapen or damaged tensors."""
+
+
+class ModelPathRefused(ModelNotFound):
+    """A model path from a remote caller that leads outside the models directory."""
+
+
 def mlxpipe_home() -> Path:
     """``$MLXPIPE_HOME``, or ``mlxpipe`` under the user's cache directory."""
     if env := os.environ.get("MLXPIPE_HOME"):
@@ -129,10 +137,38 @@ def pull_default(progress: Optional[bool] = None) -> Path:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_model(name: Optional[str]) -> Path:
-    """The model folder for ``--model``: "default", a folder, or a cached HF repo id."""
+def models_dir() -> Path:
+    return mlxpipe_home() / "models"
+
+
+def _confine(name: str, within: Path) -> Optional[Path]:
+    """``name`` as a folder inside ``within``, None if it names no folder there;
+    raises ModelPathRefused when it leads outside."""
+    root = within.expanduser().resolve()
+    path = Path(name)
+    candidate = (path if path.is_absolute() else root / path).resolve()  # follows symlinks and ".."
+    if not candidate.is_relative_to(root):
+        raise ModelPathRefused(
+            f"model path {name!r} leads outside this node's models directory {root}; "
+            f"put the model there (or start the node with --models-dir) and name it relative to it"
+        )
+    return candidate if candidate.is_dir() else None
+
+
+def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
+    """The model folder for ``--model``: "default", a folder, or a cached HF repo id.
+
+    ``within`` (a node serving a remote head): folders must lie inside it, and
+    any path that leads out is refused; Hugging Face repo ids still resolve from
+    the local HF cache."""
     if name in (None, "", DEFAULT_MODEL):
         return pull_default()
+    if within is not None:
+        inside = _confine(name, within)
+        if inside is not None:
+            name = str(inside)
+        elif not _REPO_ID.match(name):
+            raise ModelNotFound(f"model {name!r} not found in this node's models directory {within}")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

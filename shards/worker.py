@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import itertools
 import hashlib
+import itertools
 import logging
 import os
 import resource
@@ -32,7 +32,7 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
+from mlxpipe.proto.rpc import SECRET_ENV, Security, malformed, stage_server
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,11 @@ class _Loaded:
 
 
 class StageServicer(pb_grpc.StageServicer):
-    def __init__(self, memory_bytes: Optional[int] = None):
+    def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
+                 models_dir: Optional[Path] = None):
+        self.security = security or Security()
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
+        self.models_dir = models_dir      # where model paths from a head must lie
         self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self.loaded: Optional[_Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
@@ -84,13 +87,25 @@ class StageServicer(pb_grpc.StageServicer):
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
 
+    def _resolve(self, model: str) -> Path:
+        from mlxpipe.shards.store import models_dir, resolve_model
+
+        return resolve_model(model, within=self.models_dir or models_dir())
+
+    @staticmethod
+    async def _refuse_malformed(request, context) -> None:
+        if (why := malformed(request)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+    async def Ping(self, request, context):
+        return pb.PingReply()
+
     # -- Profile, Load --------------------------------------------------------
 
     def _profile_sync(self, request: pb.ProfileRequest) -> pb.ProfileReply:
         from mlxpipe.shards.profile import MEMORY_SHARE, profile, total_memory
-        from mlxpipe.shards.store import resolve_model
 
-        path = resolve_model(request.model)
+        path = self._resolve(request.model)
         result = profile(path, fingerprint(path), batch=request.batch or 8)
         return pb.ProfileReply(
             layer_seconds=result["layer_seconds"],
@@ -102,10 +117,13 @@ class StageServicer(pb_grpc.StageServicer):
         )
 
     async def Profile(self, request: pb.ProfileRequest, context):
-        from mlxpipe.shards.store import ModelNotFound
+        from mlxpipe.shards.store import ModelNotFound, ModelPathRefused
 
+        await self._refuse_malformed(request, context)
         try:
             return await self._mlx(self._profile_sync, request)
+        except ModelPathRefused as err:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except ModelNotFound as err:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
         except ValueError as err:
@@ -116,9 +134,8 @@ class StageServicer(pb_grpc.StageServicer):
 
         from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
         from mlxpipe.shards.slicing import load_stage, warm_up
-        from mlxpipe.shards.store import resolve_model
 
-        path = resolve_model(request.model)
+        path = self._resolve(request.model)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -156,8 +173,9 @@ class StageServicer(pb_grpc.StageServicer):
         return _Loaded(runtime, reply, request)
 
     async def Load(self, request: pb.LoadRequest, context):
-        from mlxpipe.shards.store import ModelNotFound
+        from mlxpipe.shards.store import BrokenModel, ModelNotFound, ModelPathRefused
 
+        await self._refuse_malformed(request, context)
         async with self._load_lock:
             if request.end <= request.start:
                 await context.abort(
@@ -175,10 +193,16 @@ class StageServicer(pb_grpc.StageServicer):
             self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
             try:
                 loaded = await self._mlx(self._load_sync, request)
+            except ModelPathRefused as err:
+                self.state, self.detail = "empty", str(err)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
             except ModelNotFound as err:
                 self.state, self.detail = "empty", str(err)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
-            except ValueError as err:
+            except BrokenModel as err:
+                self.state, self.detail = "empty", str(err)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            except ValueError as err:  # a range outside the model, a missing or misshapen tensor
                 self.state, self.detail = "empty", str(err)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             except Exception as err:  # noqa: BLE001 - a broken model folder, reported to the caller
@@ -189,10 +213,11 @@ class StageServicer(pb_grpc.StageServicer):
                 await self.next_channel.close()
                 self.next_channel = self.next_stub = None
             if request.next_address:
-                self.next_channel = grpc.aio.insecure_channel(request.next_address, options=CHANNEL_OPTIONS)
+                self.next_channel = self.security.channel(request.next_address)
                 self.next_stub = pb_grpc.StageStub(self.next_channel)
                 try:  # a stage that cannot reach its successor is no use in this pipeline
-                    await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S)
+                    await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S,
+                                                metadata=self.security.metadata())
                 except grpc.aio.AioRpcError as err:
                     self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
                     await context.abort(
@@ -225,7 +250,7 @@ class StageServicer(pb_grpc.StageServicer):
         last = not loaded.request.next_address
         inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
-        downstream = None if last else self.next_stub.Forward()
+        downstream = None if last else self.next_stub.Forward(metadata=self.security.metadata())
         session = next(self._sessions)
         me = asyncio.current_task()
         self._streams.add(me)
@@ -233,6 +258,8 @@ class StageServicer(pb_grpc.StageServicer):
 
         async def read():
             async for frame in request_iterator:
+                if (why := malformed(frame)) is not None:
+                    raise FrameError(why)
                 self._queued += 1
                 await inbox.put(frame)
             await inbox.put(None)
@@ -295,6 +322,7 @@ class StageServicer(pb_grpc.StageServicer):
     # -- Free, Health ----------------------------------------------------------
 
     async def Free(self, request: pb.FreeRequest, context):
+        await self._refuse_malformed(request, context)
         loaded = self.loaded
         if loaded is None:
             return pb.FreeReply(freed=0)
@@ -349,56 +377,92 @@ async def _exit_with_parent(server) -> None:
     os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
 
 
-async def serve(listen: str, ready_line: bool = True, exit_with_parent: bool = False,
-                memory_bytes: Optional[int] = None) -> None:
+async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
+                models_dir: Optional[Path] = None, exit_with_parent: bool = False) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = StageServicer(memory_bytes)
-    pb_grpc.add_StageServicer_to_server(servicer, server)
+    security = security or Security()
+    servicer = StageServicer(security, memory_bytes, models_dir)
+    server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
-    if ready_line:
-        # The one line a parent process waits for to learn the address.
-        print(f"mlxpipe node listening on {host}:{bound}", flush=True)
-    logger.info("stage listening on %s:%d", host, bound)
+    # The one line a parent process waits for to learn the address.
+    print(f"mlxpipe node listening on {host}:{bound}", flush=True)
+    logger.info("stage listening on %s:%d (%s, %s)", host, bound,
+                "secret required" if security.secret else "no secret",
+                "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
     watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
     await server.wait_for_termination()
     if watcher is not None:
         watcher.cancel()
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "[::1]", "localhost") or host.startswith("127.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051",
-                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one)")
-    parser.add_argument("--cpu", type=int, default=None,
-                        help="pin this process to one CPU core (Linux), so that it stands for one node")
-    parser.add_argument("--log-level", default="INFO")
+                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one). "
+                             "Any other host than loopback needs the cluster secret.")
+    parser.add_argument("--secret-file", default=None,
+                        help=f"file holding the cluster secret (or set ${SECRET_ENV})")
+    parser.add_argument("--secret", default=None,
+                        help="the cluster secret itself (visible to other users in `ps`: prefer --secret-file)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None,
+                        help="PEM CA: verify the next stage, and demand client certificates (mutual TLS)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening beyond loopback without a cluster secret (not recommended)")
+    parser.add_argument("--models-dir", default=None,
+                        help="the folder model paths from a head must lie in (default $MLXPIPE_HOME/models); "
+                             "Hugging Face repo ids are looked up in the local HF cache")
     parser.add_argument("--memory", default=None,
                         help="memory this node offers for weights and caches, e.g. 150GB "
                              "(default: 75%% of physical memory)")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="pin this process to one CPU core (Linux), so that it stands for one node")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the parent process exits (for stages a head starts itself)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args) -> int:
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(args.log_level)
+    security = Security.from_options(secret=args.secret, secret_file=args.secret_file, ca=args.tls_ca,
+                                     cert=args.tls_cert, key=args.tls_key)
+    host = args.listen.rpartition(":")[0]
+    if not _loopback(host) and not security.secret and not args.insecure:
+        raise SystemExit(f"refusing to listen on {args.listen} without a cluster secret: anyone who can reach "
+                         f"the port could run and read computations. Give --secret-file or ${SECRET_ENV} "
+                         f"(the same on every node and the head), or --insecure to accept the risk.")
     if args.cpu is not None:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {args.cpu})
         else:
-            print("warning: --cpu is not supported on this platform", file=sys.stderr)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        memory = None
-        if args.memory:
-            from mlxpipe.server.planner import parse_size
+            logger.warning("--cpu is not supported on this platform")
+    memory = None
+    if args.memory:
+        from mlxpipe.server.planner import parse_size
 
-            memory = parse_size(args.memory)
-        asyncio.run(serve(args.listen, exit_with_parent=args.exit_with_parent, memory_bytes=memory))
+        memory = parse_size(args.memory)
+    try:
+        asyncio.run(serve(args.listen, security, memory,
+                          Path(args.models_dir).expanduser() if args.models_dir else None,
+                          exit_with_parent=args.exit_with_parent))
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,3 +65,49 @@ def reference():
 def run_async(coro, timeout: float = 300):
     """Run a coroutine to completion with a deadline (tests must never hang)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+SECRET = "test-cluster-secret-0123456789"
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _WithSecret(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor,
+                  grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the cluster secret to every call of a synchronous test client."""
+
+    def __init__(self, secret):
+        self.secret = secret
+
+    def _details(self, d):
+        md = list(d.metadata or []) + [("authorization", f"Bearer {self.secret}")]
+        return _Details(d.method, d.timeout, md, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def stage_stub(address, secret=SECRET, credentials=None):
+    """A synchronous Stage client (with the secret, unless None)."""
+    from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+    from mlxpipe.proto.rpc import CHANNEL_OPTIONS
+
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    if secret is not None:
+        channel = grpc.intercept_channel(channel, _WithSecret(secret))
+    return pb_grpc.StageStub(channel)

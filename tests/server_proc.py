@@ -11,7 +11,7 @@ import httpx
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env=None, timeout: float = 180):
+    def __init__(self, *args: str, env=None, timeout: float = 180, headers=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=None, text=True, env=env or os.environ.copy())
@@ -25,7 +25,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.root}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{self.root}/health", timeout=5, headers=headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -38,18 +38,24 @@ def test_generate_prints_what_mlx_lm_prints(default_model, mlx_lm_text):
     assert out.stdout == mlx_lm_text + "\n"
 
 
-def test_generate_on_node_workers(default_model, mlx_lm_text):
-    """`mlxpipe node` workers, driven by a head that tells them model and layers."""
+def test_generate_on_node_workers(default_model, mlx_lm_text, tmp_path):
+    """`mlxpipe node` workers sharing a cluster secret, driven by a head that tells
+    them model and layers; a head without the secret is refused."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-for-this-test-only")
     nodes = [subprocess.Popen([sys.executable, "-m", "mlxpipe.server.cli", "node", "--listen", "127.0.0.1:0",
-                               "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+                               "--secret-file", str(secret), "--log-level", "WARNING"],
+                              stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:
         addresses = [n.stdout.readline().split()[-1] for n in nodes]
         assert all(a.startswith("127.0.0.1:") for a in addresses)
-        out = mlxpipe("generate", "--model", str(default_model), "--nodes", ",".join(addresses),
-                      "--max-tokens", str(MAX_TOKENS), PROMPT)
+        out = mlxpipe("generate", "--model", "default", "--nodes", ",".join(addresses),
+                      "--secret-file", str(secret), "--max-tokens", str(MAX_TOKENS), PROMPT)
         assert out.returncode == 0, out.stderr
         assert out.stdout == mlx_lm_text + "\n"
+        refused = mlxpipe("generate", "--model", "default", "--nodes", ",".join(addresses), PROMPT)
+        assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
     finally:
         for n in nodes:
             n.terminate()

@@ -16,10 +16,11 @@ import time
 
 import httpx
 import pytest
-from conftest import run_async
+from conftest import SECRET, run_async
 from faultproxy import FaultProxy
 from server_proc import ServerProcess
 
+from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.engine import Supervision, collect
 from mlxpipe.server.pipeline import Pipeline
@@ -27,6 +28,7 @@ from mlxpipe.server.pipeline import Pipeline
 STREAMS = 8
 NEW_TOKENS = 60
 FAST = Supervision(health_interval_s=0.5, health_timeout_s=1.5)
+SECURE = Security(secret=SECRET)
 
 
 def _prompts(n=STREAMS):
@@ -120,18 +122,19 @@ def test_kill_9_one_of_three_replans_onto_two(dsv3_model, reference):
     assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 4
 
 
-def _node(listen: str, netns: str = "") -> tuple:
+def _node(listen: str, models_dir, netns: str = "") -> tuple:
     """A stage worker process the head did not start (it cannot restart it)."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "mlxpipe.shards.worker", "--listen", listen,
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+                             "--models-dir", str(models_dir), "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True, env=os.environ | {"MLXPIPE_SECRET": SECRET})
     line = proc.stdout.readline()
     assert "listening on" in line, line
     return proc, line.split()[-1]
 
 
 async def _live_seqs(address: str):
-    probe = Pipeline([address], "unused")
+    probe = Pipeline([address], "unused", SECURE)
     try:
         (_, reply, _), = await probe.health()
         return None if reply is None else list(reply.live_seqs)
@@ -142,11 +145,11 @@ async def _live_seqs(address: str):
 def test_stalled_stage_is_handled_like_a_dead_one(dsv3_model, reference):
     """SIGSTOP a node the head cannot restart: noticed within 5 s, its layers
     re-planned over the others; after SIGCONT it holds no sequence."""
-    nodes = [_node("127.0.0.1:0") for _ in range(3)]
+    nodes = [_node("127.0.0.1:0", dsv3_model.parent) for _ in range(3)]
     try:
         async def main():
             cfg = ClusterConfig(model=str(dsv3_model), nodes=[a for _, a in nodes], split="even",
-                                rejoin_timeout_s=1.0, supervision=FAST)
+                                rejoin_timeout_s=1.0, supervision=FAST, security=SECURE)
             async with Cluster(cfg) as cluster:
                 async def fault():
                     nodes[1][0].send_signal(signal.SIGSTOP)
@@ -221,14 +224,14 @@ def test_delay_jitter_stalls_and_a_partition_between_hosts(netns, dsv3_model, re
     """Stages on two hosts; the second behind a proxy adding delay, jitter and
     loss-like stalls: answers stay right. Then the proxy partitions the second
     host away: handled like a dead node, the layers move to the first."""
-    a, a_addr = _node("10.77.1.2:50051", netns=netns[0])
-    b, b_addr = _node("10.77.2.2:50051", netns=netns[1])
+    a, a_addr = _node("10.77.1.2:50051", dsv3_model.parent, netns=netns[0])
+    b, b_addr = _node("10.77.2.2:50051", dsv3_model.parent, netns=netns[1])
     proxy = FaultProxy("10.77.2.1", "10.77.2.2", 50051)
     proxy.set(delay=0.02, jitter=0.015, stall=0.2, stall_p=0.05)
     try:
         async def main():
             cfg = ClusterConfig(model=str(dsv3_model), nodes=[a_addr, proxy.address], split="even",
-                                rejoin_timeout_s=1.0, supervision=FAST)
+                                rejoin_timeout_s=1.0, supervision=FAST, security=SECURE)
             async with Cluster(cfg) as cluster:
                 prompts = _prompts(4)
                 outs = await asyncio.gather(*(collect(cluster.engine.submit(p, NEW_TOKENS)) for p in prompts))

@@ -7,11 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
-from conftest import run_async
+from conftest import SECRET, run_async, stage_stub
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.pipeline import LocalStages
 
@@ -20,10 +18,10 @@ CONFIGS = Path(__file__).parent / "configs"
 
 def test_stage_profiles_the_model_and_caches_it(default_model, tmp_path, monkeypatch):
     monkeypatch.setenv("MLXPIPE_HOME", str(tmp_path))  # a fresh profile cache
-    local = LocalStages(1)
+    local = LocalStages(1, SECRET, default_model.parent)
     (address,) = local.start()
     try:
-        stub = pb_grpc.StageStub(grpc.insecure_channel(address))
+        stub = stage_stub(address)
         first = stub.Profile(pb.ProfileRequest(model=str(default_model), batch=4), timeout=300)
         assert len(first.layer_seconds) == 30 and not first.cached
         assert min(first.layer_seconds) > 0

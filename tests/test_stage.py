@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
+import queue
 import re
 
 import grpc
 import numpy as np
 import pytest
+from conftest import SECRET, stage_stub
 from tiny_models import tensor_bytes
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import CHANNEL_OPTIONS
 from mlxpipe.server.pipeline import LocalStages
 
 HIDDEN = 576
 
 
 @pytest.fixture(scope="module")
-def stage():
-    local = LocalStages(1)
+def stage(default_model):
+    local = LocalStages(1, SECRET, default_model.parent)
     (address,) = local.start()
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    yield pb_grpc.StageStub(channel)
-    channel.close()
+    stub = stage_stub(address)
+    stub.address = address
+    yield stub
     local.stop()
 
 
@@ -34,7 +34,8 @@ def _layer_of(name: str):
 
 @pytest.mark.parametrize("start,end,with_embedding", [(10, 20, False), (0, 10, True)])
 def test_stage_materializes_only_its_range(stage, default_model, start, end, with_embedding):
-    reply = stage.Load(pb.LoadRequest(model=str(default_model), start=start, end=end, next_address="127.0.0.1:9"))
+    # Any reachable successor makes this a middle stage (no head): here, itself.
+    reply = stage.Load(pb.LoadRequest(model=str(default_model), start=start, end=end, next_address=stage.address))
     want = tensor_bytes(
         default_model,
         lambda n: (_layer_of(n) is not None and start <= _layer_of(n) < end)
@@ -94,19 +95,28 @@ def test_bad_frames_are_refused_and_the_stage_keeps_serving(stage, default_model
         assert info.value.code() == code, what
         assert message in info.value.details(), (what, info.value.details())
     # Still serving: a well-formed prefill samples a token.
-    summary = stage.Forward(iter([_prefill(7, 4), _prefill(7, 1, offset=4, sample=True)]), timeout=60)
-    assert summary.frames == 2
+    frames = queue.Queue()
+    call = stage.Forward.future(iter(frames.get, None), timeout=60)
+    frames.put(_prefill(7, 4))
+    frames.put(_prefill(7, 1, offset=4, sample=True))
     first, second = next(results), next(results)
     assert not first.tokens and len(second.tokens) == 1 and 0 <= second.tokens[0].token < 49152
-    assert stage.Health(pb.HealthRequest()).live_seqs == [7]
+    assert stage.Health(pb.HealthRequest()).live_seqs == [7]  # held while its stream is open
     assert stage.Free(pb.FreeRequest(seq_ids=[7])).freed == 1
+    frames.put(_prefill(8, 2))
+    next(results)
+    frames.put(None)
+    assert call.result().frames == 3
+    assert stage.Health(pb.HealthRequest()).live_seqs == []  # a stream's sequences go with it
     results.cancel()
 
 
 @pytest.mark.parametrize("request_kwargs,code,message", [
     (dict(start=20, end=40), grpc.StatusCode.INVALID_ARGUMENT, "not inside the model's [0, 30)"),
     (dict(start=5, end=5), grpc.StatusCode.INVALID_ARGUMENT, "is empty"),
-    (dict(model="/nonexistent/model/folder", start=0, end=4), grpc.StatusCode.NOT_FOUND, "/nonexistent/model/folder"),
+    (dict(model="no-such-model", start=0, end=4), grpc.StatusCode.NOT_FOUND, "'no-such-model' not found"),
+    (dict(model="/etc", start=0, end=4), grpc.StatusCode.PERMISSION_DENIED, "outside this node's models directory"),
+    (dict(model="../../../../etc", start=0, end=4), grpc.StatusCode.PERMISSION_DENIED, "outside"),
 ])
 def test_bad_loads_are_refused(stage, default_model, request_kwargs, code, message):
     req = pb.LoadRequest(model=str(default_model))

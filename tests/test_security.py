@@ -1,0 +1,407 @@
+"""Nodes refuse strangers; hostile input gets a clear no and breaks nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import grpc
+import httpx
+import mlx.core as mx
+import pytest
+from conftest import SECRET, run_async, stage_stub
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_proc import ServerProcess
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto.rpc import CHANNEL_OPTIONS, Security
+from mlxpipe.server.certs import make_cluster
+from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.engine import collect
+from mlxpipe.server.pipeline import LocalStages
+
+HIDDEN = 576
+
+
+def _node(models_dir, *args, secret=SECRET):
+    env = dict(os.environ)
+    env.pop("MLXPIPE_SECRET", None)
+    if secret:
+        env["MLXPIPE_SECRET"] = secret
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker", "--models-dir", str(models_dir),
+                             "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    line = proc.stdout.readline()
+    return proc, (line.split()[-1] if "listening on" in line else None)
+
+
+@pytest.fixture(scope="module")
+def node(default_model):
+    local = LocalStages(1, SECRET, default_model.parent)
+    (address,) = local.start()
+    yield address
+    local.stop()
+
+
+def _prefill(seq_id, n, offset=0, sample=False):
+    return pb.Frame(kind=pb.Frame.PREFILL, tokens=[5] * n,
+                    seqs=[pb.SeqEntry(seq_id=seq_id, offset=offset, num_tokens=n, sample=sample)])
+
+
+# -- the cluster secret ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, "a-wrong-secret-of-enough-length"])
+def test_without_the_secret_nothing_but_a_ping(node, default_model, secret):
+    stranger = stage_stub(node, secret=secret)
+    calls = {
+        "health details": lambda: stranger.Health(pb.HealthRequest(), timeout=10),
+        "load a shard": lambda: stranger.Load(pb.LoadRequest(model=str(default_model), start=0, end=30), timeout=30),
+        "forward pass": lambda: stranger.Forward(iter([_prefill(1, 3)]), timeout=10),
+        "profile": lambda: stranger.Profile(pb.ProfileRequest(model=str(default_model)), timeout=10),
+        "free": lambda: stranger.Free(pb.FreeRequest(), timeout=10),
+        "results": lambda: next(stranger.Results(pb.ResultsRequest(), timeout=10)),
+    }
+    for what, call in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, what
+        assert "cluster secret" in info.value.details()
+    assert stranger.Ping(pb.PingRequest(), timeout=10) == pb.PingReply()  # liveness only
+
+
+def test_with_the_secret_everything_works(node, default_model, reference):
+    friend = stage_stub(node)
+    friend.Load(pb.LoadRequest(model=str(default_model), start=0, end=30), timeout=120)
+    results = friend.Results(pb.ResultsRequest())
+    prompt = [1, 9690, 198, 22503, 2]
+    friend.Forward(iter([pb.Frame(kind=pb.Frame.PREFILL, tokens=prompt[:-1],
+                                  seqs=[pb.SeqEntry(seq_id=1, num_tokens=4)]),
+                         pb.Frame(kind=pb.Frame.PREFILL, tokens=prompt[-1:],
+                                  seqs=[pb.SeqEntry(seq_id=1, offset=4, num_tokens=1, sample=True)])]), timeout=60)
+    next(results)
+    assert next(results).tokens[0].token == reference(default_model, prompt, 1)[0]
+    assert friend.Health(pb.HealthRequest(), timeout=10).state == "ready"
+    results.cancel()
+
+
+def test_a_node_beyond_loopback_demands_a_secret(tmp_path):
+    proc, address = _node(tmp_path, "--listen", "0.0.0.0:0", secret=None)
+    assert address is None and proc.wait(timeout=30) != 0
+    assert "without a cluster secret" in proc.stderr.read()
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    ours, theirs = tmp_path_factory.mktemp("pki"), tmp_path_factory.mktemp("other-pki")
+    make_cluster(ours, [("n1", ["127.0.0.1", "localhost"]), ("n2", ["127.0.0.1"])], ["head"])
+    make_cluster(theirs, [], ["intruder"], ca_name="someone else's CA")
+    return ours, theirs
+
+
+def _creds(ca, cert=None, key=None):
+    read = lambda p: p.read_bytes() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def test_tls_node_refuses_plaintext_and_foreign_certificates(pki, dsv3_model):
+    ours, theirs = pki
+    proc, address = _node(dsv3_model.parent, "--listen", "127.0.0.1:0", "--tls-cert", str(ours / "n1.pem"),
+                           "--tls-key", str(ours / "n1-key.pem"), "--tls-ca", str(ours / "ca.pem"))
+    try:
+        attempts = {
+            "plaintext": stage_stub(address),
+            "TLS without a client certificate": stage_stub(address, credentials=_creds(ours / "ca.pem")),
+            "a certificate from another CA": stage_stub(address, credentials=_creds(
+                ours / "ca.pem", theirs / "intruder.pem", theirs / "intruder-key.pem")),
+        }
+        for what, stub in attempts.items():
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Ping(pb.PingRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        ok = stage_stub(address, credentials=_creds(ours / "ca.pem", ours / "head.pem", ours / "head-key.pem"))
+        assert ok.Health(pb.HealthRequest(), timeout=10).state == "empty"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pipeline_over_mutual_tls(pki, dsv3_model, reference):
+    ours, _ = pki
+    nodes = [_node(dsv3_model.parent, "--listen", "127.0.0.1:0", "--tls-cert", str(ours / f"{n}.pem"),
+                   "--tls-key", str(ours / f"{n}-key.pem"), "--tls-ca", str(ours / "ca.pem")) for n in ("n1", "n2")]
+    security = Security.from_options(secret=SECRET, ca=str(ours / "ca.pem"), cert=str(ours / "head.pem"),
+                                     key=str(ours / "head-key.pem"))
+    prompt = [5, 77, 901, 33]
+    try:
+        async def main():
+            cfg = ClusterConfig(model=str(dsv3_model), nodes=[a for _, a in nodes], split="even", security=security)
+            async with Cluster(cfg) as cluster:
+                return [t.id for t in await collect(cluster.engine.submit(prompt, 16))]
+
+        assert run_async(main(), timeout=120) == reference(dsv3_model, prompt, 16)
+    finally:
+        for proc, _ in nodes:
+            proc.kill()
+            proc.wait()
+
+
+# -- hostile frames at a stage -------------------------------------------------------------
+
+
+def _valid_frames():
+    hidden = pb.Tensor(shape=[1, 3, HIDDEN], dtype="float32", data=b"\0" * (3 * HIDDEN * 4))
+    return [pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=4, num_tokens=3)], tokens=[1, 2, 3],
+                     hidden=hidden),
+            pb.Frame(kind=pb.Frame.DECODE, seqs=[pb.SeqEntry(seq_id=4, offset=3, num_tokens=1, sample=True)],
+                     tokens=[9], hidden=pb.Tensor(shape=[1, 1, HIDDEN], dtype="float32", data=b"\0" * (HIDDEN * 4)))]
+
+
+_OVERSIZED = [
+    pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=1, num_tokens=100_000)], tokens=[1] * 100_000,
+             hidden=pb.Tensor(shape=[1, 100_000, HIDDEN], dtype="float32", data=b"\0" * 64)),
+    pb.Frame(kind=pb.Frame.DECODE, seqs=[pb.SeqEntry(seq_id=i, offset=1, num_tokens=1) for i in range(5000)],
+             tokens=[1] * 5000),
+    pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=1, num_tokens=2)], tokens=[1, 2],
+             hidden=pb.Tensor(shape=[1, 2, HIDDEN, 1, 1, 1, 1, 1], dtype="float32", data=b"\0" * 8)),
+    pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=1, offset=2**31, num_tokens=1)], tokens=[1],
+             hidden=pb.Tensor(shape=[1, 1, HIDDEN], dtype="float32", data=b"\0" * HIDDEN * 4)),
+    pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=1, num_tokens=1)], tokens=[-5],
+             hidden=pb.Tensor(shape=[1, 1, HIDDEN], dtype="float32", data=b"\0" * (HIDDEN * 4 + 1))),
+]
+
+
+@pytest.fixture(scope="module")
+def later_stage(node, default_model):
+    stub = stage_stub(node)
+    stub.Load(pb.LoadRequest(model=str(default_model), start=15, end=30, max_tokens=256), timeout=120)
+    raw = grpc.intercept_channel(grpc.insecure_channel(node, options=CHANNEL_OPTIONS),
+                                 __import__("conftest")._WithSecret(SECRET))
+    forward = raw.stream_unary("/mlxpipe.v1.Stage/Forward", request_serializer=lambda b: b,
+                               response_deserializer=pb.ForwardSummary.FromString)
+    return stub, forward
+
+
+def _refused_cleanly(forward, payloads):
+    try:
+        forward(iter(payloads), timeout=30)
+    except grpc.RpcError as err:
+        assert err.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.UNAVAILABLE), err.details()
+        assert err.details(), "a refusal must say why"
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=3000))
+def test_fuzz_random_bytes_are_refused(later_stage, data):
+    _refused_cleanly(later_stage[1], [data])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(which=st.integers(0, 1), cut=st.floats(0.0, 0.999))
+def test_fuzz_truncated_frames_are_refused(later_stage, which, cut):
+    whole = _valid_frames()[which].SerializeToString()
+    assert _refused_cleanly(later_stage[1], [whole[: int(len(whole) * cut)]]) != grpc.StatusCode.OK
+
+
+def test_oversized_frames_are_refused_and_the_stage_stays_correct(later_stage, default_model, reference, node):
+    stub, forward = later_stage
+    for frame in _OVERSIZED:
+        code = _refused_cleanly(forward, [frame.SerializeToString()])
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), frame.seqs[:1]
+    assert stub.Ping(pb.PingRequest(), timeout=5) == pb.PingReply()
+    # Alive and still right: the whole model on this stage answers like mlx-lm.
+    test_with_the_secret_everything_works(node, default_model, reference)
+
+
+# -- corrupted model folders ------------------------------------------------------------------
+
+
+def _corrupt(src, dst, how):
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    if how == "missing tensor":
+        w = mx.load(str(weights))
+        del w["model.layers.3.mlp.up_proj.weight"]
+        mx.save_safetensors(str(weights), w)
+    elif how == "misshapen tensor":
+        w = mx.load(str(weights))
+        w["model.layers.3.self_attn.k_proj.weight"] = mx.zeros((10, 72), dtype=mx.uint32)
+        mx.save_safetensors(str(weights), w)
+    elif how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "garbage weights":
+        weights.write_bytes(random.Random(0).randbytes(4096))
+    elif how == "config not JSON":
+        (dst / "config.json").write_text('{"model_type": ')
+    elif how == "unknown architecture":
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(cfg | {"model_type": "no_such_arch"}))
+    elif how == "no config":
+        (dst / "config.json").unlink()
+
+
+CORRUPTIONS = [
+    ("missing tensor", grpc.StatusCode.FAILED_PRECONDITION, "model.layers.3.mlp.up_proj.weight"),
+    ("misshapen tensor", grpc.StatusCode.FAILED_PRECONDITION, "model.layers.3.self_attn.k_proj.weight"),
+    ("truncated weights", grpc.StatusCode.FAILED_PRECONDITION, "damaged weights file"),
+    ("garbage weights", grpc.StatusCode.FAILED_PRECONDITION, "damaged weights file"),
+    ("config not JSON", grpc.StatusCode.FAILED_PRECONDITION, "is not valid JSON"),
+    ("unknown architecture", grpc.StatusCode.FAILED_PRECONDITION, "no_such_arch"),
+    ("no config", grpc.StatusCode.NOT_FOUND, "no config.json"),
+]
+
+
+@pytest.mark.parametrize("how,code,message", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
+def test_corrupted_model_folders_get_a_clear_error(default_model, tmp_path, how, code, message):
+    broken = tmp_path / "models" / "broken"
+    _corrupt(default_model, broken, how)
+    local = LocalStages(1, SECRET, broken.parent)
+    (address,) = local.start()
+    try:
+        stub = stage_stub(address)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Load(pb.LoadRequest(model="broken", start=0, end=30), timeout=60)
+        assert info.value.code() == code
+        assert message in info.value.details(), info.value.details()
+        assert "Traceback" not in info.value.details()
+        assert stub.Health(pb.HealthRequest(), timeout=10).state == "empty"  # alive, nothing loaded
+    finally:
+        local.stop()
+
+
+# -- hostile HTTP bodies -------------------------------------------------------------------------
+
+API_KEY = "an-api-key-for-tests"
+OK = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "default", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def guarded(dsv3_model, tmp_path_factory):
+    key = tmp_path_factory.mktemp("key") / "key"
+    key.write_text(API_KEY)
+    srv = ServerProcess("--model", str(dsv3_model), "--stages", "2", "--split", "even", "--api-key-file", str(key),
+                        "--max-body-bytes", "65536", "--max-tokens-limit", "16", "--max-prompt-tokens", "512",
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    yield srv
+    srv.stop()
+
+
+def _lying_post(srv, route, raw, headers):
+    """What httpx will not send: a Content-Length that does not match the body."""
+    import socket
+
+    host, port = srv.root.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/{route} HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode() + raw)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    return httpx.Response(status, content=reply.split(b"\r\n\r\n", 1)[1])
+
+
+def _post(srv, route, body=None, raw=None, headers=None, key=API_KEY):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    if "content-length" in h:
+        return _lying_post(srv, route, raw, h | {"content-type": "application/json"})
+    url = f"{srv.base_url}/{route}"
+    if raw is not None:
+        h.setdefault("content-type", "application/json")
+        return httpx.post(url, content=raw, headers=h, timeout=60)
+    return httpx.post(url, json=body, headers=h, timeout=60)
+
+
+HOSTILE = [
+    ("no API key", "chat/completions", OK, None, {}, None, 401, "API key"),
+    ("wrong API key", "chat/completions", OK, None, {}, "nope", 401, "API key"),
+    ("body over the limit", "chat/completions", None, b"{" + b" " * 70000 + b"}", {}, API_KEY, 413, "larger than"),
+    ("content-length that lies", "chat/completions", None, b"{}", {"content-length": "999999999"}, API_KEY, 413,
+     "larger than"),
+    ("deeply nested JSON", "chat/completions", None, b"[" * 20000 + b"]" * 20000, {}, API_KEY, 400, "JSON"),
+    ("invalid UTF-8", "chat/completions", None, b'{"model": "default", "messages": "\xff\xfe"}', {}, API_KEY, 400,
+     ""),
+    # A UTF-8 byte order mark is harmless: read past, as JSON readers do.
+    ("byte order mark", "chat/completions", None, b"\xef\xbb\xbf" + json.dumps(OK).encode(), {}, API_KEY, 200, ""),
+    # NUL characters are text like any other.
+    ("NUL characters in content", "chat/completions", OK | {"messages": [{"role": "user", "content": "a\u0000b"}]},
+     None, {}, API_KEY, 200, ""),
+    ("empty body", "chat/completions", None, b"", {}, API_KEY, 400, ""),
+    ("form instead of JSON", "chat/completions", None, b"model=default", {"content-type":
+     "application/x-www-form-urlencoded"}, API_KEY, 400, "Content-Type: application/json"),
+    ("lone surrogate in content", "chat/completions", None,
+     b'{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"a\\ud800b"}]}', {}, API_KEY, 400,
+     "surrogate"),
+    ("number overflowing to infinity", "chat/completions", None,
+     b'{"model":"default","max_tokens":2,"temperature":1e999,"messages":[{"role":"user","content":"x"}]}', {},
+     API_KEY, 400, "temperature"),
+    ("NaN literal", "chat/completions", None,
+     b'{"model":"default","max_tokens":2,"top_p":NaN,"messages":[{"role":"user","content":"x"}]}', {},
+     API_KEY, 400, "top_p"),
+    ("max_tokens astronomically large", "chat/completions", OK | {"max_tokens": 10**30}, None, {}, API_KEY, 400,
+     "max_tokens"),
+    ("max_tokens over the server's limit", "chat/completions", OK | {"max_tokens": 17}, None, {}, API_KEY, 400,
+     "at most 16"),
+    ("negative max_tokens", "chat/completions", OK | {"max_tokens": -1}, None, {}, API_KEY, 400, "max_tokens"),
+    ("seed beyond 64 bits", "chat/completions", OK | {"seed": 2**70}, None, {}, API_KEY, 400, "seed"),
+    ("n as a fraction", "chat/completions", OK | {"n": 1.5}, None, {}, API_KEY, 400, "n"),
+    ("stream as a string", "chat/completions", OK | {"stream": "yes"}, None, {}, API_KEY, 400, "stream"),
+    ("model null", "chat/completions", OK | {"model": None}, None, {}, API_KEY, 400, "model"),
+    ("message that is a string", "chat/completions", OK | {"messages": ["hi"]}, None, {}, API_KEY, 400, "messages"),
+    ("user message without content", "chat/completions", OK | {"messages": [{"role": "user"}]}, None, {}, API_KEY,
+     400, "needs content"),
+    ("image content part", "chat/completions", OK | {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, {}, API_KEY, 400, "content"),
+    ("tool role", "chat/completions", OK | {"messages": [{"role": "tool", "content": "x"}]}, None, {}, API_KEY, 400,
+     "role"),
+    ("two thousand messages", "chat/completions", OK | {"messages": [{"role": "user", "content": "x"}] * 2000},
+     None, {}, API_KEY, 400, "messages"),
+    ("a thousand logit biases", "chat/completions", OK | {"logit_bias": {str(i): 1 for i in range(1000)}}, None, {},
+     API_KEY, 400, "logit_bias"),
+    ("a stop string of 10k characters", "chat/completions", OK | {"stop": "x" * 10000}, None, {}, API_KEY, 400,
+     "stop"),
+    ("top_logprobs without logprobs", "chat/completions", OK | {"top_logprobs": 3}, None, {}, API_KEY, 400,
+     "logprobs"),
+    ("prompt over the server's prompt limit", "chat/completions",
+     OK | {"messages": [{"role": "user", "content": "word " * 600}]}, None, {}, API_KEY, 400, "at most 512"),
+    ("a batch of prompts", "completions", COMPLETION | {"prompt": ["a", "b"]}, None, {}, API_KEY, 400,
+     "one prompt per request"),
+    ("negative token ids", "completions", COMPLETION | {"prompt": [1, -7, 3]}, None, {}, API_KEY, 400,
+     "outside the vocabulary"),
+    ("suffix", "completions", COMPLETION | {"suffix": "x"}, None, {}, API_KEY, 400, "suffix"),
+]
+
+
+@pytest.mark.parametrize("what,route,body,raw,headers,key,status,message", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_http_bodies(guarded, what, route, body, raw, headers, key, status, message):
+    r = _post(guarded, route, body, raw, headers, key)
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["usage"]["completion_tokens"] == 2
+        return
+    err = r.json()["error"]
+    assert message in err["message"], err["message"]
+
+
+def test_guarded_server_serves_with_the_key_and_sends_no_cors_headers(guarded):
+    r = _post(guarded, "chat/completions", OK, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert "access-control-allow-origin" not in r.headers
+    assert httpx.get(f"{guarded.root}/health").status_code == 401
+    assert httpx.get(f"{guarded.root}/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
