@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmlxpipe/proto/pipeline.proto\x12\nmlxpipe.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x9b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x1f\n\x17repetition_context_size\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1c\n\x14penalty_context_size\x18\t \x01(\x05\x12\x10\n\x08has_seed\x18\n \x01(\x08\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).mlxpipe.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"|\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.mlxpipe.v1.SamplingParams\"\xfe\x01\n\x05\x46rame\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.mlxpipe.v1.Frame.Kind\x12\x12\n\nmicrobatch\x18\x03 \x01(\r\x12\"\n\x04seqs\x18\x04 \x03(\x0b\x32\x14.mlxpipe.v1.SeqEntry\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\"\n\x06hidden\x18\x06 \x01(\x0b\x32\x12.mlxpipe.v1.Tensor\x12\x0c\n\x04\x66ree\x18\x07 \x03(\x04\x12\x15\n\rstage_seconds\x18\x08 \x03(\x02\",\n\x04Kind\x12\x0b\n\x07PREFILL\x10\x00\x12\n\n\x06\x44\x45\x43ODE\x10\x01\x12\x0b\n\x07\x43ONTROL\x10\x02\"d\n\x0bTokenResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"Z\n\x06Result\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12\'\n\x06tokens\x18\x02 \x03(\x0b\x32\x17.mlxpipe.v1.TokenResult\x12\x15\n\rstage_seconds\x18\x03 \x03(\x02\"\x8e\x01\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x11\n\tmax_batch\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x17\n\x0fmax_cache_bytes\x18\x07 \x01(\x04\"\xfa\x01\n\tLoadReply\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bmodel_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x04\x12\x17\n\x0fmax_cache_bytes\x18\x0b \x01(\x04\".\n\x0eProfileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\r\"\x86\x01\n\x0cProfileReply\x12\x15\n\rlayer_seconds\x18\x01 \x03(\x02\x12\x15\n\rembed_seconds\x18\x02 \x01(\x02\x12\x14\n\x0chead_seconds\x18\x03 \x01(\x02\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x1a\n\tFreeReply\x12\r\n\x05\x66reed\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\x9c\x01\n\nStageStats\x12\x14\n\x0c\x62usy_seconds\x18\x01 \x01(\x01\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x02\"\x8f\x02\n\x0bHealthReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x63tive_bytes\x18\x08 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\t \x01(\x04\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x11\n\tlive_seqs\x18\x0b \x03(\x04\x12%\n\x05stats\x18\x0c \x01(\x0b\x32\x16.mlxpipe.v1.StageStats\x12\x14\n\x0cnext_address\x18\r \x01(\t\"\x10\n\x0eResultsRequest\"\r\n\x0bPingRequest\"\x0b\n\tPingReply\" \n\x0e\x46orwardSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x04\x32\xa7\x03\n\x05Stage\x12\x36\n\x04Ping\x12\x17.mlxpipe.v1.PingRequest\x1a\x15.mlxpipe.v1.PingReply\x12?\n\x07Profile\x12\x1a.mlxpipe.v1.ProfileRequest\x1a\x18.mlxpipe.v1.ProfileReply\x12\x36\n\x04Load\x12\x17.mlxpipe.v1.LoadRequest\x1a\x15.mlxpipe.v1.LoadReply\x12:\n\x07\x46orward\x12\x11.mlxpipe.v1.Frame\x1a\x1a.mlxpipe.v1.ForwardSummary(\x01\x12;\n\x07Results\x12\x1a.mlxpipe.v1.ResultsRequest\x1a\x12.mlxpipe.v1.Result0\x01\x12\x36\n\x04\x46ree\x12\x17.mlxpipe.v1.FreeRequest\x1a\x15.mlxpipe.v1.FreeReply\x12<\n\x06Health\x12\x19.mlxpipe.v1.HealthRequest\x1a\x17.mlxpipe.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmlxpipe/proto/pipeline.proto\x12\nmlxpipe.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x9b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x1f\n\x17repetition_context_size\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1c\n\x14penalty_context_size\x18\t \x01(\x05\x12\x10\n\x08has_seed\x18\n \x01(\x08\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).mlxpipe.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"|\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.mlxpipe.v1.SamplingParams\"\xfe\x01\n\x05\x46rame\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.mlxpipe.v1.Frame.Kind\x12\x12\n\nmicrobatch\x18\x03 \x01(\r\x12\"\n\x04seqs\x18\x04 \x03(\x0b\x32\x14.mlxpipe.v1.SeqEntry\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\"\n\x06hidden\x18\x06 \x01(\x0b\x32\x12.mlxpipe.v1.Tensor\x12\x0c\n\x04\x66ree\x18\x07 \x03(\x04\x12\x15\n\rstage_seconds\x18\x08 \x03(\x02\",\n\x04Kind\x12\x0b\n\x07PREFILL\x10\x00\x12\n\n\x06\x44\x45\x43ODE\x10\x01\x12\x0b\n\x07\x43ONTROL\x10\x02\"d\n\x0bTokenResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"Z\n\x06Result\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12\'\n\x06tokens\x18\x02 \x03(\x0b\x32\x17.mlxpipe.v1.TokenResult\x12\x15\n\rstage_seconds\x18\x03 \x03(\x02\">\n\nWeightUnit\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x12\n\ndata_bytes\x18\x03 \x01(\x04\"\xec\x01\n\x0cWeightsOffer\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12%\n\x05units\x18\x06 \x03(\x0b\x32\x16.mlxpipe.v1.WeightUnit\x12\x32\n\x05\x66iles\x18\x07 \x03(\x0b\x32#.mlxpipe.v1.WeightsOffer.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"(\n\x08UnitNeed\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x03(\r\"U\n\x0bWeightsNeed\x12\r\n\x05local\x18\x01 \x01(\x08\x12#\n\x05units\x18\x02 \x03(\x0b\x32\x14.mlxpipe.v1.UnitNeed\x12\x12\n\nhave_bytes\x18\x03 \x01(\x04\"]\n\x0bWeightChunk\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06sha256\x18\x05 \x01(\x0c\"G\n\x0eReceiveSummary\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12&\n\x08rejected\x18\x02 \x03(\x0b\x32\x14.mlxpipe.v1.UnitNeed\"\xa3\x01\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x11\n\tmax_batch\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x17\n\x0fmax_cache_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\"\xfa\x01\n\tLoadReply\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bmodel_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x04\x12\x17\n\x0fmax_cache_bytes\x18\x0b \x01(\x04\".\n\x0eProfileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\r\"\xa5\x01\n\x0cProfileReply\x12\x15\n\rlayer_seconds\x18\x01 \x03(\x02\x12\x15\n\rembed_seconds\x18\x02 \x01(\x02\x12\x14\n\x0chead_seconds\x18\x03 \x01(\x02\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x07 \x01(\x01\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x1a\n\tFreeReply\x12\r\n\x05\x66reed\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\x9c\x01\n\nStageStats\x12\x14\n\x0c\x62usy_seconds\x18\x01 \x01(\x01\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x02\"\x8f\x02\n\x0bHealthReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x63tive_bytes\x18\x08 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\t \x01(\x04\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x11\n\tlive_seqs\x18\x0b \x03(\x04\x12%\n\x05stats\x18\x0c \x01(\x0b\x32\x16.mlxpipe.v1.StageStats\x12\x14\n\x0cnext_address\x18\r \x01(\t\"\x10\n\x0eResultsRequest\"\r\n\x0bPingRequest\"\x0b\n\tPingReply\" \n\x0e\x46orwardSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x04\"a\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x04 \x01(\x01\";\n\tJoinReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07in_plan\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t2\xa4\x04\n\x05Stage\x12\x36\n\x04Ping\x12\x17.mlxpipe.v1.PingRequest\x1a\x15.mlxpipe.v1.PingReply\x12?\n\x07Profile\x12\x1a.mlxpipe.v1.ProfileRequest\x1a\x18.mlxpipe.v1.ProfileReply\x12\x39\n\x04Have\x12\x18.mlxpipe.v1.WeightsOffer\x1a\x17.mlxpipe.v1.WeightsNeed\x12@\n\x07Receive\x12\x17.mlxpipe.v1.WeightChunk\x1a\x1a.mlxpipe.v1.ReceiveSummary(\x01\x12\x36\n\x04Load\x12\x17.mlxpipe.v1.LoadRequest\x1a\x15.mlxpipe.v1.LoadReply\x12:\n\x07\x46orward\x12\x11.mlxpipe.v1.Frame\x1a\x1a.mlxpipe.v1.ForwardSummary(\x01\x12;\n\x07Results\x12\x1a.mlxpipe.v1.ResultsRequest\x1a\x12.mlxpipe.v1.Result0\x01\x12\x36\n\x04\x46ree\x12\x17.mlxpipe.v1.FreeRequest\x1a\x15.mlxpipe.v1.FreeReply\x12<\n\x06Health\x12\x19.mlxpipe.v1.HealthRequest\x1a\x17.mlxpipe.v1.HealthReply2>\n\x04Head\x12\x36\n\x04Join\x12\x17.mlxpipe.v1.JoinRequest\x1a\x15.mlxpipe.v1.JoinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_WEIGHTSOFFER_FILESENTRY']._loaded_options = None
+  _globals['_WEIGHTSOFFER_FILESENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=96
   _globals['_SAMPLINGPARAMS']._serialized_start=99
@@ -49,32 +51,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENRESULT']._serialized_end=995
   _globals['_RESULT']._serialized_start=997
   _globals['_RESULT']._serialized_end=1087
-  _globals['_LOADREQUEST']._serialized_start=1090
-  _globals['_LOADREQUEST']._serialized_end=1232
-  _globals['_LOADREPLY']._serialized_start=1235
-  _globals['_LOADREPLY']._serialized_end=1485
-  _globals['_PROFILEREQUEST']._serialized_start=1487
-  _globals['_PROFILEREQUEST']._serialized_end=1533
-  _globals['_PROFILEREPLY']._serialized_start=1536
-  _globals['_PROFILEREPLY']._serialized_end=1670
-  _globals['_FREEREQUEST']._serialized_start=1672
-  _globals['_FREEREQUEST']._serialized_end=1702
-  _globals['_FREEREPLY']._serialized_start=1704
-  _globals['_FREEREPLY']._serialized_end=1730
-  _globals['_HEALTHREQUEST']._serialized_start=1732
-  _globals['_HEALTHREQUEST']._serialized_end=1747
-  _globals['_STAGESTATS']._serialized_start=1750
-  _globals['_STAGESTATS']._serialized_end=1906
-  _globals['_HEALTHREPLY']._serialized_start=1909
-  _globals['_HEALTHREPLY']._serialized_end=2180
-  _globals['_RESULTSREQUEST']._serialized_start=2182
-  _globals['_RESULTSREQUEST']._serialized_end=2198
-  _globals['_PINGREQUEST']._serialized_start=2200
-  _globals['_PINGREQUEST']._serialized_end=2213
-  _globals['_PINGREPLY']._serialized_start=2215
-  _globals['_PINGREPLY']._serialized_end=2226
-  _globals['_FORWARDSUMMARY']._serialized_start=2228
-  _globals['_FORWARDSUMMARY']._serialized_end=2260
-  _globals['_STAGE']._serialized_start=2263
-  _globals['_STAGE']._serialized_end=2686
+  _globals['_WEIGHTUNIT']._serialized_start=1089
+  _globals['_WEIGHTUNIT']._serialized_end=1151
+  _globals['_WEIGHTSOFFER']._serialized_start=1154
+  _globals['_WEIGHTSOFFER']._serialized_end=1390
+  _globals['_WEIGHTSOFFER_FILESENTRY']._serialized_start=1346
+  _globals['_WEIGHTSOFFER_FILESENTRY']._serialized_end=1390
+  _globals['_UNITNEED']._serialized_start=1392
+  _globals['_UNITNEED']._serialized_end=1432
+  _globals['_WEIGHTSNEED']._serialized_start=1434
+  _globals['_WEIGHTSNEED']._serialized_end=1519
+  _globals['_WEIGHTCHUNK']._serialized_start=1521
+  _globals['_WEIGHTCHUNK']._serialized_end=1614
+  _globals['_RECEIVESUMMARY']._serialized_start=1616
+  _globals['_RECEIVESUMMARY']._serialized_end=1687
+  _globals['_LOADREQUEST']._serialized_start=1690
+  _globals['_LOADREQUEST']._serialized_end=1853
+  _globals['_LOADREPLY']._serialized_start=1856
+  _globals['_LOADREPLY']._serialized_end=2106
+  _globals['_PROFILEREQUEST']._serialized_start=2108
+  _globals['_PROFILEREQUEST']._serialized_end=2154
+  _globals['_PROFILEREPLY']._serialized_start=2157
+  _globals['_PROFILEREPLY']._serialized_end=2322
+  _globals['_FREEREQUEST']._serialized_start=2324
+  _globals['_FREEREQUEST']._serialized_end=2354
+  _globals['_FREEREPLY']._serialized_start=2356
+  _globals['_FREEREPLY']._serialized_end=2382
+  _globals['_HEALTHREQUEST']._serialized_start=2384
+  _globals['_HEALTHREQUEST']._serialized_end=2399
+  _globals['_STAGESTATS']._serialized_start=2402
+  _globals['_STAGESTATS']._serialized_end=2558
+  _globals['_HEALTHREPLY']._serialized_start=2561
+  _globals['_HEALTHREPLY']._serialized_end=2832
+  _globals['_RESULTSREQUEST']._serialized_start=2834
+  _globals['_RESULTSREQUEST']._serialized_end=2850
+  _globals['_PINGREQUEST']._serialized_start=2852
+  _globals['_PINGREQUEST']._serialized_end=2865
+  _globals['_PINGREPLY']._serialized_start=2867
+  _globals['_PINGREPLY']._serialized_end=2878
+  _globals['_FORWARDSUMMARY']._serialized_start=2880
+  _globals['_FORWARDSUMMARY']._serialized_end=2912
+  _globals['_JOINREQUEST']._serialized_start=2914
+  _globals['_JOINREQUEST']._serialized_end=3011
+  _globals['_JOINREPLY']._serialized_start=3013
+  _globals['_JOINREPLY']._serialized_end=3072
+  _globals['_STAGE']._serialized_start=3075
+  _globals['_STAGE']._serialized_end=3623
+  _globals['_HEAD']._serialized_start=3625
+  _globals['_HEAD']._serialized_end=3687
 # @@protoc_insertion_point(module_scope)

@@ -122,8 +122,83 @@ class Result(_message.Message):
     stage_seconds: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class WeightUnit(_message.Message):
+    __slots__ = ("name", "header", "data_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    header: bytes
+    data_bytes: int
+    def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightsOffer(_message.Message):
+    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    start: int
+    end: int
+    chunk_bytes: int
+    units: _containers.RepeatedCompositeFieldContainer[WeightUnit]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class UnitNeed(_message.Message):
+    __slots__ = ("name", "chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WeightsNeed(_message.Message):
+    __slots__ = ("local", "units", "have_bytes")
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    local: bool
+    units: _containers.RepeatedCompositeFieldContainer[UnitNeed]
+    have_bytes: int
+    def __init__(self, local: _Optional[bool] = ..., units: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ..., have_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("fingerprint", "unit", "index", "data", "sha256")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    unit: str
+    index: int
+    data: bytes
+    sha256: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., unit: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class ReceiveSummary(_message.Message):
+    __slots__ = ("bytes", "rejected")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    rejected: _containers.RepeatedCompositeFieldContainer[UnitNeed]
+    def __init__(self, bytes: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes", "fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +206,7 @@ class LoadRequest(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -138,7 +214,8 @@ class LoadRequest(_message.Message):
     max_batch: int
     max_tokens: int
     max_cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class LoadReply(_message.Message):
     __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes")
@@ -175,20 +252,22 @@ class ProfileRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached")
+    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s")
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     embed_seconds: float
     head_seconds: float
     memory_bytes: int
     node: str
     cached: bool
-    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+    bandwidth_bytes_per_s: float
+    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)
@@ -271,3 +350,25 @@ class ForwardSummary(_message.Message):
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     frames: int
     def __init__(self, frames: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("address", "name", "memory_bytes", "bandwidth_bytes_per_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("model", "in_plan", "detail")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IN_PLAN_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    in_plan: bool
+    detail: str
+    def __init__(self, model: _Optional[str] = ..., in_plan: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

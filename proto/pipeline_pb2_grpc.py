@@ -44,6 +44,16 @@ class StageStub:
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.FromString,
                 _registered_method=True)
+        self.Have = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Have',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightsOffer.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightsNeed.FromString,
+                _registered_method=True)
+        self.Receive = channel.stream_unary(
+                '/mlxpipe.v1.Stage/Receive',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightChunk.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ReceiveSummary.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/mlxpipe.v1.Stage/Load',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LoadRequest.SerializeToString,
@@ -83,6 +93,20 @@ class StageServicer:
 
     def Profile(self, request, context):
         """Time this node on a model, for the partition planner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Have(self, request, context):
+        """Which weights of a stage's range this node lacks (nothing, if it has the model).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request_iterator, context):
+        """Weight chunks from the head; each checked against its SHA-256.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +162,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.FromString,
                     response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.SerializeToString,
+            ),
+            'Have': grpc.unary_unary_rpc_method_handler(
+                    servicer.Have,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightsOffer.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightsNeed.SerializeToString,
+            ),
+            'Receive': grpc.stream_unary_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.WeightChunk.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ReceiveSummary.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -219,6 +253,60 @@ class Stage:
             '/mlxpipe.v1.Stage/Profile',
             mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
             mlxpipe_dot_proto_dot_pipeline__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Have(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Have',
+            mlxpipe_dot_proto_dot_pipeline__pb2.WeightsOffer.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.WeightsNeed.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/mlxpipe.v1.Stage/Receive',
+            mlxpipe_dot_proto_dot_pipeline__pb2.WeightChunk.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.ReceiveSummary.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,6 +442,78 @@ class Stage:
             '/mlxpipe.v1.Stage/Health',
             mlxpipe_dot_proto_dot_pipeline__pb2.HealthRequest.SerializeToString,
             mlxpipe_dot_proto_dot_pipeline__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class HeadStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/mlxpipe.v1.Head/Join',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.JoinRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.JoinReply.FromString,
+                _registered_method=True)
+
+
+class HeadServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_HeadServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.JoinRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.JoinReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mlxpipe.v1.Head', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mlxpipe.v1.Head', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Head:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Head/Join',
+            mlxpipe_dot_proto_dot_pipeline__pb2.JoinRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -184,6 +184,10 @@ def stage_handlers(servicer: pb_grpc.StageServicer) -> dict:
                                                      pb.PingReply.SerializeToString),
         "Profile": grpc.unary_unary_rpc_method_handler(servicer.Profile, _parser(pb.ProfileRequest),
                                                         pb.ProfileReply.SerializeToString),
+        "Have": grpc.unary_unary_rpc_method_handler(servicer.Have, _parser(pb.WeightsOffer),
+                                                     pb.WeightsNeed.SerializeToString),
+        "Receive": grpc.stream_unary_rpc_method_handler(servicer.Receive, _parser(pb.WeightChunk),
+                                                         pb.ReceiveSummary.SerializeToString),
         "Load": grpc.unary_unary_rpc_method_handler(servicer.Load, _parser(pb.LoadRequest),
                                                      pb.LoadReply.SerializeToString),
         "Forward": grpc.stream_unary_rpc_method_handler(servicer.Forward, _parser(pb.Frame),
@@ -202,4 +206,13 @@ def stage_server(servicer: pb_grpc.StageServicer, security: Security) -> grpc.ai
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("mlxpipe.v1.Stage", stage_handlers(servicer)),))
+    return server
+
+
+def head_server(servicer: pb_grpc.HeadServicer, security: Security) -> grpc.aio.Server:
+    """The head's own small gRPC server, where nodes join; it checks the secret too."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
+    handlers = {"Join": grpc.unary_unary_rpc_method_handler(servicer.Join, _parser(pb.JoinRequest),
+                                                             pb.JoinReply.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mlxpipe.v1.Head", handlers),))
     return server

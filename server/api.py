@@ -23,11 +23,13 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.engine import GenerationFailed, RequestStream
+from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxpipe.server.textgen import TextChunk, sampling_params, stream_text
@@ -156,9 +158,19 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
 
+    metrics = Metrics()
+    cluster.engine.observer = metrics
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(route.path if route is not None else "unmatched", str(response.status_code)).inc()
+        return response
+
     @app.middleware("http")
     async def _api_key(request: Request, call_next):
-        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics")
+        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics", "/nodes")
         if options.api_key and protected and request.method != "OPTIONS":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
@@ -362,6 +374,17 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
             raise ApiError(400, f"the text could not be tokenized: {err}", param="messages")
 
     # -- routes ---------------------------------------------------------------
+
+    @app.get("/nodes")
+    async def joined_nodes():
+        from mlxpipe.server.join import joined_table
+
+        in_plan = {st.address for st in cluster.pipeline.stages}
+        return {"nodes": joined_table(cluster.joined, in_plan)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await metrics.render(cluster), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -33,13 +33,19 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM CA to verify the --nodes' TLS certificates")
     p.add_argument("--tls-cert", default=None, help="PEM client certificate, for nodes demanding mutual TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--weights-rate", default=None,
+                   help="cap on weights streamed to each node that lacks the model, e.g. 100MB (per second)")
 
 
 def _cluster_config(args):
     from mlxpipe.proto.rpc import Security
     from mlxpipe.server.cluster import ClusterConfig
+    from mlxpipe.server.planner import parse_size
 
     return ClusterConfig(
+        weights_rate=parse_size(args.weights_rate) if args.weights_rate else None,
+        join_listen=getattr(args, "join_listen", None),
+        wait_nodes=getattr(args, "wait_nodes", 0),
         security=Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
                                        key=args.tls_key),
         model=args.model,
@@ -98,24 +104,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+EPILOG = """\
+examples:
+  mlxpipe serve                                  2 local stages of the default model, API on 127.0.0.1:8000
+  mlxpipe node --listen 0.0.0.0:50051 --secret-file ~/.mlxpipe-secret
+                                                 a stage worker on this Mac, for a head elsewhere
+  mlxpipe serve --nodes mac1:50051,mac2:50051 --secret-file ~/.mlxpipe-secret --model ~/models/M
+                                                 drive workers on other Macs
+  mlxpipe plan --model config.json --nodes 192GB,192GB --bits 4
+                                                 which layers where, and the predicted tokens/s
+  mlxpipe status                                 the running cluster as a table
+
+docs: README.md, docs/ (quick start, several Macs, benchmarking, security, reliability, architecture)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (tests check docker/compose.yaml's commands against it)."""
     parser = argparse.ArgumentParser(
         prog="mlxpipe",
         description="Run a model too large for one Mac across several: layer-sharded MLX stages "
-                    "streaming micro-batched activations over gRPC.",
+                    "streaming micro-batched activations over gRPC, behind an OpenAI-compatible API.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("pull", help="fetch and convert the embedded default model once")
-    p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.set_defaults(fn=cmd_pull)
-
+    from mlxpipe.server import bench, certs, planner, serve, status
     from mlxpipe.shards import worker
 
-    p = sub.add_parser("node", help="run one stage worker that a head can drive")
-    worker.add_arguments(p)
-    p.set_defaults(fn=worker.run)
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP API over a pipeline "
+                                     "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)")
+    _cluster_args(p)
+    serve.add_arguments(p)
+    p.set_defaults(fn=lambda args: serve.run(args, _cluster_config(args)))
 
     p = sub.add_parser("generate", help="generate text from one prompt through the pipeline")
     _cluster_args(p)
@@ -127,27 +149,38 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(fn=cmd_generate)
 
-    from mlxpipe.server import bench, certs, planner, serve
-
-    p = sub.add_parser("certs", help="make a small cluster's CA and node/client certificates (TLS)")
-    certs.add_arguments(p)
-    p.set_defaults(fn=certs.run)
+    p = sub.add_parser("node", help="run one stage worker that a head can drive")
+    worker.add_arguments(p)
+    p.set_defaults(fn=worker.run)
 
     p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
     planner.add_arguments(p)
     p.set_defaults(fn=planner.run)
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API over a pipeline "
-                                     "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)")
-    _cluster_args(p)
-    serve.add_arguments(p)
-    p.set_defaults(fn=lambda args: serve.run(args, _cluster_config(args)))
+    p = sub.add_parser("status", help="the cluster as a table: stages, layers, memory, health, load")
+    status.add_arguments(p)
+    p.set_defaults(fn=status.run)
+
+    p = sub.add_parser("nodes", help="the nodes that joined a running head (`mlxpipe node --join`)")
+    status.add_nodes_arguments(p)
+    p.set_defaults(fn=status.run_nodes)
 
     p = sub.add_parser("bench", help="tokens/s of the pipeline beside plain mlx-lm, measured side by side")
     bench.add_arguments(p)
     p.set_defaults(fn=bench.run)
 
-    args = parser.parse_args(argv)
+    p = sub.add_parser("pull", help="fetch and convert the embedded default model once")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.set_defaults(fn=cmd_pull)
+
+    p = sub.add_parser("certs", help="make a small cluster's CA and node/client certificates (TLS)")
+    certs.add_arguments(p)
+    p.set_defaults(fn=certs.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
     from mlxpipe.server.engine import GenerationFailed

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.engine import Engine, Supervision
-from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, even_split, probe,
+from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, WeightSource, even_split, probe,
                                      split_from_sizes)
+from mlxpipe.shards.store import fingerprint
 from mlxpipe.server.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class ClusterConfig:
     rejoin_timeout_s: float = 30.0  # how long a failed remote node gets to come back before re-planning
     supervision: Supervision = field(default_factory=Supervision)
     security: Security = field(default_factory=Security)  # toward --nodes (local stages get a fresh secret)
+    weights_rate: Optional[float] = None  # bytes/s at most when streaming weights to a node that lacks them
+    join_listen: Optional[str] = None     # host:port where nodes may join (`mlxpipe node --join`)
+    wait_nodes: int = 0             # with join_listen: nodes (listed + joined) to wait for before serving
     stage_log_level: str = "WARNING"
 
 
@@ -87,11 +92,15 @@ class Cluster:
         self.profiles: Dict[str, pb.ProfileReply] = {}  # by address
         self.plan_note = ""
         self.security = Security()
+        self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
+        self.joined: Dict[str, object] = {}  # address -> join.Joined
+        self.join_server = None
+        self._node_added = asyncio.Event()
 
     @property
     def _model_arg(self) -> str:
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
-        return str(self.model_path) if not self.config.nodes else self.config.model
+        return str(self.model_path) if self.local is not None else self.config.model
 
     @property
     def num_layers(self) -> int:
@@ -111,9 +120,21 @@ class Cluster:
         if cfg.split not in (None, "auto"):
             fixed_ranges(self.num_layers, n, cfg.split)  # refuse a bad --split before starting anything
         try:
-            if cfg.nodes:
+            if cfg.nodes or cfg.join_listen:
                 self.addresses = list(cfg.nodes)
                 self.security = cfg.security
+                self.weights = WeightSource(self.model_path, fingerprint(self.model_path), self.num_layers,
+                                            rate=cfg.weights_rate)
+                if cfg.join_listen:
+                    from mlxpipe.server.join import start_join_server
+
+                    self.join_server = await start_join_server(self, cfg.join_listen, self.security)
+                    while len(self.addresses) < max(cfg.wait_nodes, 1):
+                        logger.warning("waiting for nodes to join at %s (%d of %d)", cfg.join_listen,
+                                       len(self.addresses), max(cfg.wait_nodes, 1))
+                        self._node_added.clear()
+                        await self._node_added.wait()
+                await self._await_nodes()
             else:
                 # Local stages: a random cluster secret of their own, so that other
                 # users of this machine cannot drive them either.
@@ -159,6 +180,21 @@ class Cluster:
         loads = [st.load for st in self.pipeline.stages]
         return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
 
+    async def _await_nodes(self) -> None:
+        """Wait (up to rejoin_timeout_s) for every --nodes worker to answer."""
+        deadline = time.monotonic() + self.config.rejoin_timeout_s
+        while True:
+            errors = dict(zip(self.addresses, await probe(self.addresses, self.security)))
+            down = {a: e for a, e in errors.items() if e is not None}
+            refused = {a: e for a, e in down.items() if e.startswith("UNAUTHENTICATED")}
+            if refused:  # waiting will not help
+                raise PipelineError(f"nodes refused this head: {refused} (the cluster secret differs?)")
+            if not down:
+                return
+            if time.monotonic() > deadline:
+                raise PipelineError(f"nodes did not answer within {self.config.rejoin_timeout_s:.0f}s: {down}")
+            await asyncio.sleep(1.0)
+
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
         cfg = self.config
@@ -174,7 +210,7 @@ class Cluster:
             else:  # fewer stages than the fixed split names: after a loss, split evenly
                 ranges = even_split(self.num_layers, len(addresses))
             pipeline.assign(ranges)
-            await pipeline.load()
+            await pipeline.load(progress=sys.stderr.isatty(), weights=self.weights)
         except BaseException:
             await pipeline.close()
             raise
@@ -188,7 +224,7 @@ class Cluster:
         not answer is left out and the layers are re-planned over the rest."""
         cfg = self.config
         # The suspects are a hint; what answers a health check now is the truth.
-        up = dict(zip(self.addresses, await probe(self.addresses, self.security)))
+        up = {a: err is None for a, err in zip(self.addresses, await probe(self.addresses, self.security))}
         logger.warning("rebuilding after: %s; suspects %s; answering: %s", why,
                        [self.pipeline.stages[i].address for i in suspects if i < len(self.pipeline.stages)],
                        [a for a, ok in up.items() if ok])
@@ -202,8 +238,8 @@ class Cluster:
             while not all(up.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
                 down = [a for a, ok in up.items() if not ok]
-                for a, ok in zip(down, await probe(down, self.security)):
-                    up[a] = ok
+                for a, err in zip(down, await probe(down, self.security)):
+                    up[a] = err is None
         alive = [a for a in self.addresses if up[a]]
         while alive:
             try:
@@ -246,8 +282,15 @@ class Cluster:
             profiles = [self.profiles[a] for a in addresses]
             memory = [p.memory_bytes for p in profiles]
         cost = planner.load_model_cost(self.model_path)
+        # A node without the model cannot time it: then every node is planned on
+        # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
+        on_paper = any(not p.layer_seconds for p in profiles)
         nodes = []
         for address, prof, mem in zip(addresses, profiles, memory):
+            if on_paper:
+                nodes.append(planner.NodeSpec(name=address, memory_bytes=mem,
+                                              bandwidth_bytes_per_s=prof.bandwidth_bytes_per_s or 1e9))
+                continue
             by_kind: Dict[str, List[float]] = {}
             for layer, secs in zip(cost.layers, prof.layer_seconds):
                 by_kind.setdefault(layer.kind, []).append(secs)
@@ -274,6 +317,20 @@ class Cluster:
         logger.info(self.plan_note)
         return ranges, keep
 
+    async def add_node(self, joined) -> Tuple[bool, str]:
+        """A node joined: plan over it too. Returns whether it is in the pipeline now."""
+        if self.local is not None:
+            return False, "this head runs local stages; start it with --nodes or --join-listen to accept nodes"
+        self.joined[joined.address] = joined
+        if joined.address not in self.addresses:
+            self.addresses.append(joined.address)
+        self._node_added.set()
+        if self.engine is None:  # still starting: the first plan will include it
+            return True, "joined; the cluster is starting"
+        await self.engine.request_replan(f"node {joined.address} joined")
+        in_plan = joined.address in [st.address for st in self.pipeline.stages]
+        return in_plan, self.plan_note
+
     def describe(self) -> List[str]:
         lines = [f"model {self.model_path}"]
         for i, st in enumerate(self.pipeline.stages):
@@ -282,6 +339,8 @@ class Cluster:
         return lines
 
     async def stop(self) -> None:
+        if self.join_server is not None:
+            await self.join_server.stop(grace=None)
         if self.engine is not None:
             await self.engine.stop()
         elif self.pipeline is not None:

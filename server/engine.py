@@ -50,6 +50,7 @@ class RequestStream:
         self.done = False
         self.submitted = time.monotonic()
         self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
 
     def __aiter__(self):
         return self
@@ -82,6 +83,10 @@ class EngineStats:
     started: float = field(default_factory=time.monotonic)
     # Per-stage compute seconds, summed over every frame's Result.
     stage_seconds: List[float] = field(default_factory=list)
+
+
+class Replan(RuntimeError):
+    """Not a fault: the cluster changed (a node joined) and the layers are re-planned."""
 
 
 class StageDown(RuntimeError):
@@ -127,10 +132,14 @@ class Engine:
         self.supervision = supervision or Supervision()
         self.streams: Dict[int, RequestStream] = {}
         self.stats = EngineStats(stage_seconds=[0.0] * len(pipeline.stages))
+        self.observer = None              # e.g. Metrics: first_token(seconds), token(seconds since the last)
         self.state = "ready"              # "ready", "recovering" or "failed"
         self.failure: Optional[str] = None  # why, while not ready
         self._ids = itertools.count(1)
         self._supervisor: Optional[asyncio.Task] = None
+        self._replan = asyncio.Event()
+        self._replan_why = ""
+        self._rebuilt = asyncio.Event()  # set after each rebuild
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -197,6 +206,11 @@ class Engine:
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = now
+                if self.observer is not None:
+                    self.observer.first_token(now - stream.submitted)
+            if self.observer is not None:
+                self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
+            stream.last_token_at = now
             reason = ev.seq.finish_reason if ev.finished else None
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
             self.stats.tokens += 1
@@ -224,9 +238,23 @@ class Engine:
             if down:
                 raise StageDown("; ".join(d for _, d in down), [i for i, _ in down])
 
+    async def request_replan(self, why: str, timeout: float = 300.0) -> None:
+        """Rebuild the pipeline over the cluster's current nodes (live sequences pause and
+        replay); returns when the new pipeline runs."""
+        self._rebuilt.clear()
+        self._replan_why = why
+        self._replan.set()
+        await asyncio.wait_for(self._rebuilt.wait(), timeout)
+
+    async def _await_replan(self) -> None:
+        await self._replan.wait()
+        self._replan.clear()
+        raise Replan(self._replan_why)
+
     async def _run_pipeline(self) -> Tuple[str, List[int]]:
         """Run until the pipeline breaks; return why, and which stages are suspect."""
-        tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward())]
+        tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward(),
+                                                    self._await_replan())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -234,6 +262,8 @@ class Engine:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         err = next(iter(done)).exception()
+        if isinstance(err, Replan):
+            return f"re-plan: {err}", []
         if isinstance(err, StageDown):
             return str(err), err.suspects
         if isinstance(err, PipelineError):
@@ -266,9 +296,11 @@ class Engine:
                         self._fail(reason)
                     await asyncio.sleep(sup.retry_interval_s)
             self.state, self.failure = "ready", None
-            self.stats.recoveries += 1
+            if not why.startswith("re-plan"):
+                self.stats.recoveries += 1
             self.stats.stage_seconds = [0.0] * len(self.pipeline.stages)
-            logger.warning("recovered: %d stages", len(self.pipeline.stages))
+            logger.warning("running again: %d stages", len(self.pipeline.stages))
+            self._rebuilt.set()
             self._pump()
 
     def _fail(self, why: str) -> None:

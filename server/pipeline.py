@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, List, Optional, Sequence, Tuple
@@ -136,17 +137,17 @@ class LocalStages:
                 proc.wait()
 
 
-async def probe(addresses: Sequence[str], security: Security, timeout: float = 2.0) -> List[bool]:
-    """Whether each stage answers a health check within ``timeout``."""
+async def probe(addresses: Sequence[str], security: Security, timeout: float = 2.0) -> List[Optional[str]]:
+    """For each stage: None when it answers a health check within ``timeout``, else why not."""
 
-    async def one(address: str) -> bool:
+    async def one(address: str) -> Optional[str]:
         async with security.channel(address) as channel:
             try:
                 await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout,
                                                         metadata=security.metadata())
-                return True
-            except grpc.aio.AioRpcError:
-                return False
+                return None
+            except grpc.aio.AioRpcError as err:
+                return f"{err.code().name}: {err.details()}"
 
     return list(await asyncio.gather(*(one(a) for a in addresses)))
 
@@ -157,6 +158,25 @@ class StageInfo:
     start: int
     end: int
     load: Optional[pb.LoadReply] = None
+    weights_sent: int = 0  # data bytes of weights the head streamed to it
+
+
+@dataclass
+class WeightSource:
+    """The head's copy of the model, for nodes that lack it (shards/weights.py)."""
+
+    folder: Path
+    fingerprint: str
+    num_layers: int
+    rate: Optional[float] = None      # bytes per second at most, per node
+    corrupt: frozenset = frozenset()  # (unit, chunk) to garble once: for tests of the checksum path
+
+    def __post_init__(self):
+        from mlxpipe.shards.weights import model_units
+
+        self.units = model_units(self.folder)
+        self.files = {n: (self.folder / n).read_bytes()
+                      for n in ("config.json", "generation_config.json") if (self.folder / n).exists()}
 
 
 class Pipeline:
@@ -196,8 +216,75 @@ class Pipeline:
         for st, (s, e) in zip(self.stages, ranges):
             st.start, st.end = s, e
 
-    async def load(self) -> List[pb.LoadReply]:
-        """Every stage loads its range, all at once."""
+    async def send_weights(self, i: int, source: WeightSource, progress: bool = False) -> int:
+        """Offer stage i the units of its range; send the chunks it lacks (again, for any
+        whose checksum failed). Returns the data bytes sent."""
+        import hashlib
+
+        from mlxpipe.shards.weights import CHUNK_BYTES, units_for_range
+
+        st, stub = self.stages[i], self.stubs[i]
+        units = units_for_range(source.units, st.start, st.end, source.num_layers)
+        offer = pb.WeightsOffer(model=self.model, fingerprint=source.fingerprint, start=st.start, end=st.end,
+                                chunk_bytes=CHUNK_BYTES, files=source.files,
+                                units=[pb.WeightUnit(name=u.name, header=u.header(), data_bytes=u.data_bytes)
+                                       for u in units])
+        need = await stub.Have(offer, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+        if need.local:
+            return 0
+        by_name = {u.name: u for u in units}
+        todo = [(n.name, list(n.chunks)) for n in need.units]
+        total = sum(min(CHUNK_BYTES, by_name[n].data_bytes - c * CHUNK_BYTES) for n, cs in todo for c in cs)
+        bar = None
+        if progress and total:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=f"weights to {st.address}", unit="B", unit_scale=True, file=sys.stderr)
+        sent, t0, garble = 0, time.monotonic(), set(source.corrupt)
+        try:
+            for _ in range(5):
+                if not todo:
+                    break
+
+                async def chunks():
+                    nonlocal sent
+                    for name, indices in todo:
+                        for idx in indices:
+                            data = await asyncio.to_thread(by_name[name].read, idx, CHUNK_BYTES)
+                            digest = hashlib.sha256(data).digest()
+                            if (name, idx) in garble:  # as if a bit flipped on the way
+                                garble.discard((name, idx))
+                                data = bytes([data[0] ^ 0xFF]) + data[1:]
+                            sent += len(data)
+                            if bar is not None:
+                                bar.update(len(data))
+                            if source.rate:  # stay under the rate: sleep off any lead
+                                ahead = sent / source.rate - (time.monotonic() - t0)
+                                if ahead > 0:
+                                    await asyncio.sleep(ahead)
+                            yield pb.WeightChunk(fingerprint=source.fingerprint, unit=name, index=idx,
+                                                 data=data, sha256=digest)
+
+                summary = await stub.Receive(chunks(), timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                todo = [(r.name, list(r.chunks)) for r in summary.rejected]
+            if todo:
+                raise PipelineError(f"chunks for stage {i} at {st.address} kept failing their checksum: {todo}",
+                                    [i])
+        finally:
+            if bar is not None:
+                bar.close()
+        st.weights_sent += sent
+        logger.info("sent %.1f MB of weights to %s", sent / 1e6, st.address)
+        return sent
+
+    async def load(self, progress: bool = False, weights: Optional[WeightSource] = None) -> List[pb.LoadReply]:
+        """Every stage loads its range, all at once (a progress bar counts them in).
+        With ``weights``, a stage without the model first receives its range's."""
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(self.stages), desc="loading stages", unit="stage", file=sys.stderr)
 
         async def one(i: int) -> pb.LoadReply:
             st = self.stages[i]
@@ -206,7 +293,12 @@ class Pipeline:
                                  max_batch=self.max_batch, max_tokens=self.max_tokens,
                                  max_cache_bytes=self.max_cache_bytes)
             try:
+                if weights is not None:
+                    await self.send_weights(i, weights, progress)
+                    req.fingerprint = weights.fingerprint
                 st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                if bar is not None:
+                    bar.update()
             except grpc.aio.AioRpcError as err:
                 # A stage that cannot reach its successor blames the successor.
                 suspect = i + 1 if "next stage" in (err.details() or "") else i
@@ -216,7 +308,11 @@ class Pipeline:
                 ) from err
             return st.load
 
-        replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
+        try:
+            replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
+        finally:
+            if bar is not None:
+                bar.close()
         prints = {r.fingerprint for r in replies}
         if len(prints) != 1:
             raise PipelineError(f"stages hold different models (fingerprints {sorted(prints)})")

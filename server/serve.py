@@ -75,6 +75,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt a request may send (default: the model's context)")
+    p.add_argument("--join-listen", default=None, metavar="HOST:PORT",
+                   help="let nodes join here (`mlxpipe node --join HOST:PORT`), with the cluster secret")
+    p.add_argument("--wait-nodes", type=int, default=0,
+                   help="with --join-listen: nodes to wait for (listed and joined) before serving (default 1)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the model's context)")
 

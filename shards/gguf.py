@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -144,7 +146,7 @@ def build_config(meta: dict, tensors: Dict[str, mx.array]) -> dict:
 
 def build_tokenizer_files(meta: dict, out: Path) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` from GGUF metadata."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -209,16 +211,17 @@ def convert_gguf(
 ) -> Path:
     """Convert ``gguf_path`` into an mlx-lm model folder at ``out``.
 
-    ``progress(done, total)`` is called as tensors are converted. The folder is
-    written under a temporary name and renamed into place at the end, so an
-    interrupted conversion never leaves a half-written model behind.
+    ``progress(done, total)`` is called as tensors are converted.
     """
     tensors, meta = mx.load(str(gguf_path), return_metadata=True)
     config = build_config(meta, tensors)
     n_heads = config["num_attention_heads"]
     n_kv = config["num_key_value_heads"]
 
-    tmp = out.with_name(out.name + ".partial")
+    # Written under a name of our own, renamed into place at the end: an
+    # interrupted conversion leaves no half model, and two processes converting
+    # at once (nodes sharing a cache) do not trip over each other.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     tmp.mkdir(parents=True, exist_ok=True)
     converted: Dict[str, mx.array] = {}
     names = sorted(tensors)
@@ -234,10 +237,9 @@ def convert_gguf(
     mx.save_safetensors(str(tmp / "model.safetensors"), converted, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     build_tokenizer_files(meta, tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp)
     logger.info("converted %s -> %s (%d tensors)", gguf_path, out, len(converted))
     return out

@@ -39,6 +39,20 @@ def total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_bandwidth(megabytes: int = 256) -> float:
+    """Bytes per second this node moves through memory (read + write), measured."""
+    a = mx.ones((megabytes << 18,), dtype=mx.float32)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mx.eval(a + 1)
+        best = min(best, time.perf_counter() - t0)
+    del a
+    mx.clear_cache()
+    return 2 * (megabytes << 20) / best
+
+
 def block_kind(block: nn.Module) -> str:
     """Blocks of one class with the same classes of sub-modules cost the same."""
     parts = sorted(f"{k}:{type(v).__name__}" for k, v in block.children().items() if isinstance(v, nn.Module))

@@ -110,6 +110,7 @@ class StageModel:
         # The full-length cache layout the model expects, to learn each block's
         # cache kind before the blocks are replaced.
         template = self._full_cache()
+        self.blocks = list(blocks[start:end])  # this stage's own blocks
         self._inbox = _Inbox()
         for i in range(n):
             if i == start and not self.first:
@@ -155,11 +156,12 @@ class StageModel:
             self._inbox.hidden = None
 
 
-def load_stage(path: Path, start: int, end: int) -> tuple[StageModel, dict]:
+def load_stage(path: Path, start: int, end: int, strict: bool = True) -> tuple[StageModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
-    ``warm_up`` to read them now.
+    ``warm_up`` to read them now. ``strict=False`` for a folder holding only
+    this range's tensors (received from the head).
     """
     import json
 
@@ -169,7 +171,7 @@ def load_stage(path: Path, start: int, end: int) -> tuple[StageModel, dict]:
 
     path = Path(path)
     try:
-        model, config = load_model(path, lazy=True)
+        model, config = load_model(path, lazy=True, strict=strict)
     except json.JSONDecodeError as err:
         raise BrokenModel(f"{path / 'config.json'} is not valid JSON: {err}") from err
     except KeyError as err:
@@ -179,6 +181,19 @@ def load_stage(path: Path, start: int, end: int) -> tuple[StageModel, dict]:
     except (ValueError, FileNotFoundError) as err:  # mlx-lm: missing or misshapen tensors, unknown model type
         raise BrokenModel(f"model folder {path} cannot be loaded: {err}") from err
     return StageModel(model, start, end), config
+
+
+def read_weights(stage: StageModel, progress: bool = False) -> None:
+    """Read the range's blocks from disk one at a time (with a progress bar)."""
+    blocks = stage.blocks
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        blocks = tqdm(blocks, desc=f"reading layers [{stage.start}, {stage.end})", unit="layer", file=sys.stderr)
+    for block in blocks:
+        mx.eval(block.parameters())
 
 
 def warm_up(stage: StageModel, hidden_size: int) -> int:

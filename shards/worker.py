@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
 import itertools
 import logging
 import os
@@ -34,6 +33,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import SECRET_ENV, Security, malformed, stage_server
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
+from mlxpipe.shards.store import fingerprint, mlxpipe_home
+from mlxpipe.shards.weights import CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,6 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def fingerprint(path: Path) -> str:
-    """Identify a model folder by its config and its weight files' names and sizes."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
-
-
 class _Loaded:
     """A loaded shard: the runtime plus what Load replied."""
 
@@ -68,8 +61,9 @@ class _Loaded:
 
 class StageServicer(pb_grpc.StageServicer):
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
-                 models_dir: Optional[Path] = None):
+                 models_dir: Optional[Path] = None, progress: bool = False):
         self.security = security or Security()
+        self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
         self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
@@ -83,6 +77,8 @@ class StageServicer(pb_grpc.StageServicer):
         self._load_lock = asyncio.Lock()
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
+        self._offered: dict = {}    # (fingerprint, start, end) -> units the head offered
+        self._receivers: dict = {}  # fingerprint -> Receiver
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -103,18 +99,20 @@ class StageServicer(pb_grpc.StageServicer):
     # -- Profile, Load --------------------------------------------------------
 
     def _profile_sync(self, request: pb.ProfileRequest) -> pb.ProfileReply:
-        from mlxpipe.shards.profile import MEMORY_SHARE, profile, total_memory
+        from mlxpipe.shards.profile import MEMORY_SHARE, memory_bandwidth, node_name, profile, total_memory
+        from mlxpipe.shards.store import ModelNotFound
 
-        path = self._resolve(request.model)
+        reply = pb.ProfileReply(memory_bytes=self.memory_bytes or int(total_memory() * MEMORY_SHARE),
+                                node=node_name(), bandwidth_bytes_per_s=memory_bandwidth())
+        try:
+            path = self._resolve(request.model)
+        except ModelNotFound:
+            return reply  # no model here (yet): memory and bandwidth are all we can offer
         result = profile(path, fingerprint(path), batch=request.batch or 8)
-        return pb.ProfileReply(
-            layer_seconds=result["layer_seconds"],
-            embed_seconds=result["embed_seconds"],
-            head_seconds=result["head_seconds"],
-            memory_bytes=self.memory_bytes or int(total_memory() * MEMORY_SHARE),
-            node=result["node"],
-            cached=result["cached"],
-        )
+        reply.layer_seconds.extend(result["layer_seconds"])
+        reply.embed_seconds, reply.head_seconds = result["embed_seconds"], result["head_seconds"]
+        reply.cached = result["cached"]
+        return reply
 
     async def Profile(self, request: pb.ProfileRequest, context):
         from mlxpipe.shards.store import ModelNotFound, ModelPathRefused
@@ -129,17 +127,105 @@ class StageServicer(pb_grpc.StageServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
+    # -- weights from the head ------------------------------------------------
+
+    def _have_sync(self, offer: pb.WeightsOffer) -> pb.WeightsNeed:
+        from mlxpipe.shards.store import ModelNotFound
+        from mlxpipe.shards.weights import Receiver
+
+        try:
+            path = self._resolve(offer.model)
+            if fingerprint(path) == offer.fingerprint:
+                return pb.WeightsNeed(local=True)
+        except ModelNotFound:
+            pass
+        receiver = Receiver(mlxpipe_home(), offer.fingerprint, offer.chunk_bytes or CHUNK_BYTES)
+        receiver.write_files(dict(offer.files))
+        need = pb.WeightsNeed()
+        for unit in offer.units:
+            missing = receiver.need(unit.name, unit.header, unit.data_bytes)
+            if missing:
+                need.units.append(pb.UnitNeed(name=unit.name, chunks=missing))
+        need.have_bytes = receiver.verified_bytes()
+        self._offered[(offer.fingerprint, offer.start, offer.end)] = [u.name for u in offer.units]
+        self._receivers[offer.fingerprint] = receiver
+        return need
+
+    async def Have(self, request: pb.WeightsOffer, context):
+        from mlxpipe.shards.weights import WeightsError
+
+        await self._refuse_malformed(request, context)
+        try:
+            return await self._mlx(self._have_sync, request)
+        except WeightsError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def Receive(self, request_iterator, context):
+        from mlxpipe.shards.weights import WeightsError
+
+        summary = pb.ReceiveSummary()
+        rejected: dict = {}
+        bar = None
+        try:
+            async for chunk in request_iterator:
+                if (why := malformed(chunk)) is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+                receiver = self._receivers.get(chunk.fingerprint)
+                if receiver is None:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"no offer of model {chunk.fingerprint} yet (call Have first)")
+                try:  # disk writes: off the event loop, not on the MLX thread
+                    ok = await asyncio.to_thread(receiver.write_chunk, chunk.unit, chunk.index, chunk.data,
+                                                 chunk.sha256)
+                except WeightsError as err:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                if ok:
+                    summary.bytes += len(chunk.data)
+                    if self.progress:
+                        if bar is None:
+                            from tqdm import tqdm
+
+                            bar = tqdm(desc="receiving weights", unit="B", unit_scale=True, file=sys.stderr)
+                        bar.update(len(chunk.data))
+                else:
+                    logger.warning("chunk %d of %s failed its checksum; asking for it again", chunk.index,
+                                   chunk.unit)
+                    rejected.setdefault(chunk.unit, []).append(chunk.index)
+        finally:
+            if bar is not None:
+                bar.close()
+        summary.rejected.extend(pb.UnitNeed(name=u, chunks=c) for u, c in rejected.items())
+        return summary
+
+    def _model_path(self, request: pb.LoadRequest) -> tuple:
+        """The folder to load, and whether it holds only the weights received for this range."""
+        from mlxpipe.shards.store import ModelNotFound
+        from mlxpipe.shards.weights import Receiver
+
+        try:
+            return self._resolve(request.model), False
+        except ModelNotFound:
+            if not request.fingerprint:
+                raise
+        receiver = Receiver(mlxpipe_home(), request.fingerprint)
+        units = self._offered.get((request.fingerprint, request.start, request.end))
+        if units is None or not receiver.complete(units):
+            raise ModelNotFound(f"model {request.model!r} is not on this node and the weights of layers "
+                                f"[{request.start}, {request.end}) have not all been received")
+        return receiver.dir, True
+
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
         import mlx.core as mx
 
         from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
-        from mlxpipe.shards.slicing import load_stage, warm_up
+        from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 
-        path = self._resolve(request.model)
+        path, partial = self._model_path(request)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
         before = mx.get_active_memory()
-        stage, config = load_stage(path, request.start, request.end)
+        stage, config = load_stage(path, request.start, request.end, strict=not partial)
+        read_weights(stage, progress=self.progress)
         text = config.get("text_config", config)
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
@@ -166,7 +252,7 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=fingerprint(path),
+            fingerprint=request.fingerprint if partial else fingerprint(path),
             kv_bytes_per_token=kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
         )
@@ -377,11 +463,45 @@ async def _exit_with_parent(server) -> None:
     os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
 
 
+async def _join(head: str, address: str, security: Security, memory_bytes: Optional[int]) -> None:
+    """Offer ourselves to the head; stop the node if it refuses our secret."""
+    import platform
+
+    from mlxpipe.server.join import join
+    from mlxpipe.shards.profile import MEMORY_SHARE, memory_bandwidth, total_memory
+
+    memory = memory_bytes or int(total_memory() * MEMORY_SHARE)
+    bandwidth = await asyncio.to_thread(memory_bandwidth)
+    try:
+        reply = await join(head, address, platform.node(), memory, bandwidth, security)
+    except (PermissionError, ConnectionError) as err:
+        print(f"mlxpipe node: {err}", file=sys.stderr, flush=True)
+        os._exit(1)  # a node the head will not have is of no use
+    logger.warning("joined the head at %s (%s): %s", head, "in the pipeline" if reply.in_plan else "standing by",
+                   reply.detail)
+
+
+def _advertised(listen: str, head: str) -> str:
+    """The address the head should use for us: ours on the route toward the head."""
+    import socket
+
+    host, _, port = listen.rpartition(":")
+    if host not in ("0.0.0.0", "::", "[::]", ""):
+        return listen
+    head_host, _, head_port = head.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((head_host, int(head_port)))
+        return f"{s.getsockname()[0]}:{port}"
+
+
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
-                models_dir: Optional[Path] = None, exit_with_parent: bool = False) -> None:
+                models_dir: Optional[Path] = None, exit_with_parent: bool = False,
+                join: Optional[str] = None, advertise: Optional[str] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
-    servicer = StageServicer(security, memory_bytes, models_dir)
+    # A node in a terminal shows progress; stages a head started stay quiet.
+    servicer = StageServicer(security, memory_bytes, models_dir,
+                             progress=sys.stderr.isatty() and not exit_with_parent)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
@@ -394,9 +514,14 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 "secret required" if security.secret else "no secret",
                 "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
     watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
+    joiner = None
+    if join:
+        address = advertise or _advertised(f"{host}:{bound}", join)
+        joiner = asyncio.ensure_future(_join(join, address, security, memory_bytes))
     await server.wait_for_termination()
-    if watcher is not None:
-        watcher.cancel()
+    for task in (watcher, joiner):
+        if task is not None:
+            task.cancel()
 
 
 def _loopback(host: str) -> bool:
@@ -425,6 +550,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 75%% of physical memory)")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
+    parser.add_argument("--join", default=None, metavar="HEAD:PORT",
+                        help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
+    parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                        help="the address the head should reach this node at (default: the listen address, "
+                             "or this machine's address toward the head)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the parent process exits (for stages a head starts itself)")
     parser.add_argument("--log-level", default="INFO")
@@ -453,7 +583,7 @@ def run(args) -> int:
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
-                          exit_with_parent=args.exit_with_parent))
+                          exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise))
     except KeyboardInterrupt:
         pass
     return 0

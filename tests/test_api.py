@@ -34,9 +34,14 @@ def mlx_lm_chat(default_model):
 
     model, tok = load(str(default_model))
 
+    cache = {}
+
     def run(messages, max_tokens):
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        return generate(model, tok, prompt=prompt, max_tokens=max_tokens), len(prompt)
+        key = (repr(messages), max_tokens)
+        if key not in cache:
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+            cache[key] = generate(model, tok, prompt=prompt, max_tokens=max_tokens), len(prompt)
+        return cache[key]
 
     def run_text(text, max_tokens):
         return generate(model, tok, prompt=tok.encode(text), max_tokens=max_tokens)
@@ -94,11 +99,11 @@ def test_completion_greedy_equals_mlx_lm(client, mlx_lm_chat):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_end_the_answer_and_never_appear(client, mlx_lm_chat, stream):
-    full, _ = mlx_lm_chat(MESSAGES, 40)
+    full, _ = mlx_lm_chat(MESSAGES, 24)  # the same text as the greedy tests: computed once
     words = full.split()
     stop = words[len(words) // 2]
     expected = full[: full.index(stop)]
-    kw = dict(model="default", messages=MESSAGES, temperature=0, max_tokens=40, stop=["@@never@@", stop])
+    kw = dict(model="default", messages=MESSAGES, temperature=0, max_tokens=24, stop=["@@never@@", stop])
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -112,7 +117,7 @@ def test_stop_strings_end_the_answer_and_never_appear(client, mlx_lm_chat, strea
 
 def test_seed_gives_the_same_answer(client):
     kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story."}],
-              temperature=1.0, top_p=0.95, max_tokens=16)
+              temperature=1.0, top_p=0.95, max_tokens=10)
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     c = client.chat.completions.create(seed=99, **kw).choices[0].message.content
@@ -253,3 +258,54 @@ def test_wrong_method_and_path_are_openai_shaped(server):
     assert r.status_code == 405 and "error" in r.json()
     r = httpx.get(f"{server.base_url}/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def _scrape(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server.root}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return values
+
+
+def test_metrics_move_with_a_request(server, client):
+    before = _scrape(server)
+    client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=5)
+    after = _scrape(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("mlxpipe_http_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert delta("mlxpipe_generated_tokens_total") == 5
+    assert delta("mlxpipe_time_to_first_token_seconds_count") == 1
+    assert delta("mlxpipe_inter_token_seconds_count") == 4
+    stages = [labels for (name, labels) in after if name == "mlxpipe_stage_up"]
+    assert len(stages) == 2
+    for labels in stages:
+        assert after[("mlxpipe_stage_up", labels)] == 1.0
+        assert delta("mlxpipe_stage_busy_seconds_total", **dict(labels)) > 0
+        assert after[("mlxpipe_stage_weight_bytes", labels)] > 10e6
+    assert after[("mlxpipe_live_requests", ())] == 0
+
+
+def test_status_command_shows_the_cluster(server):
+    import subprocess
+    import sys
+
+    health = httpx.get(f"{server.root}/health").json()
+    out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "status", "--url", server.base_url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ok (ready)" in out.stdout
+    for s in health["stages"]:
+        a, b = s["layers"]
+        assert s["address"] in out.stdout and f"[{a}, {b})" in out.stdout
+    down = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "status", "--url", "http://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode == 2 and "cannot reach the head" in down.stderr

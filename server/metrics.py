@@ -1,0 +1,85 @@
+"""``/metrics`` in Prometheus's text format, through ``prometheus-client``.
+
+Head-side figures are observed as they happen (requests, time to first token,
+time between tokens, tokens generated); stage figures (busy seconds, queue
+depth, KV-cache bytes, weights, state) are read from every stage's Health at
+scrape time. Each app has a registry of its own.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mlxpipe.proto import pipeline_pb2 as pb
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _Stages:
+    """Collects the stages' figures from the last Health snapshot."""
+
+    def __init__(self):
+        self.snapshot: List[Tuple[int, str, Optional[pb.HealthReply]]] = []
+
+    def collect(self):
+        busy = CounterMetricFamily("mlxpipe_stage_busy_seconds", "Seconds each stage spent computing frames",
+                                   labels=["stage", "address"])
+        frames = CounterMetricFamily("mlxpipe_stage_frames", "Frames each stage computed", labels=["stage", "address"])
+        queue = GaugeMetricFamily("mlxpipe_stage_queue_depth", "Frames waiting at each stage",
+                                  labels=["stage", "address"])
+        kv = GaugeMetricFamily("mlxpipe_stage_kv_cache_bytes", "KV-cache bytes each stage holds",
+                               labels=["stage", "address"])
+        weights = GaugeMetricFamily("mlxpipe_stage_weight_bytes", "Weight bytes each stage holds",
+                                    labels=["stage", "address"])
+        up = GaugeMetricFamily("mlxpipe_stage_up", "1 when the stage answers and is ready", labels=["stage", "address"])
+        for i, address, reply in self.snapshot:
+            labels = [str(i), address]
+            up.add_metric(labels, 1.0 if reply is not None and reply.state == "ready" else 0.0)
+            if reply is None:
+                continue
+            busy.add_metric(labels, reply.stats.busy_seconds)
+            frames.add_metric(labels, reply.stats.frames)
+            queue.add_metric(labels, reply.stats.queue_depth)
+            kv.add_metric(labels, reply.cache_bytes)
+            weights.add_metric(labels, reply.weight_bytes)
+        yield from (busy, frames, queue, kv, weights, up)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxpipe_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("mlxpipe_time_to_first_token_seconds", "From submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("mlxpipe_inter_token_seconds", "Between consecutive tokens of a request",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated", registry=r)
+        self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
+        self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
+                                registry=r)
+        self.stages = _Stages()
+        r.register(self.stages)
+
+    # The engine calls these as tokens arrive (see Engine.observer).
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def token(self, since_previous: Optional[float]) -> None:
+        self.tokens.inc()
+        if since_previous is not None:
+            self.inter_token.observe(since_previous)
+
+    async def render(self, cluster) -> bytes:
+        engine = cluster.engine
+        self.live.set(engine.scheduler.live)
+        self.recoveries.set(engine.stats.recoveries)
+        health = await cluster.pipeline.health(timeout=2.0)
+        self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
+        return generate_latest(self.registry)
+

@@ -1,0 +1,238 @@
+"""Weights for nodes without the model: units, chunks, and the node's received cache.
+
+A model's tensors are grouped into *units*: one per layer (``layer-00012``),
+``embed`` (the token embedding) and ``head`` (everything else outside the
+layers: final norm, output head). A stage with layers ``[start, end)`` needs
+the units of its layers, ``embed`` if it is first (or last with a tied head),
+and ``head`` if it is last. A re-plan moves whole layers, so only units that
+change hands travel.
+
+Each unit travels as the data region of a safetensors file the node writes
+itself: the head sends the header (the unit's tensors, their dtypes, shapes
+and offsets) and then the data in fixed-size chunks, each with its SHA-256.
+The node writes verified chunks in place, keeps a one-byte-per-chunk map of
+what arrived, and renames the file into place when every chunk is there, so
+a transfer killed halfway resumes where it stopped and nothing half-written
+is ever loaded. Received units live under ``$MLXPIPE_HOME/received/<model
+fingerprint>/`` and are reused next time.
+
+Pure Python and file I/O only: no MLX (the head uses this too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+CHUNK_BYTES = 4 << 20
+_UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
+_FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class WeightsError(ValueError):
+    """A weights offer or chunk that cannot be taken; the message says why."""
+
+
+def read_header(path: Path) -> Tuple[dict, int]:
+    """A safetensors file's header, and where its data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 << 20:
+            raise WeightsError(f"{path}: safetensors header of {n} bytes is not plausible")
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+@dataclass
+class Source:
+    """Where one tensor's bytes are on the head."""
+
+    name: str
+    dtype: str
+    shape: List[int]
+    path: Path
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+@dataclass
+class Unit:
+    name: str
+    tensors: List[Source] = field(default_factory=list)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def header(self) -> bytes:
+        """The safetensors header of the unit's own file (tensors back to back)."""
+        meta, pos = {"__metadata__": {"format": "mlx"}}, 0
+        for t in self.tensors:
+            meta[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [pos, pos + t.nbytes]}
+            pos += t.nbytes
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+        return max(1, -(-self.data_bytes // chunk_bytes))
+
+    def read(self, index: int, chunk_bytes: int = CHUNK_BYTES) -> bytes:
+        """Bytes ``[index * chunk_bytes, ...)`` of the unit's data region, from the source files."""
+        lo, hi = index * chunk_bytes, min((index + 1) * chunk_bytes, self.data_bytes)
+        out, pos = bytearray(), 0
+        for t in self.tensors:
+            a, b = max(lo, pos), min(hi, pos + t.nbytes)
+            if a < b:
+                with open(t.path, "rb") as f:
+                    f.seek(t.offset + a - pos)
+                    out += f.read(b - a)
+            pos += t.nbytes
+        return bytes(out)
+
+
+def model_units(folder: Path) -> Dict[str, Unit]:
+    """Every unit of the mlx-lm model folder ``folder``, from its safetensors headers."""
+    units: Dict[str, Unit] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        header, data_start = read_header(path)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            m = _LAYER.search(name)
+            unit = f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
+            begin, end = info["data_offsets"]
+            units.setdefault(unit, Unit(unit)).tensors.append(
+                Source(name, info["dtype"], list(info["shape"]), path, data_start + begin, end - begin))
+    for u in units.values():
+        u.tensors.sort(key=lambda t: t.name)
+    return units
+
+
+def units_for_range(units: Dict[str, Unit], start: int, end: int, num_layers: int) -> List[Unit]:
+    """The units a stage holding layers ``[start, end)`` needs."""
+    names = [f"layer-{i:05d}" for i in range(start, end)]
+    tied = not any("lm_head" in t.name for t in units.get("head", Unit("head")).tensors)
+    if start == 0 or (end == num_layers and tied):
+        names.append("embed")
+    if end == num_layers:
+        names.append("head")
+    missing = [n for n in names if n.startswith("layer") and n not in units]
+    if missing:
+        raise WeightsError(f"the model folder has no tensors for {missing[:3]}")
+    return [units[n] for n in names if n in units]
+
+
+# -- the node's side ------------------------------------------------------------------
+
+
+def received_dir(home: Path, fingerprint: str) -> Path:
+    if not _FINGERPRINT.match(fingerprint):
+        raise WeightsError(f"model fingerprint {fingerprint!r} is not a hex digest")
+    return home / "received" / fingerprint
+
+
+class Receiver:
+    """The received-weights cache of one model on a node."""
+
+    def __init__(self, home: Path, fingerprint: str, chunk_bytes: int = CHUNK_BYTES):
+        self.dir = received_dir(home, fingerprint)
+        self.chunk_bytes = chunk_bytes
+
+    def _paths(self, unit: str) -> Tuple[Path, Path, Path]:
+        if not _UNIT.match(unit):
+            raise WeightsError(f"unit name {unit!r} is not one of embed, head, layer-NNNNN")
+        return (self.dir / f"model-{unit}.safetensors", self.dir / f"{unit}.partial", self.dir / f"{unit}.chunks")
+
+    def write_files(self, files: Dict[str, bytes]) -> None:
+        """Small files that come whole (config.json)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            if name not in ("config.json", "generation_config.json"):
+                raise WeightsError(f"file {name!r} is not one a stage needs")
+            json.loads(data)  # must be JSON
+            (self.dir / name).write_bytes(data)
+
+    def need(self, unit: str, header: bytes, data_bytes: int) -> List[int]:
+        """Chunks of ``unit`` still missing; starts a new partial file when none is there."""
+        final, partial, chunkmap = self._paths(unit)
+        count = max(1, -(-data_bytes // self.chunk_bytes))
+        if final.exists():
+            return []
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prefix = struct.pack("<Q", len(header)) + header
+        if partial.exists() and chunkmap.exists():
+            with open(partial, "rb") as f:
+                same = f.read(len(prefix)) == prefix
+            if same and chunkmap.stat().st_size == count:
+                have = chunkmap.read_bytes()
+                return [i for i in range(count) if not have[i]]
+        with open(partial, "wb") as f:  # a fresh (sparse) file: header, then room for the data
+            f.write(prefix)
+            f.truncate(len(prefix) + data_bytes)
+        chunkmap.write_bytes(b"\0" * count)
+        return list(range(count))
+
+    def write_chunk(self, unit: str, index: int, data: bytes, sha256: bytes) -> bool:
+        """Write one chunk if its checksum holds; returns False for a corrupted chunk.
+        Renames the unit into place when it is complete."""
+        final, partial, chunkmap = self._paths(unit)
+        if final.exists():
+            return True
+        if not partial.exists() or not chunkmap.exists():
+            raise WeightsError(f"unit {unit} was not offered first (call Have)")
+        count = chunkmap.stat().st_size
+        if not 0 <= index < count:
+            raise WeightsError(f"chunk {index} of unit {unit} is out of range [0, {count})")
+        if hashlib.sha256(data).digest() != sha256:
+            return False
+        with open(partial, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        data_start = 8 + n
+        size = partial.stat().st_size - data_start
+        expect = min(self.chunk_bytes, size - index * self.chunk_bytes)
+        if len(data) != expect:
+            raise WeightsError(f"chunk {index} of unit {unit} has {len(data)} bytes, expected {expect}")
+        fd = os.open(partial, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, data_start + index * self.chunk_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(chunkmap, os.O_WRONLY)
+        try:  # only after the data is on disk
+            os.pwrite(fd, b"\1", index)
+        finally:
+            os.close(fd)
+        if all(chunkmap.read_bytes()):
+            os.replace(partial, final)
+            chunkmap.unlink()
+        return True
+
+    def verified_bytes(self) -> int:
+        """Data bytes received and verified so far (complete units and partial chunks)."""
+        total = 0
+        for f in self.dir.glob("model-*.safetensors"):
+            total += f.stat().st_size - read_header(f)[1]
+        for chunkmap in self.dir.glob("*.chunks"):
+            partial = chunkmap.with_suffix(".partial")
+            data = partial.stat().st_size - read_header(partial)[1]
+            have = chunkmap.read_bytes()
+            for i, got in enumerate(have):
+                if got:
+                    total += min(self.chunk_bytes, data - i * self.chunk_bytes)
+        return total
+
+    def complete(self, units: List[str]) -> bool:
+        return (self.dir / "config.json").exists() and all(self._paths(u)[0].exists() for u in units)
+
+
+def iter_chunks(unit: Unit, indices: List[int], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Tuple[int, bytes]]:
+    for i in indices:
+        yield i, unit.read(i, chunk_bytes)
