@@ -71,7 +71,7 @@ class SeqEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "microbatch", "seqs", "tokens", "hidden", "free", "stage_seconds")
+    __slots__ = ("frame_id", "kind", "microbatch", "seqs", "tokens", "hidden", "free")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -87,7 +87,6 @@ class Frame(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
-    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
     microbatch: int
@@ -95,8 +94,7 @@ class Frame(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     free: _containers.RepeatedScalarFieldContainer[int]
-    stage_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., microbatch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., microbatch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs")
@@ -113,14 +111,12 @@ class TokenResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("frame_id", "tokens", "stage_seconds")
+    __slots__ = ("frame_id", "tokens")
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
-    stage_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ...) -> None: ...
 
 class WeightUnit(_message.Message):
     __slots__ = ("name", "header", "data_bytes")

@@ -363,8 +363,25 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                            headers={"Retry-After": str(options.retry_after_s)})
         return out
 
-    def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream",
+    def stream_response(gen: Generation, stops: List[str], first: List[dict], render, usage: Optional[dict]):
+        """Server-sent events: ``first``, then ``render(choice, chunk)`` per chunk, an
+        error event if the pipeline fails, the usage chunk when asked, ``[DONE]``."""
+
+        async def events() -> AsyncIterator[str]:
+            for obj in first:
+                yield _sse(obj)
+            try:
+                async for i, c in chunks(gen, stops):
+                    yield _sse(render(i, c))
+            except GenerationFailed as err:
+                yield _sse({"error": {"message": str(err), "type": "server_error",
+                                      "code": "pipeline_unavailable", "param": None}})
+                return
+            if usage is not None:
+                yield _sse(usage | {"choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def encode(fn, *args):
@@ -435,26 +452,16 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         base = {"id": rid, "created": created, "model": options.model_id}
 
         if req.stream:
-            async def events():
-                obj = dict(base, object="chat.completion.chunk")
-                for i in range(req.n):
-                    yield _sse(obj | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]})
-                try:
-                    async for i, c in chunks(gen, stops):
-                        choice = {"index": i, "delta": {"content": c.text} if c.text else {},
-                                  "logprobs": chat_logprobs(c) if req.logprobs else None,
-                                  "finish_reason": c.finish_reason}
-                        yield _sse(obj | {"choices": [choice]})
-                except GenerationFailed as err:
-                    yield _sse({"error": {"message": str(err), "type": "server_error",
-                                          "code": "pipeline_unavailable", "param": None}})
-                    return
-                if req.include_usage():
-                    yield _sse(obj | {"choices": [], "usage": gen.usage()})
-                yield "data: [DONE]\n\n"
+            obj = dict(base, object="chat.completion.chunk")
+            first = [obj | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]} for i in range(req.n)]
 
-            return stream_response(events())
+            def render(i, c):
+                return obj | {"choices": [{"index": i, "delta": {"content": c.text} if c.text else {},
+                                           "logprobs": chat_logprobs(c) if req.logprobs else None,
+                                           "finish_reason": c.finish_reason}]}
+
+            return stream_response(gen, stops, first, render, obj if req.include_usage() else None)
 
         out = await collect_all(request, gen, stops)
         choices = []
@@ -486,23 +493,15 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         base = {"id": rid, "object": "text_completion", "created": created, "model": options.model_id}
 
         if req.stream:
-            async def events():
-                offsets = [0] * req.n
-                try:
-                    async for i, c in chunks(gen, stops):
-                        lp = completion_logprobs(c, offsets[i]) if req.logprobs is not None else None
-                        offsets[i] += len(c.text)
-                        yield _sse(base | {"choices": [{"index": i, "text": c.text, "logprobs": lp,
-                                                        "finish_reason": c.finish_reason}]})
-                except GenerationFailed as err:
-                    yield _sse({"error": {"message": str(err), "type": "server_error",
-                                          "code": "pipeline_unavailable", "param": None}})
-                    return
-                if req.include_usage():
-                    yield _sse(base | {"choices": [], "usage": gen.usage()})
-                yield "data: [DONE]\n\n"
+            offsets = [0] * req.n
 
-            return stream_response(events())
+            def render(i, c):
+                lp = completion_logprobs(c, offsets[i]) if req.logprobs is not None else None
+                offsets[i] += len(c.text)
+                return base | {"choices": [{"index": i, "text": c.text, "logprobs": lp,
+                                            "finish_reason": c.finish_reason}]}
+
+            return stream_response(gen, stops, [], render, base if req.include_usage() else None)
 
         out = await collect_all(request, gen, stops)
         choices = []

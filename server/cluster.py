@@ -216,7 +216,7 @@ class Cluster:
             raise
         return pipeline
 
-    async def rebuild(self, why: str, suspects: Sequence[int]) -> Pipeline:
+    async def rebuild(self, why: str, suspects: Sequence[str]) -> Pipeline:
         """A new loaded pipeline after a fault, over the stages that work.
 
         Local stages that died or stalled are restarted in place (``restart``);
@@ -225,8 +225,7 @@ class Cluster:
         cfg = self.config
         # The suspects are a hint; what answers a health check now is the truth.
         up = {a: err is None for a, err in zip(self.addresses, await probe(self.addresses, self.security))}
-        logger.warning("rebuilding after: %s; suspects %s; answering: %s", why,
-                       [self.pipeline.stages[i].address for i in suspects if i < len(self.pipeline.stages)],
+        logger.warning("rebuilding after: %s; suspects %s; answering: %s", why, list(suspects),
                        [a for a, ok in up.items() if ok])
         if self.local is not None and cfg.restart:
             for i, address in enumerate(self.addresses):
@@ -247,7 +246,7 @@ class Cluster:
                 self.engine.scheduler.config.max_kv_tokens = self.kv_token_budget()
                 return self.pipeline
             except PipelineError as err:  # e.g. a stage that cannot reach its successor
-                gone = {alive[i] for i in err.suspects if i < len(alive)}
+                gone = set(err.suspects) & set(alive)
                 if not gone:
                     raise
                 logger.warning("leaving out %s: %s", sorted(gone), err)
@@ -308,12 +307,15 @@ class Cluster:
             ranges = planner.balanced_ranges(self.num_layers, times, embed, head, count,
                                              memory=memory, layer_bytes=layer_bytes)
             keep = list(range(count))
+            seconds = [sum(times[a:b]) + (embed if a == 0 else 0) + (head if b == self.num_layers else 0)
+                       for a, b in ranges]
         else:
             plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency)
-            ranges = plan.ranges
+            ranges, seconds = plan.ranges, [s.seconds for s in plan.stages]
             keep = [s.node_index for s in plan.stages]
-        self.plan_note = (f"planned for {cfg.profile_batch} rows per step: "
-                          f"{', '.join(f'[{a}, {b})' for a, b in ranges)}")
+        basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
+        self.plan_note = (f"planned from {basis}: " + ", ".join(
+            f"[{a}, {b}) {1000 * t:.0f} ms" for (a, b), t in zip(ranges, seconds)))
         logger.info(self.plan_note)
         return ranges, keep
 
@@ -336,6 +338,8 @@ class Cluster:
         for i, st in enumerate(self.pipeline.stages):
             mb = st.load.weight_bytes / 1e6 if st.load else 0
             lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
+        if self.plan_note:
+            lines.append(self.plan_note)
         return lines
 
     async def stop(self) -> None:

@@ -3,8 +3,9 @@ or text; ``textgen.py`` turns its streams into text.
 
 The engine runs on the event loop and owns the ``Scheduler``. Every change
 (a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
-for frames and queue them for stage 0. A reader task takes the last stage's
-Results and hands each token to its request's queue.
+for frames and queue them for stage 0. A supervisor task reads the last
+stage's Results, hands each token to its request's queue, watches the stages'
+health, and rebuilds the pipeline when it breaks (see ``Engine``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
@@ -42,10 +43,9 @@ class RequestStream:
     """The tokens of one request, as an async iterator. ``cancel()`` ends it and
     frees its caches on every stage."""
 
-    def __init__(self, engine: "Engine", seq_id: int, prompt_tokens: int):
+    def __init__(self, engine: "Engine", seq_id: int):
         self.engine = engine
         self.seq_id = seq_id
-        self.prompt_tokens = prompt_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
         self.submitted = time.monotonic()
@@ -77,12 +77,7 @@ class RequestStream:
 
 @dataclass
 class EngineStats:
-    requests: int = 0
-    tokens: int = 0
-    recoveries: int = 0
-    started: float = field(default_factory=time.monotonic)
-    # Per-stage compute seconds, summed over every frame's Result.
-    stage_seconds: List[float] = field(default_factory=list)
+    recoveries: int = 0  # pipelines rebuilt after a fault
 
 
 class Replan(RuntimeError):
@@ -92,13 +87,13 @@ class Replan(RuntimeError):
 class StageDown(RuntimeError):
     """A health check found a stage dead, stalled or not ready."""
 
-    def __init__(self, message: str, suspects: Sequence[int]):
+    def __init__(self, message: str, suspects: Sequence[str]):
         super().__init__(message)
         self.suspects = list(suspects)
 
 
-# rebuild(why, suspect stage indices) -> a loaded Pipeline without the fault, or raises.
-Rebuild = Callable[[str, Sequence[int]], Awaitable[Pipeline]]
+# rebuild(why, addresses of suspect stages) -> a loaded Pipeline without the fault, or raises.
+Rebuild = Callable[[str, Sequence[str]], Awaitable[Pipeline]]
 
 
 @dataclass
@@ -131,7 +126,7 @@ class Engine:
         self.rebuild = rebuild
         self.supervision = supervision or Supervision()
         self.streams: Dict[int, RequestStream] = {}
-        self.stats = EngineStats(stage_seconds=[0.0] * len(pipeline.stages))
+        self.stats = EngineStats()
         self.observer = None              # e.g. Metrics: first_token(seconds), token(seconds since the last)
         self.state = "ready"              # "ready", "recovering" or "failed"
         self.failure: Optional[str] = None  # why, while not ready
@@ -174,9 +169,8 @@ class Engine:
             raise ValueError(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
                              f"have room for {self.scheduler.config.max_kv_tokens}")
         self.scheduler.add(seq)
-        stream = RequestStream(self, seq_id, len(prompt))
+        stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream
-        self.stats.requests += 1
         self._pump()
         return stream
 
@@ -213,7 +207,6 @@ class Engine:
             stream.last_token_at = now
             reason = ev.seq.finish_reason if ev.finished else None
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
-            self.stats.tokens += 1
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
 
@@ -221,8 +214,6 @@ class Engine:
 
     async def _read(self) -> None:
         async for result in self.pipeline.results():
-            for i, s in enumerate(result.stage_seconds[: len(self.stats.stage_seconds)]):
-                self.stats.stage_seconds[i] += s
             self._deliver(self.scheduler.on_result(result))
             self._pump()
 
@@ -233,10 +224,10 @@ class Engine:
             down = []
             for i, (st, reply, err) in enumerate(await self.pipeline.health(timeout=sup.health_timeout_s)):
                 if reply is None or reply.state != "ready":
-                    down.append((i, f"stage {i} at {st.address} is "
+                    down.append((st.address, f"stage {i} at {st.address} is "
                                     + (f"unreachable ({err})" if reply is None else f"{reply.state}: {reply.detail}")))
             if down:
-                raise StageDown("; ".join(d for _, d in down), [i for i, _ in down])
+                raise StageDown("; ".join(d for _, d in down), [a for a, _ in down])
 
     async def request_replan(self, why: str, timeout: float = 300.0) -> None:
         """Rebuild the pipeline over the cluster's current nodes (live sequences pause and
@@ -251,8 +242,9 @@ class Engine:
         self._replan.clear()
         raise Replan(self._replan_why)
 
-    async def _run_pipeline(self) -> Tuple[str, List[int]]:
-        """Run until the pipeline breaks; return why, and which stages are suspect."""
+    async def _run_pipeline(self) -> Tuple[str, List[str], bool]:
+        """Run until the pipeline breaks or a re-plan is asked for; return why,
+        which stages are suspect, and whether it was a fault."""
         tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward(),
                                                     self._await_replan())]
         try:
@@ -263,21 +255,19 @@ class Engine:
             await asyncio.gather(*tasks, return_exceptions=True)
         err = next(iter(done)).exception()
         if isinstance(err, Replan):
-            return f"re-plan: {err}", []
-        if isinstance(err, StageDown):
-            return str(err), err.suspects
-        if isinstance(err, PipelineError):
-            return str(err), list(err.suspects)
+            return f"re-plan: {err}", [], False
+        if isinstance(err, (StageDown, PipelineError)):
+            return str(err), list(err.suspects), True
         if err is None:
-            return "the pipeline's streams closed", []
+            return "the pipeline's streams closed", [], True
         logger.error("engine failure", exc_info=err)
-        return f"{type(err).__name__}: {err}", []
+        return f"{type(err).__name__}: {err}", [], True
 
     async def _supervise(self) -> None:
         sup = self.supervision
         while True:
-            why, suspects = await self._run_pipeline()
-            logger.warning("pipeline broke: %s", why)
+            why, suspects, fault = await self._run_pipeline()
+            logger.warning("%s: %s", "pipeline broke" if fault else "rebuilding", why)
             if self.rebuild is None:
                 self._fail(why)
                 return
@@ -296,9 +286,7 @@ class Engine:
                         self._fail(reason)
                     await asyncio.sleep(sup.retry_interval_s)
             self.state, self.failure = "ready", None
-            if not why.startswith("re-plan"):
-                self.stats.recoveries += 1
-            self.stats.stage_seconds = [0.0] * len(self.pipeline.stages)
+            self.stats.recoveries += fault
             logger.warning("running again: %d stages", len(self.pipeline.stages))
             self._rebuilt.set()
             self._pump()

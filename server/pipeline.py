@@ -33,9 +33,9 @@ CALL_TIMEOUT_S = 10.0
 
 class PipelineError(RuntimeError):
     """The pipeline cannot take or finish work; the message says where and why.
-    ``suspects`` lists the indices of the stages at fault, when known."""
+    ``suspects`` lists the addresses of the stages at fault, when known."""
 
-    def __init__(self, message: str, suspects: Sequence[int] = ()):
+    def __init__(self, message: str, suspects: Sequence[str] = ()):
         super().__init__(message)
         self.suspects = list(suspects)
 
@@ -269,7 +269,7 @@ class Pipeline:
                 todo = [(r.name, list(r.chunks)) for r in summary.rejected]
             if todo:
                 raise PipelineError(f"chunks for stage {i} at {st.address} kept failing their checksum: {todo}",
-                                    [i])
+                                    [st.address])
         finally:
             if bar is not None:
                 bar.close()
@@ -301,10 +301,10 @@ class Pipeline:
                     bar.update()
             except grpc.aio.AioRpcError as err:
                 # A stage that cannot reach its successor blames the successor.
-                suspect = i + 1 if "next stage" in (err.details() or "") else i
+                suspect = self.stages[i + 1] if "next stage" in (err.details() or "") else st
                 raise PipelineError(
                     f"stage {i} at {st.address} could not load layers [{st.start}, {st.end}): "
-                    f"{err.code().name}: {err.details()}", [suspect]
+                    f"{err.code().name}: {err.details()}", [suspect.address]
                 ) from err
             return st.load
 
@@ -345,8 +345,8 @@ class Pipeline:
                 yield result
         except grpc.aio.AioRpcError as err:
             raise PipelineError(f"results stream of the last stage at {self.stages[last].address} broke: "
-                                f"{err.code().name}: {err.details()}", [last]) from err
-        raise PipelineError("the last stage closed its results stream", [last])
+                                f"{err.code().name}: {err.details()}", [self.stages[last].address]) from err
+        raise PipelineError("the last stage closed its results stream", [self.stages[last].address])
 
     async def watch_forward(self) -> None:
         """Return never; raise PipelineError when the Forward stream into stage 0 ends.
@@ -371,14 +371,6 @@ class Pipeline:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
-
-    async def free(self, seq_ids: Sequence[int] = ()) -> None:
-        """Free sequences (all, when empty) on every stage, out of band."""
-        await asyncio.gather(
-            *(s.Free(pb.FreeRequest(seq_ids=list(seq_ids)), timeout=CALL_TIMEOUT_S, metadata=self.md)
-              for s in self.stubs),
-            return_exceptions=True,
-        )
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.sampling import SamplingError, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import validate as validate_sampling
 from mlxpipe.shards.slicing import StageModel
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class StageStatsCounter:
     def begin(self) -> None:
         self.running_since = time.monotonic()
 
-    def end(self, tokens: int) -> float:
+    def end(self, tokens: int) -> None:
         now = time.monotonic()
         seconds = now - self.running_since
         self.running_since = None
@@ -93,7 +94,6 @@ class StageStatsCounter:
         self.recent.append((now, seconds, tokens))
         while self.recent and self.recent[0][0] < now - self.WINDOW:
             self.recent.popleft()
-        return seconds
 
     def busy_now(self) -> float:
         """Busy seconds so far, the frame in progress included."""
@@ -140,15 +140,19 @@ class StageRuntime:
             if seq.group is not None:
                 by_group.setdefault(seq.group, []).append(sid)
         for gid, gone in by_group.items():
-            group = self.groups[gid]
-            keep = [i for i, s in enumerate(group.members) if s not in gone]
-            if not keep:
-                del self.groups[gid]
-                continue
-            for c in group.caches:
-                c.filter(keep)
-            group.members = [group.members[i] for i in keep]
+            self._drop_rows(gid, gone)
         return freed
+
+    def _drop_rows(self, gid: int, sids: List[int]) -> None:
+        """Filter sequences out of a group's batched caches (the group goes when empty)."""
+        group = self.groups[gid]
+        keep = [i for i, s in enumerate(group.members) if s not in sids]
+        if not keep:
+            del self.groups[gid]
+            return
+        for c in group.caches:
+            c.filter(keep)
+        group.members = [group.members[i] for i in keep]
 
     def free_session(self, session: int) -> int:
         """Drop every sequence a (now closed) Forward stream brought."""
@@ -235,7 +239,7 @@ class StageRuntime:
                 raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
             if self.model.last and e.sampling.ByteSize():
                 try:
-                    SeqSampler(e.sampling, self.vocab_size)
+                    validate_sampling(e.sampling, self.vocab_size)
                 except SamplingError as err:
                     raise FrameError(f"sequence {e.seq_id}: {err}") from err
         return rows, n
@@ -262,10 +266,9 @@ class StageRuntime:
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
         finally:
-            seconds = self.stats.end(rows * n)
-        timings = list(frame.stage_seconds) + [seconds]
+            self.stats.end(rows * n)
         if self.model.last:
-            return pb.Result(frame_id=frame.frame_id, tokens=out or [], stage_seconds=timings)
+            return pb.Result(frame_id=frame.frame_id, tokens=out or [])
         nxt = pb.Frame(
             frame_id=frame.frame_id,
             kind=frame.kind,
@@ -273,7 +276,6 @@ class StageRuntime:
             seqs=frame.seqs,
             tokens=frame.tokens,
             free=frame.free,
-            stage_seconds=timings,
         )
         if out is not None:
             nxt.hidden.CopyFrom(codec.encode(out))
@@ -378,10 +380,4 @@ class StageRuntime:
             row = group.members.index(sid)
             self.seqs[sid].caches = [c.extract(row) for c in group.caches]
             self.seqs[sid].group = None
-        keep = [i for i, s in enumerate(group.members) if s not in sids]
-        if not keep:
-            del self.groups[gid]
-            return
-        for c in group.caches:
-            c.filter(keep)
-        group.members = [group.members[i] for i in keep]
+        self._drop_rows(gid, sids)
