@@ -20,7 +20,6 @@ _DTYPES = {
     "float16": (mx.float16, np.dtype("<f2")),
     "bfloat16": (mx.bfloat16, np.dtype("<u2")),  # numpy has no bfloat16: move as uint16
 }
-ACTIVATION_DTYPES = frozenset(_DTYPES)
 MAX_DIMS = 4
 
 

@@ -89,10 +89,6 @@ class Security:
             raise ValueError("give --tls-cert and --tls-key together")
         return cls(secret, _read(ca), _read(cert), _read(key))
 
-    @property
-    def tls(self) -> bool:
-        return self.ca is not None or self.cert is not None
-
     def metadata(self) -> Tuple[Tuple[str, str], ...]:
         """What every call (but Ping) carries."""
         return (("authorization", f"Bearer {self.secret}"),) if self.secret else ()
@@ -168,51 +164,37 @@ class _SecretCheck(grpc.aio.ServerInterceptor):
             await deny(request, context)
             yield  # pragma: no cover - an async generator for response streams
 
-        kind = {(False, False): grpc.unary_unary_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}
         fn = deny_streaming if handler.response_streaming else deny
-        return kind[(handler.request_streaming, handler.response_streaming)](fn)
+        return _HANDLER_KIND[(handler.request_streaming, handler.response_streaming)](fn)
 
 
-def stage_handlers(servicer: pb_grpc.StageServicer) -> dict:
-    """The Stage service's methods, each parsing its request itself, so that bytes
-    that are no protobuf get INVALID_ARGUMENT rather than an internal error."""
-    return {
-        "Ping": grpc.unary_unary_rpc_method_handler(servicer.Ping, _parser(pb.PingRequest),
-                                                     pb.PingReply.SerializeToString),
-        "Profile": grpc.unary_unary_rpc_method_handler(servicer.Profile, _parser(pb.ProfileRequest),
-                                                        pb.ProfileReply.SerializeToString),
-        "Have": grpc.unary_unary_rpc_method_handler(servicer.Have, _parser(pb.WeightsOffer),
-                                                     pb.WeightsNeed.SerializeToString),
-        "Receive": grpc.stream_unary_rpc_method_handler(servicer.Receive, _parser(pb.WeightChunk),
-                                                         pb.ReceiveSummary.SerializeToString),
-        "Load": grpc.unary_unary_rpc_method_handler(servicer.Load, _parser(pb.LoadRequest),
-                                                     pb.LoadReply.SerializeToString),
-        "Forward": grpc.stream_unary_rpc_method_handler(servicer.Forward, _parser(pb.Frame),
-                                                         pb.ForwardSummary.SerializeToString),
-        "Results": grpc.unary_stream_rpc_method_handler(servicer.Results, _parser(pb.ResultsRequest),
-                                                         pb.Result.SerializeToString),
-        "Free": grpc.unary_unary_rpc_method_handler(servicer.Free, _parser(pb.FreeRequest),
-                                                     pb.FreeReply.SerializeToString),
-        "Health": grpc.unary_unary_rpc_method_handler(servicer.Health, _parser(pb.HealthRequest),
-                                                       pb.HealthReply.SerializeToString),
-    }
+# (request streaming, response streaming) -> grpc's handler constructor
+_HANDLER_KIND = {(False, False): grpc.unary_unary_rpc_method_handler,
+                 (True, False): grpc.stream_unary_rpc_method_handler,
+                 (False, True): grpc.unary_stream_rpc_method_handler,
+                 (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _server(service: str, servicer, security: Security) -> grpc.aio.Server:
+    """A gRPC server for ``servicer``'s implementation of ``service`` (from
+    pipeline.proto) that checks the cluster secret. Each method parses its
+    request itself, so that bytes that are no protobuf get INVALID_ARGUMENT
+    rather than an internal error."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name[service].methods:
+        kind = _HANDLER_KIND[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(getattr(servicer, m.name), _parser(getattr(pb, m.input_type.name)),
+                                getattr(pb, m.output_type.name).SerializeToString)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(f"mlxpipe.v1.{service}", handlers),))
+    return server
 
 
 def stage_server(servicer: pb_grpc.StageServicer, security: Security) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` that checks the cluster secret."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("mlxpipe.v1.Stage", stage_handlers(servicer)),))
-    return server
+    """The stage worker's gRPC server."""
+    return _server("Stage", servicer, security)
 
 
 def head_server(servicer: pb_grpc.HeadServicer, security: Security) -> grpc.aio.Server:
-    """The head's own small gRPC server, where nodes join; it checks the secret too."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
-    handlers = {"Join": grpc.unary_unary_rpc_method_handler(servicer.Join, _parser(pb.JoinRequest),
-                                                             pb.JoinReply.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mlxpipe.v1.Head", handlers),))
-    return server
+    """The head's own small gRPC server, where nodes join."""
+    return _server("Head", servicer, security)

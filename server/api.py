@@ -33,6 +33,7 @@ from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxpipe.server.textgen import TextChunk, sampling_params, stream_text
+from mlxpipe.shards.sampling import SamplingError, validate as validate_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,8 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = error_response(413, f"the request body is larger than {self.limit} bytes",
-                                 code="request_too_large")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await too_big(scope, receive, send)
+            return await self._refuse(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -80,7 +79,12 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _BodyTooLarge:
-            await too_big(scope, receive, send)
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"the request body is larger than {self.limit} bytes",
+                                  code="request_too_large")
+        await response(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
@@ -95,12 +99,20 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """OpenAI's error shape: in a response, or as a stream's last event."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None,
                    headers: Optional[Dict[str, str]] = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(err: RequestValidationError, content_type: str) -> Tuple[str, Optional[str]]:
@@ -151,15 +163,29 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
     tok = cluster.tokenizer
     vocab = int(cluster.model_config.get("vocab_size", 0)) or len(tok)
     names = {options.model_id, "default", *options.aliases}
+    metrics = Metrics(cluster)
+    cluster.engine.observer = metrics
+
+    # Middleware added last runs first. From the outside in: counting (so 401s,
+    # 413s and preflights count too), CORS (it answers preflights before the key
+    # is asked for, and puts its headers on refusals), the API key, the body limit.
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics", "/nodes")
+        if options.api_key and protected:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
+                return error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
     if options.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
-
-    metrics = Metrics()
-    cluster.engine.observer = metrics
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -167,16 +193,6 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         route = request.scope.get("route")
         metrics.requests.labels(route.path if route is not None else "unmatched", str(response.status_code)).inc()
         return response
-
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next):
-        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics", "/nodes")
-        if options.api_key and protected and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
-                return error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
-                                      code="invalid_api_key")
-        return await call_next(request)
 
     engine = cluster.engine
 
@@ -208,14 +224,6 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves '{options.model_id}'",
                            param="model", code="model_not_found")
 
-    def check_sampling(req) -> None:
-        if req.top_k is not None and req.top_k >= vocab:
-            raise ApiError(400, f"top_k must be below the vocabulary size {vocab}", param="top_k")
-        for k in req.logit_bias or {}:
-            if not 0 <= int(k) < vocab:
-                raise ApiError(400, f"logit_bias token {k} is outside the vocabulary [0, {vocab})",
-                               param="logit_bias")
-
     def budget(req, prompt_len: int) -> int:
         context = engine.max_context
         if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
@@ -239,35 +247,45 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                            param="max_tokens", code="context_length_exceeded")
         return asked
 
+    retry_after = {"Retry-After": str(options.retry_after_s)}
+
+    def unavailable(err: GenerationFailed) -> ApiError:
+        return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable", headers=retry_after)
+
     def submit(req, prompt: List[int], logprobs: bool, top_logprobs: int) -> Generation:
-        check_sampling(req)
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+
+        def sampling(i: int):
+            return sampling_params(
+                temperature=options.default_temperature if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                seed=None if req.seed is None else req.seed + i,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                logit_bias=bias,
+            )
+
+        try:  # the last stage's own check, here where it can still be a 400
+            validate_sampling(sampling(0), vocab)
+        except SamplingError as err:
+            raise ApiError(400, str(err), param=err.param)
         max_tokens = budget(req, len(prompt))
         streams = []
         try:
             for i in range(req.n):
-                seed = None if req.seed is None else req.seed + i
-                sampling = sampling_params(
-                    temperature=options.default_temperature if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=req.top_k or 0,
-                    min_p=req.min_p or 0.0,
-                    repetition_penalty=req.repetition_penalty,
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    seed=seed,
-                    logprobs=logprobs,
-                    top_logprobs=top_logprobs,
-                    logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-                )
-                streams.append(engine.submit(prompt, max_tokens, sampling))
+                streams.append(engine.submit(prompt, max_tokens, sampling(i)))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
             raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
-                           code="server_busy", headers={"Retry-After": str(options.retry_after_s)})
+                           code="server_busy", headers=retry_after)
         except GenerationFailed as err:
-            raise ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
-                           headers={"Retry-After": str(options.retry_after_s)})
+            raise unavailable(err)
         except ValueError as err:  # e.g. more KV cache than the stages hold
             for s in streams:
                 s.cancel()
@@ -277,17 +295,15 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
     def token_text(token_id: int) -> str:
         return tok.decode([token_id])
 
+    def token_logprob(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
     def chat_logprobs(chunk: TextChunk) -> dict:
         content = []
         for t in chunk.tokens:
-            text = token_text(t.id)
-            entry = {"token": text, "logprob": t.logprob, "bytes": list(text.encode()), "top_logprobs": []}
-            if t.top:
-                entry["top_logprobs"] = [
-                    {"token": token_text(i), "logprob": lp, "bytes": list(token_text(i).encode())}
-                    for i, lp in zip(*t.top)
-                ]
-            content.append(entry)
+            top = [token_logprob(i, lp) for i, lp in zip(*t.top)] if t.top else []
+            content.append(token_logprob(t.id, t.logprob) | {"top_logprobs": top})
         return {"content": content}
 
     def completion_logprobs(chunk: TextChunk, offset: int) -> dict:
@@ -359,8 +375,7 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         try:
             work.result()
         except GenerationFailed as err:
-            raise ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
-                           headers={"Retry-After": str(options.retry_after_s)})
+            raise unavailable(err)
         return out
 
     def stream_response(gen: Generation, stops: List[str], first: List[dict], render, usage: Optional[dict]):
@@ -374,8 +389,7 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                 async for i, c in chunks(gen, stops):
                     yield _sse(render(i, c))
             except GenerationFailed as err:
-                yield _sse({"error": {"message": str(err), "type": "server_error",
-                                      "code": "pipeline_unavailable", "param": None}})
+                yield _sse(unavailable(err).body())
                 return
             if usage is not None:
                 yield _sse(usage | {"choices": [], "usage": gen.usage()})
@@ -401,7 +415,7 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(await metrics.render(cluster), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -424,7 +438,7 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                 info.update(state=reply.state, live_sequences=len(reply.live_seqs),
                             weight_bytes=reply.weight_bytes, cache_bytes=reply.cache_bytes,
                             busy_seconds=st_.busy_seconds, uptime_seconds=st_.uptime_seconds,
-                            busy_fraction=st_.busy_fraction, idle_fraction=1.0 - st_.busy_fraction,
+                            busy_fraction=st_.busy_fraction,
                             tokens_per_s=st_.tokens_per_s, queue_depth=st_.queue_depth,
                             frames=st_.frames, tokens=st_.tokens)
                 if reply.state != "ready":
@@ -476,8 +490,8 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
-            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        text = req.prompt_text()
+        if text is not None:
             prompt = await encode(tok.encode, text)
         else:
             prompt = list(req.prompt)

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +56,21 @@ def decode_rate(times: Sequence[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
 
 
+def decode_window(all_times: Sequence[Sequence[float]]) -> Optional[Tuple[float, float]]:
+    """While every stream is decoding: from the last first token to the first last
+    token (None when no stream produced any)."""
+    started = [ts for ts in all_times if ts]
+    if not started:
+        return None
+    return max(ts[0] for ts in started), min(ts[-1] for ts in started)
+
+
 def window_rate(all_times: Sequence[Sequence[float]]) -> float:
-    """Aggregate decode tokens/s while every stream is decoding: from the last
-    first token to the first last token."""
-    starts = [ts[0] for ts in all_times if ts]
-    ends = [ts[-1] for ts in all_times if ts]
-    if not starts:
+    """Aggregate decode tokens/s over the ``decode_window``."""
+    window = decode_window(all_times)
+    if window is None or window[1] - window[0] < 1e-3:
         return float("nan")
-    lo, hi = max(starts), min(ends)
-    if hi - lo < 1e-3:
-        return float("nan")
+    lo, hi = window
     return sum(1 for ts in all_times for t in ts if lo < t <= hi) / (hi - lo)
 
 
@@ -95,10 +100,8 @@ class RunResult:
     decode_tps: float      # tokens after the first / time after the first
 
 
-def baseline_worker(model: str, cpu: Optional[int]) -> None:
+def baseline_worker(model: str) -> None:
     """Read JSON requests on stdin, run plain mlx-lm ``generate_step``, answer JSON."""
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {cpu})
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -116,13 +119,12 @@ def baseline_worker(model: str, cpu: Optional[int]) -> None:
 
 
 class Baseline:
-    """mlx-lm ``generate_step`` in its own process."""
+    """mlx-lm ``generate_step`` in its own process (pinned to ``cpu``, as the servers are)."""
 
     def __init__(self, model: str, cpu: Optional[int]):
-        cmd = [sys.executable, "-m", "mlxpipe.server.bench", "--baseline-worker", model]
-        if cpu is not None:
-            cmd += ["--cpu", str(cpu)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.server.bench", "--baseline-worker", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=pin_to(cpu))
         if not self.proc.stdout.readline():
             raise RuntimeError("the mlx-lm baseline process failed to start")
 
@@ -308,14 +310,14 @@ async def load_round(server: HttpServer, model: str, prompts: List[str], max_tok
         if sampler:
             await sampler
     all_times = [ts for _, ts in results]
-    lo = max(ts[0] for ts in all_times if ts)
-    hi = min(ts[-1] for ts in all_times if ts)
+    window = decode_window(all_times)
     return LoadRound(server.name, len(prompts), [ts[0] - t0 for t0, ts in results if ts],
                      [decode_rate(ts) for ts in all_times], window_rate(all_times),
-                     _busy_between(samples, lo, hi) if sample_busy else [])
+                     _busy_between(samples, *window) if sample_busy and window else [])
 
 
 async def bench_load(args) -> dict:
+    import httpx
     from mlx_lm.utils import load_tokenizer
 
     from mlxpipe.shards.store import resolve_model
@@ -336,6 +338,7 @@ async def bench_load(args) -> dict:
                 cmd.append("--pin")
             ours = HttpServer("mlxpipe", cmd)
             servers.append(ours)
+        stages = len(httpx.get(f"{ours.url}/health", timeout=30).json()["stages"])  # what it runs (--url: any count)
         port = free_port()
         theirs = HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
                                                "--port", str(port), "--log-level", "WARNING"],
@@ -394,7 +397,7 @@ async def bench_load(args) -> dict:
     lines.append(f"one stream vs mlx-lm generate: {median(agg('mlxpipe', levels[0], 'aggregate_tps')) / single_tps:.3f}"
                  if levels[0] == 1 else "")
     print("\n".join(line for line in lines if line))
-    result = {"levels": table, "mlx_lm_generate_decode_tps": single_tps,
+    result = {"stages": stages, "levels": table, "mlx_lm_generate_decode_tps": single_tps,
               "rounds": [asdict(r) for r in rounds], "single": [asdict(s) for s in single]}
     if args.chart:
         chart(result, args.chart)
@@ -424,7 +427,7 @@ def chart(result: dict, path: str) -> None:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate decode tokens/s (median)")
-    ax.set_title("mlxpipe (2 stages) vs mlx_lm.server, same model")
+    ax.set_title(f"mlxpipe ({result['stages']} stages) vs mlx_lm.server, same model")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -484,12 +487,11 @@ async def bench_balance(args) -> dict:
             for s in streams:
                 s.cancel()
             await asyncio.gather(*consumers, return_exceptions=True)
-            per_step = []
+            per_step, busy = [], []
             for (_, h0, _), (_, h1, _) in zip(before, after):
-                frames = h1.stats.frames - h0.stats.frames
-                per_step.append((h1.stats.busy_seconds - h0.stats.busy_seconds) / max(frames, 1))
-            busy = [(h1.stats.busy_seconds - h0.stats.busy_seconds) / args.seconds
-                    for (_, h0, _), (_, h1, _) in zip(before, after)]
+                spent = h1.stats.busy_seconds - h0.stats.busy_seconds
+                per_step.append(spent / max(h1.stats.frames - h0.stats.frames, 1))
+                busy.append(spent / args.seconds)
             ranges = [(st.start, st.end) for st in cluster.pipeline.stages]
             spread = (max(per_step) - min(per_step)) / max(per_step)
             out[split] = {"ranges": ranges, "step_seconds": per_step, "busy": busy, "spread": spread}
@@ -554,8 +556,7 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--baseline-worker":
-        cpu = int(argv[argv.index("--cpu") + 1]) if "--cpu" in argv else None
-        baseline_worker(argv[1], cpu)
+        baseline_worker(argv[1])
         return 0
     parser = argparse.ArgumentParser(prog="mlxpipe bench")
     add_arguments(parser)

@@ -15,12 +15,14 @@ import datetime
 import ipaddress
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+CA_NAME = "mlxpipe cluster CA"
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -38,7 +40,7 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
         os.chmod(path, 0o600)
 
 
-def make_ca(name: str = "mlxpipe cluster CA", days: int = 3650) -> Tuple[x509.Certificate, object]:
+def make_ca(name: str = CA_NAME, days: int = 3650) -> Tuple[x509.Certificate, object]:
     key = _key()
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -78,9 +80,9 @@ def issue(ca: x509.Certificate, ca_key, name: str, hosts: List[str], days: int =
 
 
 def make_cluster(out: Path, nodes: List[Tuple[str, List[str]]], clients: List[str],
-                 ca_name: Optional[str] = None) -> None:
+                 ca_name: str = CA_NAME) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    ca, ca_key = make_ca(ca_name or "mlxpipe cluster CA")
+    ca, ca_key = make_ca(ca_name)
     _write(out / "ca.pem", ca.public_bytes(serialization.Encoding.PEM))
     _write(out / "ca-key.pem", _pem_key(ca_key), private=True)
     for name, hosts in nodes + [(c, []) for c in clients]:

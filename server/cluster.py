@@ -4,7 +4,6 @@ layer split, engine. Shared by ``mlxpipe generate``, ``serve`` and ``bench``."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -59,8 +58,15 @@ def available_cpus() -> List[int]:
 
 
 def read_config(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
-    return config.get("text_config", config) | {"model_type": config.get("model_type")}
+    """mlx-lm's reading of the config (generation_config.json's eos_token_id wins); for a
+    multimodal model its text part, with the model type and end-of-sequence ids of the whole."""
+    from mlx_lm.utils import load_config
+
+    config = load_config(path)
+    text = config.get("text_config", config) | {"model_type": config.get("model_type")}
+    if "eos_token_id" in config:
+        text["eos_token_id"] = config["eos_token_id"]
+    return text
 
 
 def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, int]]:
@@ -116,9 +122,10 @@ class Cluster:
         self.model_config = read_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path,
                                         eos_token_ids=self.model_config.get("eos_token_id"))
-        n = len(cfg.nodes) or cfg.stages
-        if cfg.split not in (None, "auto"):
-            fixed_ranges(self.num_layers, n, cfg.split)  # refuse a bad --split before starting anything
+        if cfg.split not in (None, "auto"):  # refuse a bad --split before starting anything
+            # (nodes that join are not known yet: then the split need only fit the model)
+            named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
+            fixed_ranges(self.num_layers, named, cfg.split)
         try:
             if cfg.nodes or cfg.join_listen:
                 self.addresses = list(cfg.nodes)
@@ -139,10 +146,11 @@ class Cluster:
                 # Local stages: a random cluster secret of their own, so that other
                 # users of this machine cannot drive them either.
                 self.security = Security(secret=secrets.token_urlsafe(32))
-                self.local = LocalStages(n, self.security.secret, self.model_path.parent,
+                self.local = LocalStages(cfg.stages, self.security.secret, self.model_path.parent,
                                          cpus=available_cpus() if cfg.pin else None, log_level=cfg.stage_log_level)
                 self.addresses = self.local.start()
             self.pipeline = await self._build(self.addresses)
+            n = len(self.pipeline.stages)  # the planner may have left nodes out
             sched = SchedulerConfig(
                 max_kv_tokens=self.kv_token_budget(),
                 num_groups=cfg.groups or n,
@@ -167,10 +175,10 @@ class Cluster:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
         if self.local is not None:
             # Local stages share this machine's memory.
-            from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
+            from mlxpipe.shards.profile import offered_memory
 
             model_bytes = sum(f.stat().st_size for f in self.model_path.glob("*.safetensors"))
-            cap = max(int(total_memory() * MEMORY_SHARE) - model_bytes, 0) // len(addresses)
+            cap = max(offered_memory() - model_bytes, 0) // len(addresses)
         return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
                         max_tokens=cfg.chunk_size, max_cache_bytes=cap)
 
@@ -180,20 +188,26 @@ class Cluster:
         loads = [st.load for st in self.pipeline.stages]
         return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
 
-    async def _await_nodes(self) -> None:
-        """Wait (up to rejoin_timeout_s) for every --nodes worker to answer."""
+    async def _await_up(self, down: Dict[str, str], refuse: bool = False) -> Dict[str, str]:
+        """Probe the stages in ``down`` (address -> why) about once a second until they
+        answer or rejoin_timeout_s passes; returns those still down. With ``refuse``, a
+        stage that refuses this head's secret raises at once: waiting will not help."""
         deadline = time.monotonic() + self.config.rejoin_timeout_s
         while True:
-            errors = dict(zip(self.addresses, await probe(self.addresses, self.security)))
-            down = {a: e for a, e in errors.items() if e is not None}
             refused = {a: e for a, e in down.items() if e.startswith("UNAUTHENTICATED")}
-            if refused:  # waiting will not help
+            if refuse and refused:
                 raise PipelineError(f"nodes refused this head: {refused} (the cluster secret differs?)")
-            if not down:
-                return
-            if time.monotonic() > deadline:
-                raise PipelineError(f"nodes did not answer within {self.config.rejoin_timeout_s:.0f}s: {down}")
+            if not down or time.monotonic() > deadline:
+                return down
             await asyncio.sleep(1.0)
+            down = {a: e for a, e in zip(down, await probe(list(down), self.security)) if e is not None}
+
+    async def _await_nodes(self) -> None:
+        """Wait (up to rejoin_timeout_s) for every --nodes worker to answer."""
+        errors = zip(self.addresses, await probe(self.addresses, self.security))
+        down = await self._await_up({a: e for a, e in errors if e is not None}, refuse=True)
+        if down:
+            raise PipelineError(f"nodes did not answer within {self.config.rejoin_timeout_s:.0f}s: {down}")
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -205,9 +219,9 @@ class Cluster:
                 if keep != list(range(len(addresses))):  # the planner left nodes out
                     await pipeline.close()
                     pipeline = self._pipeline([addresses[i] for i in keep])
-            elif len(addresses) == (len(cfg.nodes) or cfg.stages):
+            elif cfg.split == "even" or len(cfg.split.split(",")) == len(addresses):
                 ranges = fixed_ranges(self.num_layers, len(addresses), cfg.split)
-            else:  # fewer stages than the fixed split names: after a loss, split evenly
+            else:  # not the stages the fixed split names (one was lost, or joined): split evenly
                 ranges = even_split(self.num_layers, len(addresses))
             pipeline.assign(ranges)
             await pipeline.load(progress=sys.stderr.isatty(), weights=self.weights)
@@ -224,7 +238,8 @@ class Cluster:
         not answer is left out and the layers are re-planned over the rest."""
         cfg = self.config
         # The suspects are a hint; what answers a health check now is the truth.
-        up = {a: err is None for a, err in zip(self.addresses, await probe(self.addresses, self.security))}
+        errors = dict(zip(self.addresses, await probe(self.addresses, self.security)))
+        up = {a: err is None for a, err in errors.items()}
         logger.warning("rebuilding after: %s; suspects %s; answering: %s", why, list(suspects),
                        [a for a, ok in up.items() if ok])
         if self.local is not None and cfg.restart:
@@ -233,12 +248,8 @@ class Cluster:
                     await asyncio.to_thread(self.local.restart, i)
                     up[address] = True
         elif self.local is None:
-            deadline = time.monotonic() + cfg.rejoin_timeout_s
-            while not all(up.values()) and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                down = [a for a, ok in up.items() if not ok]
-                for a, err in zip(down, await probe(down, self.security)):
-                    up[a] = err is None
+            still = await self._await_up({a: e for a, e in errors.items() if e is not None})
+            up = {a: a not in still for a in self.addresses}
         alive = [a for a in self.addresses if up[a]]
         while alive:
             try:
@@ -256,9 +267,10 @@ class Cluster:
     async def _plan(self, pipeline: Pipeline) -> Tuple[List[Tuple[int, int]], List[int]]:
         """Balance stage time within each node's memory (server/planner.py).
 
-        Local stages share this machine: one profiles, and each gets an equal
-        share of the memory. Remote nodes each profile themselves; the planner
-        may leave a node out when the pipeline is faster without it.
+        Local stages share this machine: one profiles, each gets an equal share
+        of the memory, and each gets layers (it is running already). Remote nodes
+        each profile themselves; the planner may leave a node out when the
+        pipeline is faster without it.
         """
         from mlxpipe.server import planner
 
@@ -298,21 +310,9 @@ class Cluster:
                 layer_seconds={k: statistics.median(v) for k, v in by_kind.items()},
                 embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds))
         context = cfg.context or min(int(self.model_config.get("max_position_embeddings") or 8192), 8192)
-        if local:
-            # Every stage is asked for: exactly `count` non-empty ranges.
-            times, embed, head = nodes[0].times(cost)
-            layer_bytes = [l.weight_bytes + l.kv_bytes_per_token * context * cfg.concurrency for l in cost.layers]
-            layer_bytes[0] += cost.embed_bytes
-            layer_bytes[-1] += cost.head_bytes
-            ranges = planner.balanced_ranges(self.num_layers, times, embed, head, count,
-                                             memory=memory, layer_bytes=layer_bytes)
-            keep = list(range(count))
-            seconds = [sum(times[a:b]) + (embed if a == 0 else 0) + (head if b == self.num_layers else 0)
-                       for a, b in ranges]
-        else:
-            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency)
-            ranges, seconds = plan.ranges, [s.seconds for s in plan.stages]
-            keep = [s.node_index for s in plan.stages]
+        plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=local)
+        ranges, seconds = plan.ranges, [s.seconds for s in plan.stages]
+        keep = [s.node_index for s in plan.stages]
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         self.plan_note = (f"planned from {basis}: " + ", ".join(
             f"[{a}, {b}) {1000 * t:.0f} ms" for (a, b), t in zip(ranges, seconds)))
@@ -329,7 +329,9 @@ class Cluster:
         self._node_added.set()
         if self.engine is None:  # still starting: the first plan will include it
             return True, "joined; the cluster is starting"
-        await self.engine.request_replan(f"node {joined.address} joined")
+        from mlxpipe.server.join import REPLAN_WAIT_S
+
+        await self.engine.request_replan(f"node {joined.address} joined", timeout=REPLAN_WAIT_S)
         in_plan = joined.address in [st.address for st in self.pipeline.stages]
         return in_plan, self.plan_note
 

@@ -23,7 +23,7 @@ from mlxpipe.proto.rpc import Security, head_server
 
 logger = logging.getLogger(__name__)
 
-REPLAN_WAIT_S = 300.0
+REPLAN_WAIT_S = 300.0  # how long a join waits for the re-plan it causes: the node's deadline, the head's wait
 
 
 @dataclass

@@ -50,7 +50,8 @@ class _Stages:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, cluster):
+        self.cluster = cluster
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxpipe_http_requests", "HTTP requests by route and status",
@@ -60,9 +61,12 @@ class Metrics:
         self.inter_token = Histogram("mlxpipe_inter_token_seconds", "Between consecutive tokens of a request",
                                      buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated", registry=r)
+        # These two are read from the engine when scraped; the stages, from their Health.
         self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
+        self.live.set_function(lambda: cluster.engine.scheduler.live)
         self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
                                 registry=r)
+        self.recoveries.set_function(lambda: cluster.engine.stats.recoveries)
         self.stages = _Stages()
         r.register(self.stages)
 
@@ -75,11 +79,8 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    async def render(self, cluster) -> bytes:
-        engine = cluster.engine
-        self.live.set(engine.scheduler.live)
-        self.recoveries.set(engine.stats.recoveries)
-        health = await cluster.pipeline.health(timeout=2.0)
+    async def render(self) -> bytes:
+        health = await self.cluster.pipeline.health(timeout=2.0)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 

@@ -221,7 +221,7 @@ class Pipeline:
         whose checksum failed). Returns the data bytes sent."""
         import hashlib
 
-        from mlxpipe.shards.weights import CHUNK_BYTES, units_for_range
+        from mlxpipe.shards.weights import CHUNK_BYTES, chunk_size, units_for_range
 
         st, stub = self.stages[i], self.stubs[i]
         units = units_for_range(source.units, st.start, st.end, source.num_layers)
@@ -234,7 +234,7 @@ class Pipeline:
             return 0
         by_name = {u.name: u for u in units}
         todo = [(n.name, list(n.chunks)) for n in need.units]
-        total = sum(min(CHUNK_BYTES, by_name[n].data_bytes - c * CHUNK_BYTES) for n, cs in todo for c in cs)
+        total = sum(chunk_size(by_name[n].data_bytes, c) for n, cs in todo for c in cs)
         bar = None
         if progress and total:
             from tqdm import tqdm

@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mlxpipe.shards.weights import LAYER_RE, read_header
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
-_MAX_HEADER = 100 << 20        # largest safetensors JSON header we accept
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -104,6 +105,12 @@ class ModelCost:
     group_size: int
     source: str               # "config" or "safetensors"
 
+    def __post_init__(self) -> None:
+        # Weight bytes of layers [0, i): the planner asks for O(nodes x layers^2) stage weights.
+        # A plain attribute, not a field: equality, repr and asdict stay as they are.
+        object.__setattr__(self, "_weight_prefix",
+                           list(itertools.accumulate((l.weight_bytes for l in self.layers), initial=0)))
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -131,10 +138,11 @@ class ModelCost:
 
     def stage_weight_bytes(self, start: int, end: int) -> int:
         """Weights of a stage running layers [start, end): embedding on the first, head on the last."""
-        b = sum(l.weight_bytes for l in self.layers[start:end])
+        pre = self._weight_prefix
+        b = pre[end] - pre[start]
         if start == 0:
             b += self.embed_bytes
-        if end == self.num_layers:
+        if end == len(pre) - 1:
             b += self.head_bytes - (self.embed_bytes if self.tied and start == 0 else 0)
         return b
 
@@ -301,25 +309,11 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
 
 def read_safetensors_header(path: Path) -> Dict[str, dict]:
     """Tensor entries of a .safetensors file (name -> dtype, shape, data_offsets), header only."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: too short to be a safetensors file")
-        n = int.from_bytes(raw, "little")
-        if n > _MAX_HEADER:
-            raise ValueError(f"{path}: header of {n} bytes is larger than {_MAX_HEADER}")
-        data = f.read(n)
-    try:
-        header = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    header, _ = read_header(path)
     header.pop("__metadata__", None)
     return header
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ROUTED_RE = re.compile(r"switch_mlp\.|\.experts\.\d+\.|block_sparse_moe\.experts\.")
 
 
@@ -336,7 +330,7 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
                 nbytes = int(end) - int(start)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
-            m = _LAYER_RE.search(name)
+            m = LAYER_RE.search(name)
             if m:
                 i = int(m.group(1))
                 if i < L:                                 # beyond: MTP layers that mlx-lm drops
@@ -582,7 +576,7 @@ class _Problem:
         self.cost, self.nodes, self.hop = cost, list(nodes), hop_seconds
         self.L, self.N = cost.num_layers, len(nodes)
         tokens = context * concurrency
-        self.wpre = list(itertools.accumulate((l.weight_bytes for l in cost.layers), initial=0))
+        self.weights = cost.stage_weight_bytes    # (start, end) -> bytes: the one formula, on prefix sums
         self.kvpre = list(itertools.accumulate((l.kv_bytes_per_token * tokens for l in cost.layers), initial=0))
         self.tpre, self.embed_t, self.head_t = [], [], []
         for node in nodes:
@@ -590,15 +584,6 @@ class _Problem:
             self.tpre.append(list(itertools.accumulate(layers, initial=0.0)))
             self.embed_t.append(embed)
             self.head_t.append(head)
-
-    def weights(self, s: int, e: int) -> int:
-        c = self.cost
-        b = self.wpre[e] - self.wpre[s]
-        if s == 0:
-            b += c.embed_bytes
-        if e == self.L:
-            b += c.head_bytes - (c.embed_bytes if c.tied and s == 0 else 0)
-        return b
 
     def kv(self, s: int, e: int) -> int:
         return self.kvpre[e] - self.kvpre[s]
@@ -639,7 +624,7 @@ class _Problem:
 
 
 def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
-         hop_seconds: float = 0.0) -> Plan:
+         hop_seconds: float = 0.0, every_node: bool = False) -> Plan:
     """The best contiguous split of the model's layers over ``nodes``, in the order given.
 
     Every layer runs exactly once; each stage's weights plus KV cache for
@@ -647,10 +632,14 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, con
     stage's time is its layers' times, plus the embedding on the first stage,
     the head on the last, and ``hop_seconds`` for sending its output on. The
     slowest stage is minimized, then the sum of stage times, then the number of
-    stages; a node may get no layers. Raises ``PlanInfeasible`` when nothing fits.
+    stages; a node may get no layers, unless ``every_node`` (stages that are
+    already running, such as local stage processes). Raises ``PlanInfeasible``
+    when nothing fits.
     """
+    if every_node and len(nodes) > cost.num_layers:
+        raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of {cost.num_layers} layers")
     prob = _Problem(cost, nodes, context, concurrency, hop_seconds)
-    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=True)
+    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node)
     if stages is None:
         raise prob.infeasible()
     return prob.plan(stages)

@@ -55,7 +55,6 @@ class Sequence:
     sent: int = 0                  # tokens of `feed` sent as prefill
     feed: List[int] = field(default_factory=list)  # what prefill pushes (prompt, or prompt + generated on replay)
     group: Optional[int] = None
-    busy: bool = False             # a decode frame holding it is in flight
     known: bool = False            # stages may hold caches for it
     finish_reason: Optional[str] = None
 
@@ -202,8 +201,6 @@ class Scheduler:
                 pb.SeqEntry(seq_id=s.seq_id, offset=s.cached, num_tokens=1, sample=True) for s in seqs
             ]
             tokens = [s.generated[-1] for s in seqs]
-            for s in seqs:
-                s.busy = True
             frames.append(self._frame(pb.Frame.DECODE, list(members), entries, g, tokens))
         return frames
 
@@ -242,7 +239,6 @@ class Scheduler:
             seq = self.seqs.get(sid)
             if seq is None:  # finished or cancelled while the frame was in flight
                 continue
-            seq.busy = False
             t = by_id.get(sid)
             if t is None:
                 continue
@@ -286,6 +282,6 @@ class Scheduler:
         for seq in reversed(live):
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
-            seq.sent, seq.group, seq.busy, seq.known = 0, None, False, False
+            seq.sent, seq.group, seq.known = 0, None, False
             self.waiting.appendleft(seq)
         return live

@@ -18,6 +18,7 @@ MAX_STOP_LENGTH = 256
 MAX_N = 8
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 300
+INT32 = 1 << 31  # token ids and top_k travel as int32: larger ones could not even be sent
 
 
 def unicode_text(s: str) -> str:
@@ -69,7 +70,7 @@ class _Sampling(BaseModel):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0)
+    top_k: Optional[int] = Field(default=None, ge=0, lt=INT32)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -109,7 +110,7 @@ class _Sampling(BaseModel):
         if v and len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for k, b in (v or {}).items():
-            if not k.lstrip("-").isdigit():
+            if not k.removeprefix("-").isdecimal() or not -INT32 <= int(k) < INT32:
                 raise ValueError(f"logit_bias keys are token ids, got {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {b}")
@@ -164,11 +165,15 @@ class CompletionRequest(_Sampling):
                 raise ValueError("send one prompt per request (batched prompts are not supported)")
         if not self.prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(self.prompt, str):
-            unicode_text(self.prompt)
-        elif isinstance(self.prompt[0], str):
-            unicode_text(self.prompt[0])
+        if self.prompt_text() is not None:
+            unicode_text(self.prompt_text())
         return self
+
+    def prompt_text(self) -> Optional[str]:
+        """The prompt as text to tokenize; None when it is already token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if self.prompt and isinstance(self.prompt[0], str) else None
 
     def token_budget(self) -> Optional[int]:
         return self.max_tokens

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from pathlib import Path
 
@@ -13,13 +12,15 @@ import uvicorn
 
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.status import api_key
+from mlxpipe.shards.store import _REPO_ID
 
 logger = logging.getLogger(__name__)
 
 
 def model_id(model_arg: str, path: Path) -> str:
     """What /v1/models calls the model: a repo id as given, else the folder's name."""
-    if model_arg and not Path(model_arg).expanduser().exists() and "/" in model_arg:
+    if model_arg and not Path(model_arg).expanduser().exists() and _REPO_ID.match(model_arg):
         return model_arg
     return path.name
 
@@ -84,10 +85,8 @@ def add_arguments(p) -> None:
 
 
 def run(args, config: ClusterConfig) -> int:
-    api_key = os.environ.get("MLXPIPE_API_KEY")
-    if args.api_key_file:
-        api_key = Path(args.api_key_file).expanduser().read_text().strip()
-    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp, "api_key": api_key or None,
+    key = api_key(args) or None
+    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp, "api_key": key,
                "cors_origins": tuple(args.cors_origin), "max_body_bytes": args.max_body_bytes,
                "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
     try:

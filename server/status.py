@@ -23,14 +23,26 @@ def table(rows: List[List[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def from_head(url: str, api_key: str = "") -> str:
+def api_key(args) -> str:
+    """The head's API key: --api-key-file, else $MLXPIPE_API_KEY, else ""."""
+    if args.api_key_file:
+        return Path(args.api_key_file).expanduser().read_text().strip()
+    return os.environ.get("MLXPIPE_API_KEY", "")
+
+
+def get_head(url: str, key: str, path: str):
+    """GET ``path`` from the head at ``url`` (given with or without /v1)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/health", headers=headers, timeout=10)
+    r = httpx.get(url.rstrip("/").removesuffix("/v1") + path,
+                  headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
     if r.status_code == 401:
         raise ValueError("the head needs an API key: --api-key-file")
-    h = r.json()
+    return r
+
+
+def from_head(url: str, key: str = "") -> str:
+    h = get_head(url, key, "/health").json()
     rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "busy", "queue", "tok/s", "live"]]
     for s in h.get("stages", []):
         layers = s.get("layers", [0, 0])
@@ -65,9 +77,14 @@ async def from_nodes(addresses: List[str], security) -> str:
     return table(rows)
 
 
-def add_arguments(p) -> None:
+def add_nodes_arguments(p) -> None:
+    """The head to ask, and its key (`mlxpipe nodes`; `mlxpipe status` adds its own)."""
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running head (default http://127.0.0.1:8000)")
     p.add_argument("--api-key-file", default=None, help="file with the head's API key (or $MLXPIPE_API_KEY)")
+
+
+def add_arguments(p) -> None:
+    add_nodes_arguments(p)
     p.add_argument("--nodes", default="", help="ask these nodes (host:port,...) directly instead of a head")
     p.add_argument("--secret-file", default=None, help="the cluster secret, to ask --nodes (or $MLXPIPE_SECRET)")
     p.add_argument("--tls-ca", default=None)
@@ -93,34 +110,18 @@ def _run(args) -> int:
                                          key=args.tls_key)
         print(asyncio.run(from_nodes([n.strip() for n in args.nodes.split(",") if n.strip()], security)))
         return 0
-    key = os.environ.get("MLXPIPE_API_KEY", "")
-    if args.api_key_file:
-        key = Path(args.api_key_file).expanduser().read_text().strip()
     if args.json:
-        import httpx
-
-        r = httpx.get(f"{args.url.rstrip('/').removesuffix('/v1')}/health",
-                      headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
-        print(json.dumps(r.json(), indent=2))
+        print(json.dumps(get_head(args.url, api_key(args), "/health").json(), indent=2))
         return 0
-    print(from_head(args.url, key))
+    print(from_head(args.url, api_key(args)))
     return 0
-
-
-def add_nodes_arguments(p) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running head (default http://127.0.0.1:8000)")
-    p.add_argument("--api-key-file", default=None, help="file with the head's API key (or $MLXPIPE_API_KEY)")
 
 
 def run_nodes(args) -> int:
     import httpx
 
-    key = os.environ.get("MLXPIPE_API_KEY", "")
-    if args.api_key_file:
-        key = Path(args.api_key_file).expanduser().read_text().strip()
     try:
-        r = httpx.get(f"{args.url.rstrip('/').removesuffix('/v1')}/nodes",
-                      headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
+        r = get_head(args.url, api_key(args), "/nodes")
     except httpx.HTTPError as err:
         raise ValueError(f"cannot reach the head at {args.url}: {err}") from err
     nodes = r.json()["nodes"]

@@ -27,23 +27,25 @@ def sampling_params(
     top_logprobs: int = 0,
     logit_bias: Optional[Dict[int, float]] = None,
 ) -> pb.SamplingParams:
-    """The wire's SamplingParams from OpenAI-style values."""
+    """The wire's SamplingParams from OpenAI-style values. ``logprobs`` must be
+    set whenever ``top_logprobs`` is (the HTTP schemas see to it)."""
     p = pb.SamplingParams(
         temperature=temperature,
+        # Not passed through: `generate --top-p` is unbounded, and out-of-range
+        # values mean "no filter" here where the last stage would refuse them.
         top_p=top_p if 0 < top_p < 1 else 0.0,
         top_k=top_k,
         min_p=min_p,
         repetition_penalty=repetition_penalty or 0.0,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
-        logprobs=logprobs or top_logprobs > 0,
+        logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=logit_bias,
     )
     if seed is not None:
         p.has_seed = True
         p.seed = seed % (1 << 64)
-    for k, v in (logit_bias or {}).items():
-        p.logit_bias[int(k)] = float(v)
     return p
 
 
@@ -88,10 +90,9 @@ async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = ()
                 yield TextChunk(text[emitted:hit], taken, "stop")
                 return
         end = len(text) if finish is not None else len(text) - _held_back(text[emitted:], stops)
-        chunk = TextChunk(text[emitted:end], taken, finish)
+        chunk = TextChunk(text[emitted:end], taken, finish)  # never empty: it holds this token
         emitted = end
         taken = []
-        if chunk.text or chunk.tokens:
-            yield chunk
+        yield chunk
         if finish is not None:
             return

@@ -11,6 +11,7 @@ and batch under ``$MLXPIPE_HOME/profiles``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,8 +40,14 @@ def total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def offered_memory(given: Optional[int] = None) -> int:
+    """Bytes this node offers for weights and caches: ``given``, or a share of physical memory."""
+    return given or int(total_memory() * MEMORY_SHARE)
+
+
+@functools.lru_cache(maxsize=None)
 def memory_bandwidth(megabytes: int = 256) -> float:
-    """Bytes per second this node moves through memory (read + write), measured."""
+    """Bytes per second this node moves through memory (read + write), measured once per process."""
     a = mx.ones((megabytes << 18,), dtype=mx.float32)
     mx.eval(a)
     best = float("inf")
@@ -93,17 +100,24 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> D
         kinds.setdefault(block_kind(b), []).append(i)
     del model, blocks
     hidden = int(config.get("text_config", config)["hidden_size"])
+    timed: Dict[int, float] = {}
+
+    def layer_time(i: int) -> float:
+        # A kind found only at layer 0 or n - 1 (or a one-layer model) would load and time it twice.
+        if i not in timed:
+            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats)
+        return timed[i]
+
     seconds_of_kind = {}
     for kind, idx in kinds.items():
         inner = [i for i in idx if 0 < i < n - 1] or idx
-        i = inner[len(inner) // 2]
-        seconds_of_kind[kind] = _time_range(path, i, i + 1, batch, hidden, repeats)
+        seconds_of_kind[kind] = layer_time(inner[len(inner) // 2])
     layer_seconds = [0.0] * n
     for kind, idx in kinds.items():
         for i in idx:
             layer_seconds[i] = seconds_of_kind[kind]
-    first = _time_range(path, 0, 1, batch, hidden, repeats)
-    last = _time_range(path, n - 1, n, batch, hidden, repeats)
+    first = layer_time(0)
+    last = layer_time(n - 1)
     result = {
         "layer_seconds": layer_seconds,
         "embed_seconds": max(first - layer_seconds[0], 0.0),

@@ -25,28 +25,35 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 class SamplingError(ValueError):
-    """Sampling parameters that cannot be honoured; the message says which."""
+    """Sampling parameters that cannot be honoured; the message says which, ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def validate(p: pb.SamplingParams, vocab_size: int) -> None:
     """Raise SamplingError for parameters no sampler can honour."""
     checks = [
-        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
-        (0 <= p.top_p <= 1, f"top_p must be in [0, 1], got {p.top_p}"),
-        (0 <= p.top_k < vocab_size, f"top_k must be in [0, {vocab_size}), got {p.top_k}"),
-        (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
-        (p.repetition_penalty >= 0, f"repetition_penalty must be >= 0, got {p.repetition_penalty}"),
-        (p.repetition_context_size >= 0, "repetition_context_size must be >= 0"),
-        (p.penalty_context_size >= 0, "penalty_context_size must be >= 0"),
-        (0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
+        ("temperature", p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
+        ("top_p", 0 <= p.top_p <= 1, f"top_p must be in [0, 1], got {p.top_p}"),
+        ("top_k", 0 <= p.top_k < vocab_size,
+         f"top_k must be in [0, {vocab_size}) (the vocabulary's size), got {p.top_k}"),
+        ("min_p", 0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
+        ("repetition_penalty", p.repetition_penalty >= 0,
+         f"repetition_penalty must be >= 0, got {p.repetition_penalty}"),
+        ("repetition_context_size", p.repetition_context_size >= 0, "repetition_context_size must be >= 0"),
+        ("penalty_context_size", p.penalty_context_size >= 0, "penalty_context_size must be >= 0"),
+        ("top_logprobs", 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
          f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}"),
     ]
-    for ok, message in checks:
+    for param, ok, message in checks:
         if not ok:
-            raise SamplingError(message)
+            raise SamplingError(param, message)
     for token in p.logit_bias:
         if not 0 <= token < vocab_size:
-            raise SamplingError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
+            raise SamplingError("logit_bias",
+                                f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
 
 
 class SeqSampler:

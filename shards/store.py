@@ -53,8 +53,12 @@ def mlxpipe_home() -> Path:
     return base / "mlxpipe"
 
 
+def models_dir() -> Path:
+    return mlxpipe_home() / "models"
+
+
 def default_model_dir() -> Path:
-    return mlxpipe_home() / "models" / DEFAULT_MODEL_NAME
+    return models_dir() / DEFAULT_MODEL_NAME
 
 
 def _sha256(path: Path) -> str:
@@ -145,10 +149,6 @@ def pull_default(progress: Optional[bool] = None) -> Path:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def models_dir() -> Path:
-    return mlxpipe_home() / "models"
-
-
 def _confine(name: str, within: Path) -> Optional[Path]:
     """``name`` as a folder inside ``within``, None if it names no folder there;
     raises ModelPathRefused when it leads outside."""
@@ -186,16 +186,15 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
         return path.resolve()
     tried = [f"a model folder at {path.resolve()}"]
     if _REPO_ID.match(name):
-        try:
-            from huggingface_hub import constants, snapshot_download
+        from huggingface_hub import constants
+        from mlx_lm.utils import hf_repo_to_path
 
-            found = Path(snapshot_download(name, local_files_only=True))
+        try:
+            found = hf_repo_to_path(name)  # the local cache only, never the network
             if (found / "config.json").exists():
                 return found
             tried.append(f"Hugging Face repo {name!r} in {constants.HF_HUB_CACHE} (found, but without config.json)")
         except Exception:  # noqa: BLE001 - any miss in the cache means "not here"
-            from huggingface_hub import constants
-
             tried.append(f"Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE}")
     raise ModelNotFound(
         f"model {name!r} not found; looked for " + " and for ".join(tried)

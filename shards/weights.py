@@ -28,26 +28,59 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 CHUNK_BYTES = 4 << 20
 _UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class WeightsError(ValueError):
     """A weights offer or chunk that cannot be taken; the message says why."""
 
 
-def read_header(path: Path) -> Tuple[dict, int]:
-    """A safetensors file's header, and where its data starts."""
+MAX_HEADER_BYTES = 100 << 20  # the largest safetensors JSON header taken as plausible
+
+
+def _header_size(f, path: Path) -> int:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise WeightsError(f"{path}: too short to be a safetensors file")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES:
+        raise WeightsError(f"{path}: safetensors header of {n} bytes is larger than {MAX_HEADER_BYTES}")
+    return n
+
+
+def data_start(path: Path) -> int:
+    """Where a safetensors file's data region starts."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 << 20:
-            raise WeightsError(f"{path}: safetensors header of {n} bytes is not plausible")
-        header = json.loads(f.read(n))
+        return 8 + _header_size(f, path)
+
+
+def read_header(path: Path) -> Tuple[dict, int]:
+    """A safetensors file's header (``__metadata__`` included), and where its data starts."""
+    with open(path, "rb") as f:
+        n = _header_size(f, path)
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
+
+
+def chunk_count(data_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Chunks a data region of ``data_bytes`` travels in (at least one)."""
+    return max(1, -(-data_bytes // chunk_bytes))
+
+
+def chunk_size(data_bytes: int, index: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Bytes in chunk ``index`` of a data region of ``data_bytes`` (the last may be short)."""
+    return min(chunk_bytes, data_bytes - index * chunk_bytes)
 
 
 @dataclass
@@ -81,7 +114,7 @@ class Unit:
         return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> int:
-        return max(1, -(-self.data_bytes // chunk_bytes))
+        return chunk_count(self.data_bytes, chunk_bytes)
 
     def read(self, index: int, chunk_bytes: int = CHUNK_BYTES) -> bytes:
         """Bytes ``[index * chunk_bytes, ...)`` of the unit's data region, from the source files."""
@@ -105,7 +138,7 @@ def model_units(folder: Path) -> Dict[str, Unit]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            m = _LAYER.search(name)
+            m = LAYER_RE.search(name)
             unit = f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
             begin, end = info["data_offsets"]
             units.setdefault(unit, Unit(unit)).tensors.append(
@@ -162,7 +195,7 @@ class Receiver:
     def need(self, unit: str, header: bytes, data_bytes: int) -> List[int]:
         """Chunks of ``unit`` still missing; starts a new partial file when none is there."""
         final, partial, chunkmap = self._paths(unit)
-        count = max(1, -(-data_bytes // self.chunk_bytes))
+        count = chunk_count(data_bytes, self.chunk_bytes)
         if final.exists():
             return []
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -192,16 +225,13 @@ class Receiver:
             raise WeightsError(f"chunk {index} of unit {unit} is out of range [0, {count})")
         if hashlib.sha256(data).digest() != sha256:
             return False
-        with open(partial, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-        data_start = 8 + n
-        size = partial.stat().st_size - data_start
-        expect = min(self.chunk_bytes, size - index * self.chunk_bytes)
+        start = data_start(partial)
+        expect = chunk_size(partial.stat().st_size - start, index, self.chunk_bytes)
         if len(data) != expect:
             raise WeightsError(f"chunk {index} of unit {unit} has {len(data)} bytes, expected {expect}")
         fd = os.open(partial, os.O_WRONLY)
         try:
-            os.pwrite(fd, data, data_start + index * self.chunk_bytes)
+            os.pwrite(fd, data, start + index * self.chunk_bytes)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -219,20 +249,12 @@ class Receiver:
         """Data bytes received and verified so far (complete units and partial chunks)."""
         total = 0
         for f in self.dir.glob("model-*.safetensors"):
-            total += f.stat().st_size - read_header(f)[1]
+            total += f.stat().st_size - data_start(f)
         for chunkmap in self.dir.glob("*.chunks"):
             partial = chunkmap.with_suffix(".partial")
-            data = partial.stat().st_size - read_header(partial)[1]
-            have = chunkmap.read_bytes()
-            for i, got in enumerate(have):
-                if got:
-                    total += min(self.chunk_bytes, data - i * self.chunk_bytes)
+            data = partial.stat().st_size - data_start(partial)
+            total += sum(chunk_size(data, i, self.chunk_bytes) for i, got in enumerate(chunkmap.read_bytes()) if got)
         return total
 
     def complete(self, units: List[str]) -> bool:
         return (self.dir / "config.json").exists() and all(self._paths(u)[0].exists() for u in units)
-
-
-def iter_chunks(unit: Unit, indices: List[int], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Tuple[int, bytes]]:
-    for i in indices:
-        yield i, unit.read(i, chunk_bytes)

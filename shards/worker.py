@@ -50,6 +50,18 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def _model_status(err: ValueError) -> grpc.StatusCode:
+    """The status for a model a node cannot profile or load, by why."""
+    from mlxpipe.shards.store import BrokenModel, ModelNotFound, ModelPathRefused
+
+    for kind, code in ((ModelPathRefused, grpc.StatusCode.PERMISSION_DENIED),
+                       (ModelNotFound, grpc.StatusCode.NOT_FOUND),
+                       (BrokenModel, grpc.StatusCode.FAILED_PRECONDITION)):
+        if isinstance(err, kind):
+            return code
+    return grpc.StatusCode.INVALID_ARGUMENT  # a range outside the model, a missing or misshapen tensor
+
+
 class _Loaded:
     """A loaded shard: the runtime plus what Load replied."""
 
@@ -99,10 +111,10 @@ class StageServicer(pb_grpc.StageServicer):
     # -- Profile, Load --------------------------------------------------------
 
     def _profile_sync(self, request: pb.ProfileRequest) -> pb.ProfileReply:
-        from mlxpipe.shards.profile import MEMORY_SHARE, memory_bandwidth, node_name, profile, total_memory
+        from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
         from mlxpipe.shards.store import ModelNotFound
 
-        reply = pb.ProfileReply(memory_bytes=self.memory_bytes or int(total_memory() * MEMORY_SHARE),
+        reply = pb.ProfileReply(memory_bytes=offered_memory(self.memory_bytes),
                                 node=node_name(), bandwidth_bytes_per_s=memory_bandwidth())
         try:
             path = self._resolve(request.model)
@@ -115,17 +127,11 @@ class StageServicer(pb_grpc.StageServicer):
         return reply
 
     async def Profile(self, request: pb.ProfileRequest, context):
-        from mlxpipe.shards.store import ModelNotFound, ModelPathRefused
-
         await self._refuse_malformed(request, context)
         try:
             return await self._mlx(self._profile_sync, request)
-        except ModelPathRefused as err:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
-        except ModelNotFound as err:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(_model_status(err), str(err))
 
     # -- weights from the head ------------------------------------------------
 
@@ -217,7 +223,7 @@ class StageServicer(pb_grpc.StageServicer):
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
         import mlx.core as mx
 
-        from mlxpipe.shards.profile import MEMORY_SHARE, total_memory
+        from mlxpipe.shards.profile import offered_memory
         from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 
         path, partial = self._model_path(request)
@@ -235,7 +241,7 @@ class StageServicer(pb_grpc.StageServicer):
         model_bytes = sum(
             f.stat().st_size for f in path.glob("*.safetensors")
         )
-        offered = self.memory_bytes or int(total_memory() * MEMORY_SHARE)
+        offered = offered_memory(self.memory_bytes)
         limits = StageLimits(
             max_batch=request.max_batch or StageLimits.max_batch,
             max_tokens=request.max_tokens or StageLimits.max_tokens,
@@ -259,8 +265,6 @@ class StageServicer(pb_grpc.StageServicer):
         return _Loaded(runtime, reply, request)
 
     async def Load(self, request: pb.LoadRequest, context):
-        from mlxpipe.shards.store import BrokenModel, ModelNotFound, ModelPathRefused
-
         await self._refuse_malformed(request, context)
         async with self._load_lock:
             if request.end <= request.start:
@@ -279,18 +283,9 @@ class StageServicer(pb_grpc.StageServicer):
             self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
             try:
                 loaded = await self._mlx(self._load_sync, request)
-            except ModelPathRefused as err:
+            except ValueError as err:  # no such model, a broken folder, a range outside the model
                 self.state, self.detail = "empty", str(err)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
-            except ModelNotFound as err:
-                self.state, self.detail = "empty", str(err)
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
-            except BrokenModel as err:
-                self.state, self.detail = "empty", str(err)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            except ValueError as err:  # a range outside the model, a missing or misshapen tensor
-                self.state, self.detail = "empty", str(err)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                await context.abort(_model_status(err), str(err))
             except Exception as err:  # noqa: BLE001 - a broken model folder, reported to the caller
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
@@ -468,9 +463,9 @@ async def _join(head: str, address: str, security: Security, memory_bytes: Optio
     import platform
 
     from mlxpipe.server.join import join
-    from mlxpipe.shards.profile import MEMORY_SHARE, memory_bandwidth, total_memory
+    from mlxpipe.shards.profile import memory_bandwidth, offered_memory
 
-    memory = memory_bytes or int(total_memory() * MEMORY_SHARE)
+    memory = offered_memory(memory_bytes)
     bandwidth = await asyncio.to_thread(memory_bandwidth)
     try:
         reply = await join(head, address, platform.node(), memory, bandwidth, security)

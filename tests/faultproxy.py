@@ -1,11 +1,11 @@
-"""A fault-injecting TCP proxy, for tests: delay, jitter, loss-like stalls, partitions, cuts.
+"""A fault-injecting TCP proxy, for tests: delay, jitter, loss-like stalls, partitions.
 
 This kernel has no netem, so faults between stages are injected here instead.
 Bytes keep their order; each chunk is held for ``delay`` +- ``jitter`` seconds,
 and with probability ``stall_p`` a chunk is held ``stall`` seconds more (what
 a lost segment costs TCP: a retransmission later). ``partition()`` stops
 forwarding in both directions while keeping the connections open, so the
-peers see silence rather than a reset; ``cut()`` closes every connection.
+peers see silence rather than a reset.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Set
 
 
 class FaultProxy:
-    def __init__(self, listen_host: str, target_host: str, target_port: int, listen_port: int = 0):
+    def __init__(self, listen_host: str, target_host: str, target_port: int):
         self.listen_host, self.target = listen_host, (target_host, target_port)
         self.delay = self.jitter = self.stall = self.stall_p = 0.0
         self.partitioned = False
@@ -28,17 +28,17 @@ class FaultProxy:
         self._ready = threading.Event()
         self._server: Optional[asyncio.AbstractServer] = None
         self._rng = random.Random(0)
-        self._thread = threading.Thread(target=self._run, args=(listen_port,), daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         self._ready.wait(10)
         self.port = self._server.sockets[0].getsockname()[1]
         self.address = f"{listen_host}:{self.port}"
 
-    def _run(self, port: int) -> None:
+    def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
 
         async def start():
-            self._server = await asyncio.start_server(self._handle, self.listen_host, port)
+            self._server = await asyncio.start_server(self._handle, self.listen_host, 0)
             self._ready.set()
 
         self._loop.run_until_complete(start())
@@ -49,13 +49,6 @@ class FaultProxy:
 
     def partition(self, on: bool = True) -> None:
         self.partitioned = on
-
-    def cut(self) -> None:
-        def close_all():
-            for w in list(self._writers):
-                w.close()
-
-        self._loop.call_soon_threadsafe(close_all)
 
     def close(self) -> None:
         async def stop():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,10 +10,10 @@ import httpx
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env=None, timeout: float = 180, headers=None):
+    def __init__(self, *args: str, timeout: float = 180, headers=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=None, text=True, env=env or os.environ.copy())
+            stdout=subprocess.PIPE, stderr=None, text=True)
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 # DeepSeek-V3's architecture at toy size: MLA attention, one dense layer then
 # MoE layers with shared experts and grouped top-k routing, 4-bit weights.
@@ -86,7 +85,3 @@ def tensor_bytes(path: Path, predicate) -> int:
             if predicate(name):
                 total += arr.nbytes
     return total
-
-
-def parameter_count(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
