@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: where a request enters.
 
-Routes translate; the engine generates. The handlers only validate, tokenize
-(in a worker thread, so a huge prompt never stalls the event loop), submit to
-the ``Engine`` and format what comes back. No MLX work happens in this process.
+Routes translate; the engine generates. A route validates (``schemas.py``),
+tokenizes (in a worker thread, so a huge prompt never stalls the event loop),
+submits to the ``Engine`` and hands the streams to ``completions.py``, which
+formats what comes back. No MLX work happens in this process.
 
 Errors always have OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``, with a 4xx status for anything the client can fix: bad input never
@@ -13,27 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxpipe.server.engine import GenerationFailed, RequestStream
+from mlxpipe.server.completions import ChatFormat, Generation, TextFormat, events
+from mlxpipe.server.engine import GenerationFailed
+from mlxpipe.server.join import joined_table
 from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
-from mlxpipe.server.textgen import TextChunk, sampling_params, stream_text
-from mlxpipe.shards.sampling import SamplingError, validate as validate_sampling
+from mlxpipe.shards.sampling import SamplingError
 
 logger = logging.getLogger(__name__)
 
@@ -129,46 +130,10 @@ def _validation_message(err: RequestValidationError, content_type: str) -> Tuple
     return (f"{param}: {msg}" if param else msg), param
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class Generation:
-    """One request's n streams, their text, and their usage."""
-
-    def __init__(self, prompt_tokens: int, streams: List[RequestStream]):
-        self.prompt_tokens = prompt_tokens
-        self.streams = streams
-        self.completion_tokens = 0
-
-    def cancel(self) -> None:
-        for s in self.streams:
-            s.cancel()
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-
-def create_app(cluster, options: ApiOptions) -> FastAPI:
-    """The FastAPI app serving ``cluster`` (a started ``Cluster``)."""
-    app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
-    static = Path(__file__).parent / "static"
-
-    @app.get("/", include_in_schema=False)
-    async def index():
-        return FileResponse(static / "index.html")
-
-    app.mount("/static", StaticFiles(directory=static), name="static")
-    tok = cluster.tokenizer
-    vocab = int(cluster.model_config.get("vocab_size", 0)) or len(tok)
-    names = {options.model_id, "default", *options.aliases}
-    metrics = Metrics(cluster)
-    cluster.engine.observer = metrics
-
-    # Middleware added last runs first. From the outside in: counting (so 401s,
-    # 413s and preflights count too), CORS (it answers preflights before the key
-    # is asked for, and puts its headers on refusals), the API key, the body limit.
+def _add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics) -> None:
+    """Middleware added last runs first. From the outside in: counting (so 401s,
+    413s and preflights count too), CORS (it answers preflights before the key
+    is asked for, and puts its headers on refusals), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
 
     @app.middleware("http")
@@ -182,8 +147,6 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         return await call_next(request)
 
     if options.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
 
@@ -194,7 +157,9 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         metrics.requests.labels(route.path if route is not None else "unmatched", str(response.status_code)).inc()
         return response
 
-    engine = cluster.engine
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; bad input never gets a 5xx."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -217,15 +182,27 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
-    # -- helpers ------------------------------------------------------------
 
-    def check_model(name: str) -> None:
-        if name not in names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{options.model_id}'",
-                           param="model", code="model_not_found")
+class _Completions:
+    """What the two completion routes share: from a validated request to a
+    ``Generation`` on the engine, and from the generation to a response."""
 
-    def budget(req, prompt_len: int) -> int:
-        context = engine.max_context
+    def __init__(self, cluster, options: ApiOptions):
+        self.options = options
+        self.engine = cluster.engine
+        self.tok = cluster.tokenizer
+        self.vocab = cluster.vocab_size
+        self.names = {options.model_id, "default", *options.aliases}
+        self.retry_after = {"Retry-After": str(options.retry_after_s)}
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{self.options.model_id}'", param="model", code="model_not_found")
+
+    def budget(self, req, prompt_len: int) -> int:
+        """The request's token budget, or a 400 saying what to change."""
+        options, context = self.options, self.engine.max_context
         if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
             raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
                                 f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
@@ -247,122 +224,53 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
                            param="max_tokens", code="context_length_exceeded")
         return asked
 
-    retry_after = {"Retry-After": str(options.retry_after_s)}
+    def unavailable(self, err: GenerationFailed) -> ApiError:
+        return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
+                        headers=self.retry_after)
 
-    def unavailable(err: GenerationFailed) -> ApiError:
-        return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable", headers=retry_after)
+    async def encode(self, fn, *args) -> List[int]:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (TypeError, ValueError, UnicodeError) as err:  # text the tokenizer cannot take
+            raise ApiError(400, f"the text could not be tokenized: {err}", param="messages")
 
-    def submit(req, prompt: List[int], logprobs: bool, top_logprobs: int) -> Generation:
-        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-
-        def sampling(i: int):
-            return sampling_params(
-                temperature=options.default_temperature if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
-                repetition_penalty=req.repetition_penalty,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                seed=None if req.seed is None else req.seed + i,
-                logprobs=logprobs,
-                top_logprobs=top_logprobs,
-                logit_bias=bias,
-            )
-
+    def submit(self, req, prompt: List[int]) -> Generation:
+        """The request's n streams on the engine."""
         try:  # the last stage's own check, here where it can still be a 400
-            validate_sampling(sampling(0), vocab)
+            req.sampling(self.options.default_temperature).validate(self.vocab)
         except SamplingError as err:
             raise ApiError(400, str(err), param=err.param)
-        max_tokens = budget(req, len(prompt))
+        max_tokens = self.budget(req, len(prompt))
         streams = []
         try:
             for i in range(req.n):
-                streams.append(engine.submit(prompt, max_tokens, sampling(i)))
+                streams.append(self.engine.submit(prompt, max_tokens, req.sampling(self.options.default_temperature, i)))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
             raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
-                           code="server_busy", headers=retry_after)
+                           code="server_busy", headers=self.retry_after)
         except GenerationFailed as err:
-            raise unavailable(err)
+            raise self.unavailable(err)
         except ValueError as err:  # e.g. more KV cache than the stages hold
             for s in streams:
                 s.cancel()
             raise ApiError(400, str(err), param="max_tokens")
-        return Generation(len(prompt), streams)
+        return Generation(self.tok, len(prompt), streams, req.stop_strings())
 
-    def token_text(token_id: int) -> str:
-        return tok.decode([token_id])
-
-    def token_logprob(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def chat_logprobs(chunk: TextChunk) -> dict:
-        content = []
-        for t in chunk.tokens:
-            top = [token_logprob(i, lp) for i, lp in zip(*t.top)] if t.top else []
-            content.append(token_logprob(t.id, t.logprob) | {"top_logprobs": top})
-        return {"content": content}
-
-    def completion_logprobs(chunk: TextChunk, offset: int) -> dict:
-        tokens = [token_text(t.id) for t in chunk.tokens]
-        offsets, pos = [], offset
-        for text in tokens:
-            offsets.append(pos)
-            pos += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [t.logprob for t in chunk.tokens],
-            "top_logprobs": [{token_text(i): lp for i, lp in zip(*t.top)} if t.top else None
-                             for t in chunk.tokens],
-            "text_offset": offsets,
-        }
-
-    async def chunks(gen: Generation, stops: List[str]) -> AsyncIterator[Tuple[int, TextChunk]]:
-        """(choice index, chunk) from all n streams, as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream):
-            try:
-                async for c in stream_text(tok, stream, stops):
-                    await queue.put((i, c))
-            except Exception as err:  # noqa: BLE001 - handed to the consumer
-                await queue.put((i, err))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(gen.streams)]
-        try:
-            open_ = len(tasks)
-            while open_:
-                i, item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    gen.completion_tokens += len(item.tokens)
-                    yield i, item
-        finally:
-            gen.cancel()
-            for t in tasks:
-                t.cancel()
-
-    async def collect_all(request: Request, gen: Generation, stops: List[str]) -> List[List[TextChunk]]:
-        """Every chunk of every choice; cancels the generation if the client goes away."""
-        out: List[List[TextChunk]] = [[] for _ in gen.streams]
-
-        async def gather():
-            async for i, c in chunks(gen, stops):
-                out[i].append(c)
+    async def respond(self, request: Request, req, gen: Generation, fmt):
+        """Server-sent events, or the whole response once every choice is done
+        (cancelled if the client goes away first)."""
+        if req.stream:
+            return StreamingResponse(events(gen, fmt, req.include_usage(), lambda e: self.unavailable(e).body()),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def watch():
             while not await request.is_disconnected():
                 await asyncio.sleep(0.25)
 
-        work, watcher = asyncio.ensure_future(gather()), asyncio.ensure_future(watch())
+        work, watcher = asyncio.ensure_future(gen.collect()), asyncio.ensure_future(watch())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -373,49 +281,38 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
         if work not in done:
             raise ApiError(499, "client closed the request")
         try:
-            work.result()
+            out = work.result()
         except GenerationFailed as err:
-            raise unavailable(err)
-        return out
+            raise self.unavailable(err)
+        return fmt.response(out, gen.usage())
 
-    def stream_response(gen: Generation, stops: List[str], first: List[dict], render, usage: Optional[dict]):
-        """Server-sent events: ``first``, then ``render(choice, chunk)`` per chunk, an
-        error event if the pipeline fails, the usage chunk when asked, ``[DONE]``."""
 
-        async def events() -> AsyncIterator[str]:
-            for obj in first:
-                yield _sse(obj)
-            try:
-                async for i, c in chunks(gen, stops):
-                    yield _sse(render(i, c))
-            except GenerationFailed as err:
-                yield _sse(unavailable(err).body())
-                return
-            if usage is not None:
-                yield _sse(usage | {"choices": [], "usage": gen.usage()})
-            yield "data: [DONE]\n\n"
+def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) -> FastAPI:
+    """The FastAPI app serving ``cluster`` (a started ``Cluster``); ``metrics``: the
+    observer its engine was given, if any."""
+    app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
+    metrics = metrics or Metrics()
+    engine = cluster.engine
+    static = Path(__file__).parent / "static"
+    app.mount("/static", StaticFiles(directory=static), name="static")
+    _add_middleware(app, options, metrics)
+    _add_error_handlers(app)
+    completions = _Completions(cluster, options)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def encode(fn, *args):
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except (TypeError, ValueError, UnicodeError) as err:  # text the tokenizer cannot take
-            raise ApiError(400, f"the text could not be tokenized: {err}", param="messages")
-
-    # -- routes ---------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(static / "index.html")
 
     @app.get("/nodes")
     async def joined_nodes():
-        from mlxpipe.server.join import joined_table
-
         in_plan = {st.address for st in cluster.pipeline.stages}
         return {"nodes": joined_table(cluster.joined, in_plan)}
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        health = await cluster.pipeline.health(timeout=2.0)
+        return Response(metrics.render(health, engine.scheduler.live, engine.stats.recoveries),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -453,83 +350,34 @@ def create_app(cluster, options: ApiOptions) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
+        completions.check_model(req.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        tok = cluster.tokenizer
         if tok.has_chat_template:
-            prompt = await encode(lambda: tok.apply_chat_template(messages, add_generation_prompt=True))
+            prompt = await completions.encode(lambda: tok.apply_chat_template(messages, add_generation_prompt=True))
         else:
-            prompt = await encode(tok.encode, "\n".join(m["content"] for m in messages))
-        top = req.top_logprobs or 0
-        gen = submit(req, prompt, req.logprobs, top)
-        rid, created, stops = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.stop_strings()
-        base = {"id": rid, "created": created, "model": options.model_id}
-
-        if req.stream:
-            obj = dict(base, object="chat.completion.chunk")
-            first = [obj | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]} for i in range(req.n)]
-
-            def render(i, c):
-                return obj | {"choices": [{"index": i, "delta": {"content": c.text} if c.text else {},
-                                           "logprobs": chat_logprobs(c) if req.logprobs else None,
-                                           "finish_reason": c.finish_reason}]}
-
-            return stream_response(gen, stops, first, render, obj if req.include_usage() else None)
-
-        out = await collect_all(request, gen, stops)
-        choices = []
-        for i, cs in enumerate(out):
-            choice = {"index": i, "message": {"role": "assistant", "content": "".join(c.text for c in cs)},
-                      "logprobs": None, "finish_reason": cs[-1].finish_reason if cs else "stop"}
-            if req.logprobs:
-                choice["logprobs"] = {"content": [e for c in cs for e in chat_logprobs(c)["content"]]}
-            choices.append(choice)
-        return dict(base, object="chat.completion", choices=choices, usage=gen.usage())
+            prompt = await completions.encode(tok.encode, "\n".join(m["content"] for m in messages))
+        gen = completions.submit(req, prompt)
+        return await completions.respond(request, req, gen, ChatFormat(tok, options.model_id, req.logprobs))
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
+    async def text_completions(req: CompletionRequest, request: Request):
+        completions.check_model(req.model)
+        tok = cluster.tokenizer
         text = req.prompt_text()
         if text is not None:
-            prompt = await encode(tok.encode, text)
+            prompt = await completions.encode(tok.encode, text)
         else:
             prompt = list(req.prompt)
-            bad = [t for t in prompt if not 0 <= t < vocab]
+            bad = [t for t in prompt if not 0 <= t < completions.vocab]
             if bad:
-                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})",
+                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {completions.vocab})",
                                param="prompt")
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        top = req.logprobs or 0
-        gen = submit(req, prompt, req.logprobs is not None, top)
-        rid, created, stops = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.stop_strings()
-        base = {"id": rid, "object": "text_completion", "created": created, "model": options.model_id}
-
-        if req.stream:
-            offsets = [0] * req.n
-
-            def render(i, c):
-                lp = completion_logprobs(c, offsets[i]) if req.logprobs is not None else None
-                offsets[i] += len(c.text)
-                return base | {"choices": [{"index": i, "text": c.text, "logprobs": lp,
-                                            "finish_reason": c.finish_reason}]}
-
-            return stream_response(gen, stops, [], render, base if req.include_usage() else None)
-
-        out = await collect_all(request, gen, stops)
-        choices = []
-        for i, cs in enumerate(out):
-            lp = None
-            if req.logprobs is not None:
-                parts, offset = [], 0
-                for c in cs:
-                    parts.append(completion_logprobs(c, offset))
-                    offset += len(c.text)
-                lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
-                                                                    "text_offset")}
-            choices.append({"index": i, "text": "".join(c.text for c in cs), "logprobs": lp,
-                            "finish_reason": cs[-1].finish_reason if cs else "stop"})
-        return dict(base, choices=choices, usage=gen.usage())
+        gen = completions.submit(req, prompt)
+        fmt = TextFormat(tok, options.model_id, req.logprobs is not None, req.n)
+        return await completions.respond(request, req, gen, fmt)
 
     return app

@@ -72,7 +72,8 @@ def cmd_generate(args) -> int:
     import time
 
     from mlxpipe.server.cluster import Cluster
-    from mlxpipe.server.textgen import sampling_params, stream_text
+    from mlxpipe.server.textgen import stream_text
+    from mlxpipe.shards.sampling import Sampling
 
     log = logging.getLogger("mlxpipe")
 
@@ -87,7 +88,8 @@ def cmd_generate(args) -> int:
                 prompt = tok.apply_chat_template(
                     [{"role": "user", "content": args.prompt}], add_generation_prompt=True
                 )
-            sampling = sampling_params(temperature=args.temp, top_p=args.top_p, seed=args.seed)
+            sampling = Sampling(temperature=args.temp, top_p=args.top_p, seed=args.seed)
+            sampling.validate(cluster.vocab_size)
             stream = cluster.engine.submit(prompt, args.max_tokens, sampling)
             n = 0
             async for chunk in stream_text(tok, stream):

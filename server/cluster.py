@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.engine import Engine, Supervision
+from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, WeightSource, even_split, probe,
                                      split_from_sizes)
 from mlxpipe.shards.store import fingerprint
@@ -34,7 +34,7 @@ class ClusterConfig:
     pin: bool = False               # pin local stage i to CPU core i
     chunk_size: int = 256           # prefill tokens per frame
     groups: Optional[int] = None    # micro-batch groups in flight (default: one per stage)
-    max_batch: int = 32             # sequences per group
+    max_batch: int = SchedulerConfig.max_batch  # sequences per group
     max_running: Optional[int] = None  # sequences holding caches (default: groups x max_batch)
     max_waiting: int = 256          # queued requests before the server says "busy"
     profile_batch: int = 8          # rows per decode step the planner balances for
@@ -69,6 +69,13 @@ def read_config(path: Path) -> dict:
     return text
 
 
+def kv_token_budget(pipeline: Pipeline) -> int:
+    """KV positions the scheduler may reserve: the tightest stage's cache cap over
+    what a token costs there, halved for the padding of batched caches."""
+    loads = [st.load for st in pipeline.stages]
+    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+
+
 def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, int]]:
     """``--split even`` or ``--split 18,12``."""
     if split == "even":
@@ -86,11 +93,11 @@ class Cluster:
     """A started pipeline with its engine and tokenizer, and the means to rebuild
     it after a fault (``rebuild``, which the engine calls)."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None):
         self.config = config
+        self.observer = observer  # handed to the engine (e.g. metrics.Metrics)
         self.local: Optional[LocalStages] = None
-        self.pipeline: Optional[Pipeline] = None
-        self.engine: Optional[Engine] = None
+        self.engine: Optional[Engine] = None  # owns the running pipeline
         self.tokenizer = None
         self.model_path: Optional[Path] = None
         self.model_config: dict = {}
@@ -107,6 +114,15 @@ class Cluster:
     def _model_arg(self) -> str:
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         return str(self.model_path) if self.local is not None else self.config.model
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The running pipeline (the engine's: it replaces it after a rebuild)."""
+        return self.engine.pipeline
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.get("vocab_size", 0)) or len(self.tokenizer)
 
     @property
     def num_layers(self) -> int:
@@ -126,6 +142,7 @@ class Cluster:
             # (nodes that join are not known yet: then the split need only fit the model)
             named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
             fixed_ranges(self.num_layers, named, cfg.split)
+        pipeline = None
         try:
             if cfg.nodes or cfg.join_listen:
                 self.addresses = list(cfg.nodes)
@@ -149,10 +166,10 @@ class Cluster:
                 self.local = LocalStages(cfg.stages, self.security.secret, self.model_path.parent,
                                          cpus=available_cpus() if cfg.pin else None, log_level=cfg.stage_log_level)
                 self.addresses = self.local.start()
-            self.pipeline = await self._build(self.addresses)
-            n = len(self.pipeline.stages)  # the planner may have left nodes out
+            pipeline = await self._build(self.addresses)
+            n = len(pipeline.stages)  # the planner may have left nodes out
             sched = SchedulerConfig(
-                max_kv_tokens=self.kv_token_budget(),
+                max_kv_tokens=kv_token_budget(pipeline),
                 num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,
@@ -160,12 +177,14 @@ class Cluster:
                 max_running=cfg.max_running,
                 max_waiting=cfg.max_waiting,
             )
-            self.engine = Engine(self.pipeline, sched,
+            self.engine = Engine(pipeline, sched,
                                  eos_token_ids=sorted(self.tokenizer.eos_token_ids),
-                                 max_context=self.pipeline.stages[0].load.max_context,
-                                 rebuild=self.rebuild, supervision=cfg.supervision)
+                                 max_context=pipeline.stages[0].load.max_context,
+                                 rebuild=self.rebuild, supervision=cfg.supervision, observer=self.observer)
             await self.engine.start()
         except BaseException:
+            if self.engine is None and pipeline is not None:
+                await pipeline.close()
             await self.stop()
             raise
         return self
@@ -181,12 +200,6 @@ class Cluster:
             cap = max(offered_memory() - model_bytes, 0) // len(addresses)
         return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
                         max_tokens=cfg.chunk_size, max_cache_bytes=cap)
-
-    def kv_token_budget(self) -> int:
-        """KV positions the scheduler may reserve: the tightest stage's cache cap over
-        what a token costs there, halved for the padding of batched caches."""
-        loads = [st.load for st in self.pipeline.stages]
-        return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
 
     async def _await_up(self, down: Dict[str, str], refuse: bool = False) -> Dict[str, str]:
         """Probe the stages in ``down`` (address -> why) about once a second until they
@@ -230,7 +243,7 @@ class Cluster:
             raise
         return pipeline
 
-    async def rebuild(self, why: str, suspects: Sequence[str]) -> Pipeline:
+    async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
         """A new loaded pipeline after a fault, over the stages that work.
 
         Local stages that died or stalled are restarted in place (``restart``);
@@ -253,9 +266,8 @@ class Cluster:
         alive = [a for a in self.addresses if up[a]]
         while alive:
             try:
-                self.pipeline = await self._build(alive)
-                self.engine.scheduler.config.max_kv_tokens = self.kv_token_budget()
-                return self.pipeline
+                pipeline = await self._build(alive)
+                return Rebuilt(pipeline, kv_token_budget(pipeline))
             except PipelineError as err:  # e.g. a stage that cannot reach its successor
                 gone = set(err.suspects) & set(alive)
                 if not gone:
@@ -349,8 +361,6 @@ class Cluster:
             await self.join_server.stop(grace=None)
         if self.engine is not None:
             await self.engine.stop()
-        elif self.pipeline is not None:
-            await self.pipeline.close()
         if self.local is not None:
             self.local.stop()
 

@@ -15,12 +15,12 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.pipeline import Pipeline, PipelineError
 from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
+from mlxpipe.shards.sampling import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,24 @@ class StageDown(RuntimeError):
         self.suspects = list(suspects)
 
 
-# rebuild(why, addresses of suspect stages) -> a loaded Pipeline without the fault, or raises.
-Rebuild = Callable[[str, Sequence[str]], Awaitable[Pipeline]]
+@dataclass
+class Rebuilt:
+    """What a rebuild changed: the new pipeline, and the KV positions its stages hold."""
+
+    pipeline: Pipeline
+    max_kv_tokens: int
+
+
+# rebuild(why, addresses of suspect stages) -> a loaded pipeline without the fault, or raises.
+Rebuild = Callable[[str, Sequence[str]], Awaitable[Rebuilt]]
+
+
+class Observer(Protocol):
+    """Told as tokens arrive (e.g. ``metrics.Metrics``)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def token(self, since_previous: Optional[float]) -> None: ...
 
 
 @dataclass
@@ -118,8 +134,9 @@ class Engine:
 
     def __init__(self, pipeline: Pipeline, config: SchedulerConfig,
                  eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
-                 rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None):
-        self.pipeline = pipeline
+                 rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None,
+                 observer: Optional[Observer] = None):
+        self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
         self.scheduler = Scheduler(config)
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context
@@ -127,7 +144,7 @@ class Engine:
         self.supervision = supervision or Supervision()
         self.streams: Dict[int, RequestStream] = {}
         self.stats = EngineStats()
-        self.observer = None              # e.g. Metrics: first_token(seconds), token(seconds since the last)
+        self.observer = observer
         self.state = "ready"              # "ready", "recovering" or "failed"
         self.failure: Optional[str] = None  # why, while not ready
         self._ids = itertools.count(1)
@@ -149,25 +166,24 @@ class Engine:
         await self.pipeline.close()
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
-               sampling: Optional[pb.SamplingParams] = None, stop_at_eos: bool = True) -> RequestStream:
-        """Queue a request. Raises ``QueueFull`` when the server is at capacity,
-        ``GenerationFailed`` when the pipeline is down. While it recovers,
-        requests queue and wait."""
+               sampling: Sampling = Sampling(), stop_at_eos: bool = True) -> RequestStream:
+        """Queue a request (``sampling`` validated by the caller). Raises
+        ``QueueFull`` when the server is at capacity, ``GenerationFailed`` when
+        the pipeline is down. While it recovers, requests queue and wait."""
         if self.state == "failed":
             raise GenerationFailed(self.failure)
         if not prompt:
             raise ValueError("the prompt is empty")
-        sampling = pb.SamplingParams() if sampling is None else sampling
-        if not sampling.has_seed:
+        if sampling.seed is None:
             # Unseeded requests still get a seed, chosen here, so a request
             # replayed after a failure draws the same tokens again.
-            sampling.seed = int.from_bytes(os.urandom(8), "little")
+            sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
         seq_id = next(self._ids)
-        seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
+        seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling.to_wire(),
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context)
-        if seq.reserve > self.scheduler.config.max_kv_tokens:
+        if seq.reserve > self.scheduler.max_kv_tokens:
             raise ValueError(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
-                             f"have room for {self.scheduler.config.max_kv_tokens}")
+                             f"have room for {self.scheduler.max_kv_tokens}")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream
@@ -277,7 +293,9 @@ class Engine:
             logger.warning("recovering; %d live sequences will be replayed", len(live))
             while True:
                 try:
-                    self.pipeline = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
+                    rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
+                    self.pipeline = rebuilt.pipeline
+                    self.scheduler.resize(rebuilt.max_kv_tokens)
                     await self.pipeline.open()
                     break
                 except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests

@@ -1,9 +1,11 @@
 """``/metrics`` in Prometheus's text format, through ``prometheus-client``.
 
 Head-side figures are observed as they happen (requests, time to first token,
-time between tokens, tokens generated); stage figures (busy seconds, queue
-depth, KV-cache bytes, weights, state) are read from every stage's Health at
-scrape time. Each app has a registry of its own.
+time between tokens, tokens generated: the engine is given a ``Metrics`` as its
+observer); the engine's gauges and the stage figures (busy seconds, queue
+depth, KV-cache bytes, weights, state) are handed to ``render`` at scrape
+time, from the engine and every stage's Health. Each app has a registry of its
+own.
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ class _Stages:
 
 
 class Metrics:
-    def __init__(self, cluster):
-        self.cluster = cluster
+    def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxpipe_http_requests", "HTTP requests by route and status",
@@ -61,12 +62,10 @@ class Metrics:
         self.inter_token = Histogram("mlxpipe_inter_token_seconds", "Between consecutive tokens of a request",
                                      buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated", registry=r)
-        # These two are read from the engine when scraped; the stages, from their Health.
+        # These two are set from the engine when scraped; the stages, from their Health.
         self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
-        self.live.set_function(lambda: cluster.engine.scheduler.live)
         self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
                                 registry=r)
-        self.recoveries.set_function(lambda: cluster.engine.stats.recoveries)
         self.stages = _Stages()
         r.register(self.stages)
 
@@ -79,8 +78,11 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    async def render(self) -> bytes:
-        health = await self.cluster.pipeline.health(timeout=2.0)
+    def render(self, health, live: int, recoveries: int) -> bytes:
+        """The text exposition, with ``health`` (``Pipeline.health()``'s answer) and the
+        engine's live requests and recoveries as of now."""
+        self.live.set(live)
+        self.recoveries.set(recoveries)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 

@@ -183,7 +183,7 @@ class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
-                 max_batch: int = 64, max_tokens: int = 4096, max_cache_bytes: int = 0):
+                 max_batch: int = 0, max_tokens: int = 0, max_cache_bytes: int = 0):
         self.stages = [StageInfo(a, 0, 0) for a in addresses]
         self.model = model
         self.security = security or Security()

@@ -98,16 +98,17 @@ class TokenEvent:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
-        if config.max_running is None:
-            config.max_running = config.num_groups * config.max_batch
-        if config.max_running > config.num_groups * config.max_batch:
+        if config.num_groups < 1 or config.chunk_size < 1 or config.max_prefill_inflight < 1:
+            raise ValueError("num_groups, chunk_size and max_prefill_inflight must be positive")
+        room = config.num_groups * config.max_batch
+        if config.max_running is not None and config.max_running > room:
             raise ValueError(
                 f"max_running {config.max_running} exceeds {config.num_groups} groups x "
                 f"{config.max_batch} sequences"
             )
-        if config.num_groups < 1 or config.chunk_size < 1 or config.max_prefill_inflight < 1:
-            raise ValueError("num_groups, chunk_size and max_prefill_inflight must be positive")
         self.config = config
+        self.max_running = room if config.max_running is None else config.max_running
+        self.max_kv_tokens = config.max_kv_tokens  # changes when the pipeline is rebuilt (``resize``)
         self.seqs: Dict[int, Sequence] = {}
         self.waiting: Deque[Sequence] = deque()
         self.prefilling: List[Sequence] = []
@@ -115,6 +116,10 @@ class Scheduler:
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self._frame_ids = itertools.count(1)
+
+    def resize(self, max_kv_tokens: int) -> None:
+        """A rebuilt pipeline holds a different number of KV positions."""
+        self.max_kv_tokens = max_kv_tokens
 
     # -- requests -------------------------------------------------------------
 
@@ -175,9 +180,9 @@ class Scheduler:
     def _admit(self) -> None:
         holding = len(self.prefilling) + sum(len(g) for g in self.groups)
         reserved = self.kv_reserved
-        while self.waiting and holding < self.config.max_running:
+        while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
-            if reserved + seq.reserve > self.config.max_kv_tokens and holding:
+            if reserved + seq.reserve > self.max_kv_tokens and holding:
                 break  # wait for KV memory to free up (FIFO: nobody overtakes)
             self.waiting.popleft()
             seq.phase = Phase.PREFILL
@@ -188,7 +193,7 @@ class Scheduler:
     def _frame(self, kind: int, seq_ids: List[int], entries, group: Optional[int] = None, tokens=()) -> pb.Frame:
         fid = next(self._frame_ids)
         self.inflight[fid] = Flight(kind, seq_ids, group)
-        return pb.Frame(frame_id=fid, kind=kind, microbatch=group or 0, seqs=entries, tokens=list(tokens))
+        return pb.Frame(frame_id=fid, kind=kind, group=group or 0, seqs=entries, tokens=list(tokens))
 
     def _decode_frames(self) -> List[pb.Frame]:
         frames = []

@@ -1,24 +1,34 @@
 """OpenAI request bodies, validated at the HTTP edge (pydantic lives only here).
 
-Bounds are OpenAI's where it has them; the extensions mlx_lm.server accepts
-(``top_k``, ``min_p``, ``repetition_penalty``) are accepted too. Unknown fields
-are ignored, as OpenAI-compatible servers do, except the ones whose meaning we
-cannot honour (``tools``, structured ``response_format``), which are refused.
+Sampling bounds come from ``Sampling.BOUNDS`` (OpenAI's where it has them;
+the extensions mlx_lm.server accepts, ``top_k``, ``min_p`` and
+``repetition_penalty``, are accepted too); ``sampling()`` turns a request into
+the ``Sampling`` the engine takes. Unknown fields are ignored, as
+OpenAI-compatible servers do, except the ones whose meaning we cannot honour
+(``tools``, structured ``response_format``), which are refused.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Literal, Optional, Union
+from typing import Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from mlxpipe.shards.sampling import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_N = 8
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 300
-INT32 = 1 << 31  # token ids and top_k travel as int32: larger ones could not even be sent
+
+
+def _bounded(name: str, default=None):
+    """A field bounded as ``Sampling.BOUNDS`` says."""
+    b = Sampling.BOUNDS[name]
+    low = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
+    return Field(default=default, le=b.hi, **low)
 
 
 def unicode_text(s: str) -> str:
@@ -68,13 +78,13 @@ class _Sampling(BaseModel):
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, ge=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0, lt=INT32)
-    min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    temperature: Optional[float] = _bounded("temperature")
+    top_p: Optional[float] = _bounded("top_p")
+    top_k: Optional[int] = _bounded("top_k")
+    min_p: Optional[float] = _bounded("min_p")
+    repetition_penalty: Optional[float] = _bounded("repetition_penalty")
+    presence_penalty: float = _bounded("presence_penalty", 0.0)
+    frequency_penalty: float = _bounded("frequency_penalty", 0.0)
     seed: Optional[int] = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: Union[str, List[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -112,12 +122,33 @@ class _Sampling(BaseModel):
         for k, b in (v or {}).items():
             if not k.removeprefix("-").isdecimal() or not -INT32 <= int(k) < INT32:
                 raise ValueError(f"logit_bias keys are token ids, got {k!r}")
-            if not -100 <= b <= 100:
-                raise ValueError(f"logit_bias values are in [-100, 100], got {b}")
+            if not Sampling.LOGIT_BIAS.holds(b):
+                raise ValueError(f"logit_bias values are in {Sampling.LOGIT_BIAS.describe()}, got {b}")
         return v
 
     def stop_strings(self) -> List[str]:
         return list(self.stop or [])
+
+    def want_logprobs(self) -> Tuple[bool, int]:
+        """(report the chosen tokens' log-probabilities, alternatives per token)."""
+        raise NotImplementedError
+
+    def sampling(self, default_temperature: float, choice: int = 0) -> Sampling:
+        """The ``Sampling`` of choice ``choice`` (choices differ by seed)."""
+        logprobs, top = self.want_logprobs()
+        return Sampling(
+            temperature=default_temperature if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=None if self.seed is None else self.seed + choice,
+            logprobs=logprobs,
+            top_logprobs=top,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+        )
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -127,7 +158,7 @@ class ChatCompletionRequest(_Sampling):
     messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[int] = _bounded("top_logprobs")
     tools: Optional[list] = None
     response_format: Optional[dict] = None
 
@@ -143,6 +174,9 @@ class ChatCompletionRequest(_Sampling):
 
     def token_budget(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def want_logprobs(self) -> Tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
 
 
 class CompletionRequest(_Sampling):
@@ -177,3 +211,6 @@ class CompletionRequest(_Sampling):
 
     def token_budget(self) -> Optional[int]:
         return self.max_tokens
+
+    def want_logprobs(self) -> Tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0

@@ -12,6 +12,7 @@ import uvicorn
 
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.status import api_key
 from mlxpipe.shards.store import _REPO_ID
 
@@ -35,11 +36,12 @@ class _Server(uvicorn.Server):
 
 
 async def serve(config: ClusterConfig, host: str, port: int, options: dict) -> None:
-    cluster = await Cluster(config).start()
+    metrics = Metrics()
+    cluster = await Cluster(config, observer=metrics).start()
     try:
         api = ApiOptions(model_id=model_id(config.model, cluster.model_path), aliases=(config.model,),
                          **options)
-        app = create_app(cluster, api)
+        app = create_app(cluster, api, metrics)
         server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         lifespan="off", timeout_graceful_shutdown=5))
         loop = asyncio.get_running_loop()

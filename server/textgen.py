@@ -8,45 +8,9 @@ could still turn out to be the start of one is held until it cannot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import AsyncIterator, List, Optional, Sequence
 
-from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.engine import RequestStream, Token
-
-
-def sampling_params(
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: Optional[float] = None,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    seed: Optional[int] = None,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    logit_bias: Optional[Dict[int, float]] = None,
-) -> pb.SamplingParams:
-    """The wire's SamplingParams from OpenAI-style values. ``logprobs`` must be
-    set whenever ``top_logprobs`` is (the HTTP schemas see to it)."""
-    p = pb.SamplingParams(
-        temperature=temperature,
-        # Not passed through: `generate --top-p` is unbounded, and out-of-range
-        # values mean "no filter" here where the last stage would refuse them.
-        top_p=top_p if 0 < top_p < 1 else 0.0,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty or 0.0,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        logit_bias=logit_bias,
-    )
-    if seed is not None:
-        p.has_seed = True
-        p.seed = seed % (1 << 64)
-    return p
 
 
 @dataclass

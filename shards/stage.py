@@ -9,7 +9,7 @@ Sequences and caches:
 - A PREFILL frame carries one chunk of one sequence. The sequence's caches
   are its own (mlx-lm ``KVCache`` per block) until it joins a decode group.
 - A DECODE frame carries one token for each member of micro-batch group
-  ``microbatch``. The group's caches are batched (mlx-lm ``BatchKVCache``,
+  ``group``. The group's caches are batched (mlx-lm ``BatchKVCache``,
   left-padded, so members may have different lengths). Members that the head
   added since the group's last step are merged in; members it dropped are
   filtered out; rows follow the frame's order.
@@ -29,8 +29,7 @@ import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.sampling import SamplingError, SeqSampler, pick_batch
-from mlxpipe.shards.sampling import validate as validate_sampling
+from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
 from mlxpipe.shards.slicing import StageModel
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ class _Group:
 
 @dataclass
 class StageLimits:
-    max_batch: int = 64        # rows in a decode frame
+    max_batch: int = 32        # rows in a decode frame (the head's scheduler puts at most 32 in a group too)
     max_tokens: int = 4096     # tokens in a prefill frame
     max_context: int = 8192    # tokens per sequence
     max_seqs: int = 256        # live sequences
@@ -234,7 +233,7 @@ class StageRuntime:
                 raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
             if self.model.last and e.sampling.ByteSize():
                 try:
-                    validate_sampling(e.sampling, self.vocab_size)
+                    Sampling.from_wire(e.sampling).validate(self.vocab_size)
                 except SamplingError as err:
                     raise FrameError(f"sequence {e.seq_id}: {err}") from err
         return rows, n
@@ -267,7 +266,7 @@ class StageRuntime:
         nxt = pb.Frame(
             frame_id=frame.frame_id,
             kind=frame.kind,
-            microbatch=frame.microbatch,
+            group=frame.group,
             seqs=frame.seqs,
             tokens=frame.tokens,
             free=frame.free,
@@ -281,7 +280,7 @@ class StageRuntime:
             self.free([entry.seq_id])
         seq = _Seq(caches=self.model.make_cache(), session=session)
         if self.model.last:
-            seq.sampler = SeqSampler(entry.sampling, self.vocab_size)
+            seq.sampler = SeqSampler(Sampling.from_wire(entry.sampling))
         self.seqs[entry.seq_id] = seq
         return seq
 
@@ -301,7 +300,7 @@ class StageRuntime:
         return self._sample([entry], [seq], out[:, -1, :])
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
-        group = self._regroup(frame.microbatch, [e.seq_id for e in frame.seqs])
+        group = self._regroup(frame.group, [e.seq_id for e in frame.seqs])
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[:, None]
         out = self.model(tokens, hidden, group.caches)
         seqs = [self.seqs[s] for s in group.members]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.sampling import SamplingError, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
 
 V = 64
 
@@ -18,29 +17,29 @@ def logits(rows=1, seed=0):
 
 def test_greedy_rows_match_argmax_of_log_softmax():
     x = logits(4)
-    picks = pick_batch([SeqSampler(pb.SamplingParams(), V) for _ in range(4)], x, [0] * 4)
+    picks = pick_batch([SeqSampler(Sampling()) for _ in range(4)], x, [0] * 4)
     want = mx.argmax(x - mx.logsumexp(x, axis=-1, keepdims=True), axis=-1).tolist()
     assert [p[0] for p in picks] == want
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens():
     x = logits()
-    params = pb.SamplingParams(temperature=1.5, has_seed=True, seed=42)
+    params = Sampling(temperature=1.5, seed=42)
 
     def draw(p, positions):
-        s = SeqSampler(p, V)
+        s = SeqSampler(p)
         return [pick_batch([s], x, [pos])[0][0] for pos in positions]
 
     a = draw(params, range(40))
     assert a == draw(params, range(40))
-    other = pb.SamplingParams(temperature=1.5, has_seed=True, seed=43)
+    other = Sampling(temperature=1.5, seed=43)
     assert a != draw(other, range(40))
     assert len(set(a)) > 3  # it is sampling, not greedy
 
 
 def test_logprobs_and_top_logprobs():
     x = logits()
-    s = SeqSampler(pb.SamplingParams(logprobs=True, top_logprobs=3), V)
+    s = SeqSampler(Sampling(logprobs=True, top_logprobs=3))
     ((token, lp, (ids, lps)),) = pick_batch([s], x, [0])
     ref = (x - mx.logsumexp(x, axis=-1, keepdims=True))[0]
     order = mx.argsort(-ref).tolist()
@@ -53,14 +52,14 @@ def test_repetition_penalty_uses_the_history():
     x = mx.zeros((1, V))
     x[0, 5] = 2.0
     x[0, 6] = 1.9
-    s = SeqSampler(pb.SamplingParams(repetition_penalty=1.5), V)
+    s = SeqSampler(Sampling(repetition_penalty=1.5))
     s.observe([5])
     assert pick_batch([s], x, [1])[0][0] == 6
 
 
 def test_logit_bias():
     x = logits()
-    s = SeqSampler(pb.SamplingParams(logit_bias={9: 100.0}), V)
+    s = SeqSampler(Sampling(logit_bias={9: 100.0}))
     assert pick_batch([s], x, [0])[0][0] == 9
 
 
@@ -74,4 +73,13 @@ def test_logit_bias():
 ])
 def test_impossible_parameters_are_refused(params, message):
     with pytest.raises(SamplingError, match=message):
-        SeqSampler(pb.SamplingParams(**params), V)
+        Sampling(**params).validate(V)
+
+
+def test_wire_round_trip_keeps_every_parameter():
+    s = Sampling(temperature=0.75, top_p=0.875, top_k=5, min_p=0.0625, repetition_penalty=1.25,  # float32-exact
+                 repetition_context_size=30, presence_penalty=0.5, frequency_penalty=-0.5,
+                 penalty_context_size=40, seed=(1 << 64) - 1, logprobs=True, top_logprobs=4,
+                 logit_bias={3: -5.0})
+    assert Sampling.from_wire(s.to_wire()) == s
+    assert Sampling.from_wire(Sampling().to_wire()) == Sampling()

@@ -49,7 +49,7 @@ def test_sequences_join_the_smallest_group_and_decode_in_groups():
         assert s.on_result(result(f))[0].seq.phase == Phase.RUNNING
     assert s.groups == [[1, 3], [2]]
     decodes = s.schedule()
-    assert [(f.kind, f.microbatch, [e.seq_id for e in f.seqs]) for f in decodes] == [
+    assert [(f.kind, f.group, [e.seq_id for e in f.seqs]) for f in decodes] == [
         (pb.Frame.DECODE, 0, [1, 3]), (pb.Frame.DECODE, 1, [2])]
     # One frame per group in flight: nothing more until a result comes back.
     assert s.schedule() == []
@@ -57,7 +57,7 @@ def test_sequences_join_the_smallest_group_and_decode_in_groups():
     assert list(decodes[0].tokens) == [7, 7] and decodes[0].seqs[0].offset == 1
     s.on_result(result(decodes[1]))
     (again,) = s.schedule()
-    assert again.microbatch == 1 and again.seqs[0].offset == 2
+    assert again.group == 1 and again.seqs[0].offset == 2
 
 
 def test_finished_and_cancelled_sequences_are_freed_on_the_next_frame():
@@ -141,7 +141,7 @@ def test_no_starvation_prefill_in_arrival_order_and_groups_alternate():
             if f.kind == pb.Frame.PREFILL:
                 order.append(f.seqs[0].seq_id)
             elif f.kind == pb.Frame.DECODE:
-                steps[f.microbatch] += 1
+                steps[f.group] += 1
             s.on_result(result(f))
     # Every prompt prefilled, in the order it arrived (chunks of the first back to back).
     assert [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k] == [1, 2, 3, 4]

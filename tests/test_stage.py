@@ -82,7 +82,7 @@ BAD_FRAMES = [
     ("impossible sampling", pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(
         seq_id=1, num_tokens=1, sample=True, sampling=pb.SamplingParams(temperature=-1))],
         tokens=[1], hidden=_hidden(1, 1)),
-     grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature must be in [0, 2]"),
 ]
 
 
