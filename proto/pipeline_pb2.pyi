@@ -57,21 +57,29 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIRST_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
     sample: bool
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    reuse: _containers.RepeatedScalarFieldContainer[int]
+    store_first: int
+    store: _containers.RepeatedScalarFieldContainer[int]
+    context: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -87,6 +95,7 @@ class Frame(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
     group: int
@@ -94,7 +103,8 @@ class Frame(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     free: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ...) -> None: ...
+    evict: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs")
@@ -194,7 +204,7 @@ class ReceiveSummary(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes", "fingerprint")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes", "fingerprint", "block_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +213,7 @@ class LoadRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -211,10 +222,11 @@ class LoadRequest(_message.Message):
     max_tokens: int
     max_cache_bytes: int
     fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    block_tokens: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +238,8 @@ class LoadReply(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -237,7 +251,9 @@ class LoadReply(_message.Message):
     fingerprint: str
     kv_bytes_per_token: int
     max_cache_bytes: int
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch")
@@ -282,7 +298,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s")
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens")
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +306,8 @@ class StageStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     busy_seconds: float
     uptime_seconds: float
     frames: int
@@ -297,10 +315,12 @@ class StageStats(_message.Message):
     queue_depth: int
     busy_fraction: float
     tokens_per_s: float
-    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    reused_tokens: int
+    prefilled_tokens: int
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address")
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +334,8 @@ class HealthReply(_message.Message):
     LIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     state: str
     detail: str
     model: str
@@ -327,7 +349,9 @@ class HealthReply(_message.Message):
     live_seqs: _containers.RepeatedScalarFieldContainer[int]
     stats: StageStats
     next_address: str
-    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ...) -> None: ...
+    prefix_bytes: int
+    prefix_blocks: int
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ()

@@ -17,6 +17,13 @@ Rules:
   g-1. A sequence whose first token arrives joins the smallest group at that
   group's next step; one that finishes or is cancelled leaves, and its caches
   are freed on every stage by the ``free`` list of the next frame.
+- Prefix cache (when ``prefix_blocks`` > 0): a sequence starts after the
+  longest run of its first blocks that every stage holds (``PrefixIndex``);
+  its first frame names them (``reuse``). Each later frame of a sequence tells
+  the stages to keep the blocks it completed before that frame (``store``), and
+  the first frame of a round carries the blocks to drop (``evict``). Cached
+  blocks count against the KV budget; live sequences win: admission evicts
+  least recently used blocks before it would refuse.
 - Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
 """
 
@@ -26,9 +33,10 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, FrozenSet, List, Optional, Tuple
+from typing import Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.prefix import PrefixIndex, chain_hashes
 
 
 class QueueFull(RuntimeError):
@@ -57,6 +65,14 @@ class Sequence:
     group: Optional[int] = None
     known: bool = False            # stages may hold caches for it
     finish_reason: Optional[str] = None
+    hashes: List[int] = field(default_factory=list)  # keys of its first blocks (prefix cache)
+    stored: int = 0                # its first blocks the stages keep, or are told to
+    reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
+    cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
+
+    @property
+    def tokens(self) -> List[int]:
+        return self.prompt + self.generated
 
     @property
     def reserve(self) -> int:
@@ -84,7 +100,9 @@ class SchedulerConfig:
     max_prefill_inflight: int = 2  # prefill frames in flight
     max_running: Optional[int] = None  # sequences holding caches (default: num_groups x max_batch)
     max_waiting: int = 256         # requests queued before QueueFull
-    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences may reserve
+    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
+    block_tokens: int = 16         # positions per prefix-cache block
+    prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
 
 
 @dataclass
@@ -115,11 +133,20 @@ class Scheduler:
         self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
+        self.prefix = PrefixIndex(config.block_tokens, config.prefix_blocks, 0) if config.prefix_blocks else None
+        self.pending_evict: List[int] = []
+        self._keep_this_round: Set[int] = set()  # blocks this round's frames reuse or store: not evicted now
+        self._room = 0                            # blocks the KV budget leaves for the cache this round
         self._frame_ids = itertools.count(1)
 
     def resize(self, max_kv_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
         self.max_kv_tokens = max_kv_tokens
+
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
+        if self.prefix is not None:
+            self.pending_evict = self.prefix.reset(held, capacity)
 
     # -- requests -------------------------------------------------------------
 
@@ -134,6 +161,15 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is not None and seq.phase != Phase.DONE:
             self._finish(seq, reason)
+
+    def _penalty_context(self, seq: Sequence) -> List[int]:
+        """For a sequence that starts after cached blocks: the reused tokens its
+        sampling penalties look back at (the last stage never saw them)."""
+        p = seq.sampling
+        if not seq.reuse or not (p.repetition_penalty not in (0, 1) or p.presence_penalty or p.frequency_penalty):
+            return []
+        back = max(p.repetition_context_size or 20, p.penalty_context_size or 20)
+        return seq.feed[max(seq.sent - back, 0) : seq.sent]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.phase == Phase.WAITING:
@@ -155,21 +191,28 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.seqs and not self.inflight and not self.pending_free
+        return not self.seqs and not self.inflight and not self.pending_free and not self.pending_evict
 
     # -- scheduling -----------------------------------------------------------
 
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
         frames: List[pb.Frame] = []
+        self._keep_this_round.clear()
         self._admit()
+        if self.prefix is not None:  # blocks that fit beside what live sequences may grow to
+            self._room = (self.max_kv_tokens - self.kv_reserved) // self.config.block_tokens
         frames += self._decode_frames()
         frames += self._prefill_frames()
-        if self.pending_free:
+        if self.pending_free or self.pending_evict:
             if not frames:
                 frames.append(self._frame(pb.Frame.CONTROL, [], []))
+            # Stages apply these before the frame's work; blocks this round's
+            # frames reuse or store were kept out of the evictions.
             frames[0].free.extend(self.pending_free)
+            frames[0].evict.extend(self.pending_evict)
             self.pending_free.clear()
+            self.pending_evict.clear()
         return frames
 
     @property
@@ -182,13 +225,51 @@ class Scheduler:
         reserved = self.kv_reserved
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
-            if reserved + seq.reserve > self.max_kv_tokens and holding:
+            hit = self._cached_prefix(seq)
+            if self.prefix is not None:  # live sequences win: drop cached blocks before refusing
+                over = reserved + seq.reserve + self.prefix.tokens - self.max_kv_tokens
+                if over > 0:
+                    self.pending_evict += self.prefix.evict(-(-over // self.config.block_tokens),
+                                                            self._keep_this_round | set(hit))
+            cached = self.prefix.tokens if self.prefix is not None else 0
+            if reserved + seq.reserve + cached > self.max_kv_tokens and holding:
                 break  # wait for KV memory to free up (FIFO: nobody overtakes)
             self.waiting.popleft()
             seq.phase = Phase.PREFILL
+            seq.reuse, seq.stored = hit, len(hit)
+            seq.sent = len(hit) * self.config.block_tokens
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.sent
+            if self.prefix is not None:
+                self.prefix.touch(hit)
+                self._keep_this_round.update(hit)
             self.prefilling.append(seq)
             holding += 1
             reserved += seq.reserve
+
+    def _cached_prefix(self, seq: Sequence) -> List[int]:
+        """The keys of the cached blocks ``seq`` may start after: all its first blocks
+        that every stage holds, leaving at least its last token to compute."""
+        if self.prefix is None:
+            return []
+        usable = (len(seq.feed) - 1) // self.config.block_tokens
+        chain_hashes(seq.tokens, self.config.block_tokens, seq.hashes, usable)
+        return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
+
+    def _store(self, seq: Sequence, entry: pb.SeqEntry) -> None:
+        """Tell the stages to keep the blocks ``seq`` completed before this frame."""
+        if self.prefix is None:
+            return
+        upto = entry.offset // self.config.block_tokens
+        if upto <= seq.stored:
+            return
+        keys = chain_hashes(seq.tokens, self.config.block_tokens, seq.hashes, upto)[seq.stored : upto]
+        kept = self.prefix.add(keys, self._keep_this_round, self.pending_evict, self._room)
+        if kept:
+            entry.store_first = seq.stored
+            entry.store.extend(keys[:kept])
+            self._keep_this_round.update(keys[:kept])
+        seq.stored = upto  # blocks that did not fit are not asked again
 
     def _frame(self, kind: int, seq_ids: List[int], entries, group: Optional[int] = None, tokens=()) -> pb.Frame:
         fid = next(self._frame_ids)
@@ -205,6 +286,8 @@ class Scheduler:
             entries = [
                 pb.SeqEntry(seq_id=s.seq_id, offset=s.cached, num_tokens=1, sample=True) for s in seqs
             ]
+            for s, e in zip(seqs, entries):
+                self._store(s, e)
             tokens = [s.generated[-1] for s in seqs]
             frames.append(self._frame(pb.Frame.DECODE, list(members), entries, g, tokens))
         return frames
@@ -220,8 +303,12 @@ class Scheduler:
                 else:
                     n, sample = 1, True
                 entry = pb.SeqEntry(seq_id=seq.seq_id, offset=seq.sent, num_tokens=n, sample=sample)
-                if seq.sent == 0:
+                if not seq.known:  # its first frame
                     entry.sampling.CopyFrom(seq.sampling)
+                    entry.reuse.extend(seq.reuse)
+                    entry.context.extend(self._penalty_context(seq))
+                else:
+                    self._store(seq, entry)
                 tokens = seq.feed[seq.sent : seq.sent + n]
                 frames.append(self._frame(pb.Frame.PREFILL, [seq.seq_id], [entry], tokens=tokens))
                 seq.sent += n
@@ -278,6 +365,7 @@ class Scheduler:
         order they arrived. In-flight frames are forgotten."""
         self.inflight.clear()
         self.pending_free.clear()
+        self.pending_evict.clear()
         live = sorted(
             (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
             key=lambda s: s.seq_id,
@@ -287,6 +375,6 @@ class Scheduler:
         for seq in reversed(live):
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
-            seq.sent, seq.group, seq.known = 0, None, False
+            seq.sent, seq.group, seq.known, seq.stored, seq.reuse = 0, None, False, 0, []
             self.waiting.appendleft(seq)
         return live

@@ -15,6 +15,10 @@ Sequences and caches:
   filtered out; rows follow the frame's order.
 - ``free`` drops sequences wherever they are. Every frame is validated before
   any state changes; a bad frame raises ``FrameError`` and changes nothing.
+- Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
+  first drops the blocks in ``evict``; a sequence's first frame may start it
+  after cached blocks (``reuse``); any later frame may name blocks of the
+  sequence to keep (``store``), copied out before the frame's work.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.prefix import BlockStore, supports
 from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
 from mlxpipe.shards.slicing import StageModel
 
@@ -64,7 +69,8 @@ class StageLimits:
     max_tokens: int = 4096     # tokens in a prefill frame
     max_context: int = 8192    # tokens per sequence
     max_seqs: int = 256        # live sequences
-    max_cache_bytes: int = 0   # KV-cache bytes this stage may hold (0: no cap)
+    max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
+    block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
 
 
 @dataclass
@@ -74,6 +80,8 @@ class StageStatsCounter:
     busy_seconds: float = 0.0         # finished frames
     frames: int = 0
     tokens: int = 0
+    reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
+    prefilled_tokens: int = 0         # prompt positions computed
     started: float = field(default_factory=time.monotonic)
     running_since: Optional[float] = None  # the frame being computed now
     recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
@@ -124,6 +132,9 @@ class StageRuntime:
         self.seqs: Dict[int, _Seq] = {}
         self.groups: Dict[int, _Group] = {}
         self.stats = StageStatsCounter()
+        self.prefix: Optional[BlockStore] = None
+        if limits.block_tokens and supports(model.make_cache()):
+            self.prefix = BlockStore(limits.block_tokens)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -165,18 +176,24 @@ class StageRuntime:
         return n
 
     def cache_bytes(self) -> int:
+        """KV-cache bytes of live sequences (cached prefix blocks not included)."""
         caches = [c for g in self.groups.values() for c in g.caches]
         caches += [c for s in self.seqs.values() if s.caches for c in s.caches]
         return sum(c.nbytes for c in caches)
+
+    def prefix_bytes(self) -> int:
+        return self.prefix.nbytes if self.prefix is not None else 0
 
     # -- validation ----------------------------------------------------------
 
     def _check(self, frame: pb.Frame) -> tuple[int, int]:
         """Validate ``frame`` against this stage; return (rows, tokens per row)."""
         lim = self.limits
+        if frame.evict and self.prefix is None:
+            raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
         if frame.kind == pb.Frame.CONTROL:
             if frame.seqs or frame.tokens or frame.HasField("hidden"):
-                raise FrameError("a CONTROL frame carries only `free`")
+                raise FrameError("a CONTROL frame carries only `free` and `evict`")
             return 0, 0
         rows = len(frame.seqs)
         if rows == 0:
@@ -216,10 +233,12 @@ class StageRuntime:
                     f"the model's context is {lim.max_context}"
                 )
             seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
-            if frame.kind == pb.Frame.PREFILL and e.offset == 0:
+            self._check_blocks(frame, e)
+            if frame.kind == pb.Frame.PREFILL and (e.offset == 0 or e.reuse):
                 if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
                     raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
-                if lim.max_cache_bytes and (held := self.cache_bytes()) >= lim.max_cache_bytes:
+                held = self.cache_bytes() + self.prefix_bytes()
+                if lim.max_cache_bytes and held >= lim.max_cache_bytes:
                     raise FrameError(f"this stage's KV caches hold {held} bytes, its cap is "
                                      f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
             elif seq is None:
@@ -238,6 +257,28 @@ class StageRuntime:
                     raise FrameError(f"sequence {e.seq_id}: {err}") from err
         return rows, n
 
+    def _check_blocks(self, frame: pb.Frame, e: pb.SeqEntry) -> None:
+        """The prefix-cache instructions of one entry: blocks held, positions sane."""
+        if not (e.reuse or e.store or e.context):
+            return
+        if self.prefix is None:
+            raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")
+        b = self.prefix.block_tokens
+        evicting = set(frame.evict)
+        if e.reuse:
+            if frame.kind != pb.Frame.PREFILL or e.offset != len(e.reuse) * b:
+                raise FrameError(f"sequence {e.seq_id}: a prefill that reuses {len(e.reuse)} blocks of {b} "
+                                 f"positions starts at offset {len(e.reuse) * b}, not {e.offset}")
+            missing = [k for k in e.reuse if k not in self.prefix or k in evicting]
+            if missing:
+                raise FrameError(f"sequence {e.seq_id}: prefix block {missing[0]:016x} is not held here",
+                                 "FAILED_PRECONDITION")
+        if e.context and not e.reuse:
+            raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
+        if (e.store_first + len(e.store)) * b > e.offset:
+            raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
+                             f"before offset {e.offset}")
+
     # -- work --------------------------------------------------------------
 
     def run(self, frame: pb.Frame, session: int = 0):
@@ -252,6 +293,8 @@ class StageRuntime:
                 raise FrameError(str(err)) from err
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
+        if frame.evict:
+            self.prefix.drop(frame.evict)
         self.stats.begin()
         out = None
         try:
@@ -270,6 +313,7 @@ class StageRuntime:
             seqs=frame.seqs,
             tokens=frame.tokens,
             free=frame.free,
+            evict=frame.evict,
         )
         if out is not None:
             nxt.hidden.CopyFrom(codec.encode(out))
@@ -279,14 +323,35 @@ class StageRuntime:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
             self.free([entry.seq_id])
         seq = _Seq(caches=self.model.make_cache(), session=session)
+        if entry.reuse:
+            seq.length = self.prefix.start(entry.reuse, seq.caches)
+            self.stats.reused_tokens += seq.length
         if self.model.last:
             seq.sampler = SeqSampler(Sampling.from_wire(entry.sampling))
+            seq.sampler.observe(entry.context)
         self.seqs[entry.seq_id] = seq
         return seq
 
+    def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq) -> None:
+        """Copy the blocks the head named out of the sequence's caches (before the frame's work)."""
+        if not entry.store:
+            return
+        if seq.group is None:
+            caches, row = seq.caches, -1
+        else:
+            group = self.groups[seq.group]
+            caches, row = group.caches, group.members.index(entry.seq_id)
+        for i, key in enumerate(entry.store):
+            self.prefix.keep(key, caches, entry.store_first + i, row)
+
     def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]
-        seq = self._new_seq(entry, session) if entry.offset == 0 else self.seqs[entry.seq_id]
+        if entry.offset == 0 or entry.reuse:
+            seq = self._new_seq(entry, session)
+        else:
+            seq = self.seqs[entry.seq_id]
+            self._keep_blocks(entry, seq)
+        self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
         out = self.model(tokens, hidden, seq.caches)
         seq.length += entry.num_tokens
@@ -301,6 +366,8 @@ class StageRuntime:
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         group = self._regroup(frame.group, [e.seq_id for e in frame.seqs])
+        for e in frame.seqs:
+            self._keep_blocks(e, self.seqs[e.seq_id])
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[:, None]
         out = self.model(tokens, hidden, group.caches)
         seqs = [self.seqs[s] for s in group.members]

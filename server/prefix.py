@@ -1,0 +1,106 @@
+"""The head's prefix index: which cached KV blocks each stage holds. Pure logic.
+
+Chat UIs and agents resend the same long prefix every turn. Every stage keeps
+the KV of computed prefixes in blocks of ``block_tokens`` positions
+(``shards/prefix.py``), keyed by a chained hash of token ids: block k's key
+covers tokens ``[0, (k + 1) * block_tokens)``, so equal keys mean equal
+prefixes. This index is the one truth about which stage holds which block:
+the scheduler asks it where a sequence may start (``match``: blocks that
+*every* stage holds, since activations for the positions after them must flow
+through every stage), records what it told stages to keep (``add``) and picks
+what to drop (least recently used first). Stages follow the head's word, so
+they never disagree; after a fault each stage reports what it still holds
+(``reset``), which may differ from stage to stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Iterable, List, Sequence, Set
+
+_ROOT = 0
+
+
+def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int) -> List[int]:
+    """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of ``tokens``."""
+    while len(hashes) < upto:
+        k = len(hashes)
+        prev = hashes[-1] if hashes else _ROOT
+        data = array("i", tokens[k * block_tokens : (k + 1) * block_tokens]).tobytes()
+        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data, digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+    return hashes
+
+
+class PrefixIndex:
+    def __init__(self, block_tokens: int, capacity: int, num_stages: int):
+        self.block_tokens = block_tokens
+        self.capacity = capacity  # blocks any stage may hold
+        self.held: List[Set[int]] = [set() for _ in range(num_stages)]
+        self.lru: "OrderedDict[int, None]" = OrderedDict()  # every block some stage holds, oldest first
+
+    def reset(self, held: Sequence[Iterable[int]], capacity: int) -> List[int]:
+        """What each stage of a (re)built pipeline holds. Returns the blocks to drop
+        to fit ``capacity`` (oldest first, in the stages' own order)."""
+        self.held = [set(h) for h in held]
+        self.capacity = capacity
+        self.lru = OrderedDict((k, None) for h in held for k in h)
+        return self.evict(len(self.lru) - capacity)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.lru)
+
+    @property
+    def tokens(self) -> int:
+        """KV positions the cached blocks take on the fullest stage (at most)."""
+        return len(self.lru) * self.block_tokens
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many of a sequence's first blocks every stage holds."""
+        n = 0
+        for key in hashes:
+            if not all(key in h for h in self.held):
+                break
+            n += 1
+        return n
+
+    def touch(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            if key in self.lru:
+                self.lru.move_to_end(key)
+
+    def add(self, keys: Sequence[int], protected: Set[int], evicted: List[int], room: int) -> int:
+        """Record that every stage keeps ``keys`` (in order), within ``capacity`` and
+        ``room`` blocks, making room by evicting least recently used blocks not in
+        ``protected`` (appended to ``evicted``). Returns how many of ``keys`` fit:
+        the stages must be told to keep only those."""
+        protected = protected | set(keys)
+        limit = min(self.capacity, room)
+        for n, key in enumerate(keys):
+            if key not in self.lru and len(self.lru) >= limit:
+                gone = self.evict(len(self.lru) - limit + 1, protected)
+                if not gone:
+                    return n
+                evicted.extend(gone)
+            self.lru[key] = None
+            self.lru.move_to_end(key)
+            for h in self.held:
+                h.add(key)
+        return len(keys)
+
+    def evict(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
+        """Drop up to ``count`` least recently used blocks not in ``protected``."""
+        gone = []
+        for key in self.lru:
+            if len(gone) >= count:
+                break
+            if key not in protected:
+                gone.append(key)
+        for key in gone:
+            del self.lru[key]
+            for h in self.held:
+                h.discard(key)
+        return gone
