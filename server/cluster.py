@@ -48,6 +48,8 @@ class ClusterConfig:
     join_listen: Optional[str] = None     # host:port where nodes may join (`mlxpipe node --join`)
     wait_nodes: int = 0             # with join_listen: nodes (listed + joined) to wait for before serving
     stage_log_level: str = "WARNING"
+    prefix_cache_bytes: Optional[int] = None  # per stage, for cached prefix blocks (None: half the KV budget; 0: off)
+    block_tokens: int = 16          # positions per prefix-cache block
 
 
 def available_cpus() -> List[int]:
@@ -74,6 +76,18 @@ def kv_token_budget(pipeline: Pipeline) -> int:
     what a token costs there, halved for the padding of batched caches."""
     loads = [st.load for st in pipeline.stages]
     return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+
+
+def prefix_blocks(pipeline: Pipeline, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:
+    """Prefix-cache blocks every stage may keep: ``cache_bytes`` on the stage where a
+    block costs most (default: half the KV budget); 0 when a stage keeps none."""
+    loads = [st.load for st in pipeline.stages]
+    block = loads[0].block_tokens
+    if not block or any(r.block_tokens != block for r in loads):
+        return 0
+    if cache_bytes is None:
+        return max_kv_tokens // 2 // block
+    return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
 
 
 def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, int]]:
@@ -168,8 +182,11 @@ class Cluster:
                 self.addresses = self.local.start()
             pipeline = await self._build(self.addresses)
             n = len(pipeline.stages)  # the planner may have left nodes out
+            kv = kv_token_budget(pipeline)
             sched = SchedulerConfig(
-                max_kv_tokens=kv_token_budget(pipeline),
+                max_kv_tokens=kv,
+                block_tokens=cfg.block_tokens,
+                prefix_blocks=prefix_blocks(pipeline, kv, cfg.prefix_cache_bytes),
                 num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,
@@ -199,7 +216,8 @@ class Cluster:
             model_bytes = sum(f.stat().st_size for f in self.model_path.glob("*.safetensors"))
             cap = max(offered_memory() - model_bytes, 0) // len(addresses)
         return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
-                        max_tokens=cfg.chunk_size, max_cache_bytes=cap)
+                        max_tokens=cfg.chunk_size, max_cache_bytes=cap,
+                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0)
 
     async def _await_up(self, down: Dict[str, str], refuse: bool = False) -> Dict[str, str]:
         """Probe the stages in ``down`` (address -> why) about once a second until they
@@ -267,7 +285,8 @@ class Cluster:
         while alive:
             try:
                 pipeline = await self._build(alive)
-                return Rebuilt(pipeline, kv_token_budget(pipeline))
+                kv = kv_token_budget(pipeline)
+                return Rebuilt(pipeline, kv, prefix_blocks(pipeline, kv, self.config.prefix_cache_bytes))
             except PipelineError as err:  # e.g. a stage that cannot reach its successor
                 gone = set(err.suspects) & set(alive)
                 if not gone:

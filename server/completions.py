@@ -32,7 +32,8 @@ class Generation:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.streams[0].cached_tokens}}
 
     async def chunks(self) -> AsyncIterator[Tuple[int, TextChunk]]:
         """(choice index, chunk) from all n streams, as they come; the streams are

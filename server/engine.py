@@ -51,6 +51,7 @@ class RequestStream:
         self.submitted = time.monotonic()
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
+        self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
 
     def __aiter__(self):
         return self
@@ -98,6 +99,7 @@ class Rebuilt:
 
     pipeline: Pipeline
     max_kv_tokens: int
+    prefix_blocks: int  # blocks each stage may keep for the prefix cache
 
 
 # rebuild(why, addresses of suspect stages) -> a loaded pipeline without the fault, or raises.
@@ -156,8 +158,13 @@ class Engine:
         self._idle.set()
 
     async def start(self) -> None:
+        self._held_blocks(self.scheduler.config.prefix_blocks)
         await self.pipeline.open()
         self._supervisor = asyncio.ensure_future(self._supervise())
+
+    def _held_blocks(self, capacity: int) -> None:
+        """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
+        self.scheduler.reset_prefix([list(st.load.blocks) for st in self.pipeline.stages], capacity)
 
     async def stop(self) -> None:
         if self._supervisor is not None:
@@ -216,6 +223,7 @@ class Engine:
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = now
+                stream.cached_tokens = ev.seq.cached_tokens or 0
                 if self.observer is not None:
                     self.observer.first_token(now - stream.submitted)
             if self.observer is not None:
@@ -296,6 +304,7 @@ class Engine:
                     rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
                     self.pipeline = rebuilt.pipeline
                     self.scheduler.resize(rebuilt.max_kv_tokens)
+                    self._held_blocks(rebuilt.prefix_blocks)
                     await self.pipeline.open()
                     break
                 except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests

@@ -183,12 +183,13 @@ class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
-                 max_batch: int = 0, max_tokens: int = 0, max_cache_bytes: int = 0):
+                 max_batch: int = 0, max_tokens: int = 0, max_cache_bytes: int = 0, block_tokens: int = 0):
         self.stages = [StageInfo(a, 0, 0) for a in addresses]
         self.model = model
         self.security = security or Security()
         self.md = self.security.metadata()  # every call carries the cluster secret
         self.max_batch, self.max_tokens, self.max_cache_bytes = max_batch, max_tokens, max_cache_bytes
+        self.block_tokens = block_tokens  # prefix-cache block size the stages keep (0: none)
         self.channels = [self.security.channel(a) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self._forward = None
@@ -291,7 +292,7 @@ class Pipeline:
             nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
                                  max_batch=self.max_batch, max_tokens=self.max_tokens,
-                                 max_cache_bytes=self.max_cache_bytes)
+                                 max_cache_bytes=self.max_cache_bytes, block_tokens=self.block_tokens)
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)

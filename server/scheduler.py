@@ -7,9 +7,11 @@ truth: its prompt, the tokens generated so far, where it is in the pipeline.
 Rules:
 
 - Prefill is chunked (token-level pipelining, as in TeraPipe): all but the
-  last token of the prompt go in chunks of ``chunk_size``, sent back to back
-  without waiting for results, so stage 1 works on chunk k while stage 0 works
-  on chunk k+1. The last token goes alone and is sampled, exactly as mlx-lm's
+  last token of the prompt go in chunks of at most ``chunk_size``, sent back
+  to back without waiting for results, so stage 1 works on chunk k while stage
+  0 works on chunk k+1. A short prefill (a new turn after a cached prefix) is
+  cut into about two chunks per stage (never under ``min_chunk``) so that every
+  stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
   ``generate_step`` does it. At most ``max_prefill_inflight`` prefill frames
   are in flight, in arrival order (no starvation).
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
@@ -96,8 +98,9 @@ class Flight:
 class SchedulerConfig:
     num_groups: int = 2            # micro-batch groups in flight (default: one per stage)
     max_batch: int = 32            # sequences per group
-    chunk_size: int = 256          # prefill tokens per frame
-    max_prefill_inflight: int = 2  # prefill frames in flight
+    chunk_size: int = 256          # prefill tokens per frame, at most
+    min_chunk: int = 16            # smallest chunk a short prefill is cut into
+    max_prefill_inflight: int = 2  # prefill frames in flight (default: one per stage)
     max_running: Optional[int] = None  # sequences holding caches (default: num_groups x max_batch)
     max_waiting: int = 256         # requests queued before QueueFull
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
@@ -161,6 +164,12 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is not None and seq.phase != Phase.DONE:
             self._finish(seq, reason)
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens per prefill frame for ``seq``: about two chunks per stage in flight."""
+        cfg = self.config
+        todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
+        return min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
 
     def _penalty_context(self, seq: Sequence) -> List[int]:
         """For a sequence that starts after cached blocks: the reused tokens its
@@ -299,7 +308,7 @@ class Scheduler:
             while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
                 body = len(seq.feed) - 1  # all but the last token go in chunks
                 if seq.sent < body:
-                    n, sample = min(self.config.chunk_size, body - seq.sent), False
+                    n, sample = min(self._chunk(seq), body - seq.sent), False
                 else:
                     n, sample = 1, True
                 entry = pb.SeqEntry(seq_id=seq.seq_id, offset=seq.sent, num_tokens=n, sample=sample)

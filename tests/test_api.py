@@ -87,6 +87,24 @@ def test_chat_streaming_equals_non_streaming(client, mlx_lm_chat):
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 5  # really streamed
 
 
+def test_a_resent_conversation_is_reused_from_the_prefix_cache(client, mlx_lm_chat):
+    system = ("You are the archivist of a river town. " * 12).strip()
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Who built the first bridge?"}]
+    r1 = client.chat.completions.create(model="default", messages=turn1, temperature=0, max_tokens=12)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0  # nobody sent this system prompt before
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And when?"}]
+    want, prompt_len = mlx_lm_chat(turn2, 12)
+    r2 = client.chat.completions.create(model="default", messages=turn2, temperature=0, max_tokens=12)
+    assert r2.choices[0].message.content == want
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens - 16 < cached < prompt_len  # turn 1's prompt, to a 16-token block
+    chunks = list(client.chat.completions.create(model="default", messages=turn2, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 def test_completion_greedy_equals_mlx_lm(client, mlx_lm_chat):
     prompt = "The capital of France is"
     want = mlx_lm_chat.text(prompt, 16)
