@@ -40,7 +40,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 def _cluster_config(args):
     from mlxpipe.proto.rpc import Security
     from mlxpipe.server.cluster import ClusterConfig
-    from mlxpipe.server.planner import parse_size
+    from mlxpipe.shards.units import parse_size
 
     return ClusterConfig(
         weights_rate=parse_size(args.weights_rate) if args.weights_rate else None,

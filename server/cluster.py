@@ -19,7 +19,7 @@ from mlxpipe.proto.rpc import Security
 from mlxpipe.server.engine import Engine, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, WeightSource, even_split, probe,
                                      split_from_sizes)
-from mlxpipe.shards.store import fingerprint
+from mlxpipe.shards.store import fingerprint, text_config
 from mlxpipe.server.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def read_config(path: Path) -> dict:
     from mlx_lm.utils import load_config
 
     config = load_config(path)
-    text = config.get("text_config", config) | {"model_type": config.get("model_type")}
+    text = text_config(config) | {"model_type": config.get("model_type")}
     if "eos_token_id" in config:
         text["eos_token_id"] = config["eos_token_id"]
     return text

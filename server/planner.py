@@ -27,49 +27,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mlxpipe.shards.store import text_config
+from mlxpipe.shards.units import expand_list, gb as _gb, parse_bandwidth, parse_size
 from mlxpipe.shards.weights import LAYER_RE, read_header
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
 
 class PlanInfeasible(ValueError):
     """No assignment of layers to nodes fits; the message says why and by how much."""
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-# -- units ------------------------------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '192GB', '144 GiB', '1.5TB', '512MB' (GB = 1e9, GiB = 2**30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: use a number and a unit, e.g. 192GB or 144GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from '800GB/s' (the '/s' may be left out)."""
-    return float(parse_size(re.sub(r"/s\s*$", "", text.strip())))
-
-
-def _expand(text: str) -> List[str]:
-    """'3x192GB,64GB' -> ['192GB', '192GB', '192GB', '64GB']."""
-    out = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+)\s*[x*]\s*(.+)", item)
-        out.extend([m.group(2)] * int(m.group(1)) if m else [item])
-    return out
 
 
 # -- cost model -------------------------------------------------------------------
@@ -375,7 +343,7 @@ def load_model_cost(path: str | Path, bits: Optional[int] = None,
         raise ValueError(f"cannot read {cfg_path}: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path} is not a JSON object")
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    cfg = text_config(cfg) if "num_hidden_layers" not in cfg else cfg
     name = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
     cost = model_cost(cfg, bits, group_size, name=name)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
@@ -725,7 +693,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
-    items = _expand(args.nodes)
+    items = expand_list(args.nodes)
     if not items:
         raise ValueError("--nodes lists no node")
     names, sizes = [], []
@@ -734,7 +702,7 @@ def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
         names.append(name.strip() or f"node{i}")
         sizes.append(parse_size(size))
     assumed = args.bandwidth is None
-    bws = [DEFAULT_BANDWIDTH] if assumed else [parse_bandwidth(b) for b in _expand(args.bandwidth)]
+    bws = [DEFAULT_BANDWIDTH] if assumed else [parse_bandwidth(b) for b in expand_list(args.bandwidth)]
     if len(bws) == 1:
         bws *= len(items)
     if len(bws) != len(items):

@@ -33,7 +33,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import SECRET_ENV, Security, malformed, stage_server
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
-from mlxpipe.shards.store import fingerprint, mlxpipe_home
+from mlxpipe.shards.store import fingerprint, mlxpipe_home, text_config
+from mlxpipe.shards.units import parse_size
 from mlxpipe.shards.weights import CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class StageServicer(pb_grpc.StageServicer):
         before = mx.get_active_memory()
         stage, config = load_stage(path, request.start, request.end, strict=not partial)
         read_weights(stage, progress=self.progress)
-        text = config.get("text_config", config)
+        text = text_config(config)
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
@@ -572,8 +573,6 @@ def run(args) -> int:
             logger.warning("--cpu is not supported on this platform")
     memory = None
     if args.memory:
-        from mlxpipe.server.planner import parse_size
-
         memory = parse_size(args.memory)
     try:
         asyncio.run(serve(args.listen, security, memory,
