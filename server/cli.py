@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from mlxpipe.server import bench, certs, planner, serve, status
+    from mlxpipe.server import bench, certs, plan_command, serve, status
     from mlxpipe.shards import worker
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP API over a pipeline "
@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=worker.run)
 
     p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
-    planner.add_arguments(p)
-    p.set_defaults(fn=planner.run)
+    plan_command.add_arguments(p)
+    p.set_defaults(fn=plan_command.run)
 
     p = sub.add_parser("status", help="the cluster as a table: stages, layers, memory, health, load")
     status.add_arguments(p)

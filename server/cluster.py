@@ -273,6 +273,7 @@ class Cluster:
         pipeline is faster without it.
         """
         from mlxpipe.server import planner
+        from mlxpipe.server.cost import load_model_cost
 
         cfg = self.config
         count = len(pipeline.stages)
@@ -292,7 +293,7 @@ class Cluster:
         else:
             profiles = [self.profiles[a] for a in addresses]
             memory = [p.memory_bytes for p in profiles]
-        cost = planner.load_model_cost(self.model_path)
+        cost = load_model_cost(self.model_path)
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)

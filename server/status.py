@@ -13,14 +13,11 @@ import time
 from pathlib import Path
 from typing import List
 
+from mlxpipe.server.options import table
+
 
 def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
-
-
-def table(rows: List[List[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def api_key(args) -> str:
