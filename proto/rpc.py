@@ -14,6 +14,7 @@ own credentials.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import os
 from dataclasses import dataclass
@@ -89,6 +90,12 @@ class Security:
             raise ValueError("give --tls-cert and --tls-key together")
         return cls(secret, _read(ca), _read(cert), _read(key))
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Security":
+        """From the options ``add_security_arguments`` defines."""
+        return cls.from_options(secret=getattr(args, "secret", None), secret_file=args.secret_file,
+                                ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+
     def metadata(self) -> Tuple[Tuple[str, str], ...]:
         """What every call (but Ping) carries."""
         return (("authorization", f"Bearer {self.secret}"),) if self.secret else ()
@@ -119,6 +126,27 @@ class Security:
                 got = v.encode() if isinstance(v, str) else v
                 return hmac.compare_digest(got, want)
         return False
+
+
+def add_security_arguments(parser: argparse.ArgumentParser, node: bool = False) -> None:
+    """The cluster secret and TLS options: of a node (``node``: it serves TLS and may be given
+    the secret itself), else of a head or a client that dials nodes."""
+    if not node:
+        parser.add_argument("--secret-file", default=None,
+                            help=f"file with the cluster secret the nodes share (or set ${SECRET_ENV})")
+        parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the nodes' TLS certificates")
+        parser.add_argument("--tls-cert", default=None,
+                            help="PEM client certificate, for nodes demanding mutual TLS")
+        parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        return
+    parser.add_argument("--secret-file", default=None,
+                        help=f"file holding the cluster secret (or set ${SECRET_ENV})")
+    parser.add_argument("--secret", default=None,
+                        help="the cluster secret itself (visible to other users in `ps`: prefer --secret-file)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None,
+                        help="PEM CA: verify the next stage, and demand client certificates (mutual TLS)")
 
 
 class _Malformed:

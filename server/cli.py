@@ -7,12 +7,14 @@ import asyncio
 import logging
 import sys
 
+from mlxpipe.proto.rpc import Security, add_security_arguments
+
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="mlx-lm model folder, a Hugging Face repo id already in the local cache, "
                         "or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
-    p.add_argument("--stages", type=int, default=2, help="local stage processes to start (default 2)")
+    p.add_argument("--stages", type=int, default=2, help="local stage processes to start (default 2; they get a random cluster secret)")
     p.add_argument("--nodes", default="",
                    help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order")
     p.add_argument("--split", default="auto",
@@ -27,18 +29,12 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
-    p.add_argument("--secret-file", default=None,
-                   help="file with the cluster secret the --nodes share (or set $MLXPIPE_SECRET); "
-                        "local stages get a random one")
-    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the --nodes' TLS certificates")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate, for nodes demanding mutual TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    add_security_arguments(p)
     p.add_argument("--weights-rate", default=None,
                    help="cap on weights streamed to each node that lacks the model, e.g. 100MB (per second)")
 
 
 def _cluster_config(args):
-    from mlxpipe.proto.rpc import Security
     from mlxpipe.server.cluster import ClusterConfig
     from mlxpipe.shards.units import parse_size
 
@@ -46,8 +42,7 @@ def _cluster_config(args):
         weights_rate=parse_size(args.weights_rate) if args.weights_rate else None,
         join_listen=getattr(args, "join_listen", None),
         wait_nodes=getattr(args, "wait_nodes", 0),
-        security=Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
-                                       key=args.tls_key),
+        security=Security.from_args(args),
         model=args.model,
         stages=args.stages,
         nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.options import table
 
 
@@ -83,10 +84,7 @@ def add_nodes_arguments(p) -> None:
 def add_arguments(p) -> None:
     add_nodes_arguments(p)
     p.add_argument("--nodes", default="", help="ask these nodes (host:port,...) directly instead of a head")
-    p.add_argument("--secret-file", default=None, help="the cluster secret, to ask --nodes (or $MLXPIPE_SECRET)")
-    p.add_argument("--tls-ca", default=None)
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
+    add_security_arguments(p)
     p.add_argument("--json", action="store_true", help="print the head's /health as JSON")
 
 
@@ -101,10 +99,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     if args.nodes:
-        from mlxpipe.proto.rpc import Security
-
-        security = Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
-                                         key=args.tls_key)
+        security = Security.from_args(args)
         print(asyncio.run(from_nodes([n.strip() for n in args.nodes.split(",") if n.strip()], security)))
         return 0
     if args.json:

@@ -31,7 +31,7 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import SECRET_ENV, Security, malformed, stage_server
+from mlxpipe.proto.rpc import SECRET_ENV, Security, add_security_arguments, malformed, stage_server
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
 from mlxpipe.shards.store import fingerprint, mlxpipe_home, text_config
 from mlxpipe.shards.units import parse_size
@@ -528,14 +528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051",
                         help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one). "
                              "Any other host than loopback needs the cluster secret.")
-    parser.add_argument("--secret-file", default=None,
-                        help=f"file holding the cluster secret (or set ${SECRET_ENV})")
-    parser.add_argument("--secret", default=None,
-                        help="the cluster secret itself (visible to other users in `ps`: prefer --secret-file)")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-ca", default=None,
-                        help="PEM CA: verify the next stage, and demand client certificates (mutual TLS)")
+    add_security_arguments(parser, node=True)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening beyond loopback without a cluster secret (not recommended)")
     parser.add_argument("--models-dir", default=None,
@@ -559,8 +552,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger().setLevel(args.log_level)
-    security = Security.from_options(secret=args.secret, secret_file=args.secret_file, ca=args.tls_ca,
-                                     cert=args.tls_cert, key=args.tls_key)
+    security = Security.from_args(args)
     host = args.listen.rpartition(":")[0]
     if not _loopback(host) and not security.secret and not args.insecure:
         raise SystemExit(f"refusing to listen on {args.listen} without a cluster secret: anyone who can reach "
