@@ -12,7 +12,7 @@ import uvicorn
 
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.status import api_key
+from mlxpipe.server.options import api_key
 from mlxpipe.shards.store import is_repo_id
 
 logger = logging.getLogger(__name__)

@@ -8,30 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import List
 
+import httpx
+
 from mlxpipe.proto.rpc import Security, add_security_arguments
-from mlxpipe.server.options import table
+from mlxpipe.server.options import api_key, table
+from mlxpipe.server.pipeline import Pipeline
 
 
 def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
 
 
-def api_key(args) -> str:
-    """The head's API key: --api-key-file, else $MLXPIPE_API_KEY, else ""."""
-    if args.api_key_file:
-        return Path(args.api_key_file).expanduser().read_text().strip()
-    return os.environ.get("MLXPIPE_API_KEY", "")
-
-
 def get_head(url: str, key: str, path: str):
     """GET ``path`` from the head at ``url`` (given with or without /v1)."""
-    import httpx
-
     r = httpx.get(url.rstrip("/").removesuffix("/v1") + path,
                   headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
     if r.status_code == 401:
@@ -57,8 +50,6 @@ def from_head(url: str, key: str = "") -> str:
 
 
 async def from_nodes(addresses: List[str], security) -> str:
-    from mlxpipe.server.pipeline import Pipeline
-
     pipeline = Pipeline(addresses, "unused", security)
     try:
         health = await pipeline.health(timeout=5)
@@ -89,8 +80,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import httpx
-
     try:
         return _run(args)
     except httpx.HTTPError as err:
@@ -110,8 +99,6 @@ def _run(args) -> int:
 
 
 def run_nodes(args) -> int:
-    import httpx
-
     try:
         r = get_head(args.url, api_key(args), "/nodes")
     except httpx.HTTPError as err:
