@@ -58,6 +58,8 @@ SERVER_OPTIONS = _MESSAGES + [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+REPLAN_WAIT_S = 300.0  # how long a Join waits for the re-plan it causes: the node's deadline, the head's wait
+
 SECRET_ENV = "MLXPIPE_SECRET"
 UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
 
@@ -169,6 +171,12 @@ def _parser(message_type):
 def malformed(request) -> Optional[str]:
     """The complaint about a request that did not parse, or None."""
     return request.message if isinstance(request, _Malformed) else None
+
+
+async def refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    """End the call with INVALID_ARGUMENT when its request did not parse."""
+    if (why := malformed(request)) is not None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
 class _SecretCheck(grpc.aio.ServerInterceptor):

@@ -14,7 +14,7 @@ from mlxpipe.server.engine import GenerationFailed
 from mlxpipe.server.options import add_cluster_arguments, cluster_config
 from mlxpipe.server.pipeline import PipelineError
 from mlxpipe.server.textgen import sampling_params, stream_text
-from mlxpipe.shards import worker
+from mlxpipe.shards import node
 from mlxpipe.shards.store import pull_default
 
 
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("node", help="run one stage worker that a head can drive")
-    worker.add_arguments(p)
-    p.set_defaults(fn=worker.run)
+    node.add_arguments(p)
+    p.set_defaults(fn=node.run)
 
     p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
     plan_command.add_arguments(p)

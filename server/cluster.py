@@ -330,7 +330,7 @@ class Cluster:
         self._node_added.set()
         if self.engine is None:  # still starting: the first plan will include it
             return True, "joined; the cluster is starting"
-        from mlxpipe.server.join import REPLAN_WAIT_S
+        from mlxpipe.proto.rpc import REPLAN_WAIT_S
 
         await self.engine.request_replan(f"node {joined.address} joined", timeout=REPLAN_WAIT_S)
         in_plan = joined.address in [st.address for st in self.pipeline.stages]
