@@ -8,7 +8,8 @@ import logging
 import sys
 import time
 
-from mlxpipe.server import bench, certs, plan_command, serve, status
+from mlxpipe.bench import command as bench
+from mlxpipe.server import certs, plan_command, serve, status
 from mlxpipe.server.cluster import Cluster
 from mlxpipe.server.engine import GenerationFailed
 from mlxpipe.server.options import add_cluster_arguments, cluster_config
