@@ -14,6 +14,7 @@ own credentials.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import os
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ SERVER_OPTIONS = _MESSAGES + [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+REPLAN_WAIT_S = 300.0  # how long a Join waits for the re-plan it causes: the node's deadline, the head's wait
+
 SECRET_ENV = "MLXPIPE_SECRET"
 UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
 
@@ -88,6 +91,12 @@ class Security:
         if bool(cert) != bool(key):
             raise ValueError("give --tls-cert and --tls-key together")
         return cls(secret, _read(ca), _read(cert), _read(key))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Security":
+        """From the options ``add_security_arguments`` defines."""
+        return cls.from_options(secret=getattr(args, "secret", None), secret_file=args.secret_file,
+                                ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
 
     def metadata(self) -> Tuple[Tuple[str, str], ...]:
         """What every call (but Ping) carries."""
@@ -121,6 +130,27 @@ class Security:
         return False
 
 
+def add_security_arguments(parser: argparse.ArgumentParser, node: bool = False) -> None:
+    """The cluster secret and TLS options: of a node (``node``: it serves TLS and may be given
+    the secret itself), else of a head or a client that dials nodes."""
+    if not node:
+        parser.add_argument("--secret-file", default=None,
+                            help=f"file with the cluster secret the nodes share (or set ${SECRET_ENV})")
+        parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the nodes' TLS certificates")
+        parser.add_argument("--tls-cert", default=None,
+                            help="PEM client certificate, for nodes demanding mutual TLS")
+        parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        return
+    parser.add_argument("--secret-file", default=None,
+                        help=f"file holding the cluster secret (or set ${SECRET_ENV})")
+    parser.add_argument("--secret", default=None,
+                        help="the cluster secret itself (visible to other users in `ps`: prefer --secret-file)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None,
+                        help="PEM CA: verify the next stage, and demand client certificates (mutual TLS)")
+
+
 class _Malformed:
     """A request message that did not parse: handlers answer INVALID_ARGUMENT."""
 
@@ -141,6 +171,12 @@ def _parser(message_type):
 def malformed(request) -> Optional[str]:
     """The complaint about a request that did not parse, or None."""
     return request.message if isinstance(request, _Malformed) else None
+
+
+async def refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    """End the call with INVALID_ARGUMENT when its request did not parse."""
+    if (why := malformed(request)) is not None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
 class _SecretCheck(grpc.aio.ServerInterceptor):

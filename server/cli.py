@@ -6,79 +6,31 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 
-
-def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="mlx-lm model folder, a Hugging Face repo id already in the local cache, "
-                        "or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
-    p.add_argument("--stages", type=int, default=2, help="local stage processes to start (default 2)")
-    p.add_argument("--nodes", default="",
-                   help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order")
-    p.add_argument("--split", default="auto",
-                   help="how to cut the layers: 'auto' (default: the planner balances measured stage "
-                        "times within each node's memory), 'even', or layers per stage such as 18,12")
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="prefill tokens per pipeline frame (default 256); chunks of a long prompt flow "
-                        "through the stages back to back")
-    p.add_argument("--groups", type=int, default=None,
-                   help="micro-batch groups in flight (default: one per stage)")
-    p.add_argument("--max-batch", type=int, default=32, help="sequences per micro-batch group (default 32)")
-    p.add_argument("--max-waiting", type=int, default=256,
-                   help="requests queued before the server answers 429 (default 256)")
-    p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
-    p.add_argument("--secret-file", default=None,
-                   help="file with the cluster secret the --nodes share (or set $MLXPIPE_SECRET); "
-                        "local stages get a random one")
-    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the --nodes' TLS certificates")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate, for nodes demanding mutual TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--weights-rate", default=None,
-                   help="cap on weights streamed to each node that lacks the model, e.g. 100MB (per second)")
-
-
-def _cluster_config(args):
-    from mlxpipe.proto.rpc import Security
-    from mlxpipe.server.cluster import ClusterConfig
-    from mlxpipe.server.planner import parse_size
-
-    return ClusterConfig(
-        weights_rate=parse_size(args.weights_rate) if args.weights_rate else None,
-        join_listen=getattr(args, "join_listen", None),
-        wait_nodes=getattr(args, "wait_nodes", 0),
-        security=Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
-                                       key=args.tls_key),
-        model=args.model,
-        stages=args.stages,
-        nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
-        split=args.split,
-        chunk_size=args.chunk_size,
-        groups=args.groups,
-        max_batch=args.max_batch,
-        max_waiting=args.max_waiting,
-        pin=args.pin,
-    )
+from mlxpipe.bench import command as bench
+from mlxpipe.server import certs, plan_command, serve, status
+from mlxpipe.server.cluster import Cluster
+from mlxpipe.server.engine import GenerationFailed
+from mlxpipe.server.options import add_cluster_arguments, cluster_config
+from mlxpipe.server.pipeline import PipelineError
+from mlxpipe.server.textgen import stream_text
+from mlxpipe.shards import node
+from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.store import pull_default
 
 
 def cmd_pull(args) -> int:
-    from mlxpipe.shards.store import pull_default
-
     path = pull_default(progress=None if not args.quiet else False)
     print(path)
     return 0
 
 
 def cmd_generate(args) -> int:
-    import time
-
-    from mlxpipe.server.cluster import Cluster
-    from mlxpipe.server.textgen import stream_text
-    from mlxpipe.shards.sampling import Sampling
-
     log = logging.getLogger("mlxpipe")
 
     async def run() -> None:
-        async with Cluster(_cluster_config(args)) as cluster:
+        async with Cluster(cluster_config(args)) as cluster:
             for line in cluster.describe():
                 log.info(line)
             tok = cluster.tokenizer
@@ -132,17 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from mlxpipe.server import bench, certs, planner, serve, status
-    from mlxpipe.shards import worker
-
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP API over a pipeline "
                                      "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)")
-    _cluster_args(p)
+    add_cluster_arguments(p)
     serve.add_arguments(p)
-    p.set_defaults(fn=lambda args: serve.run(args, _cluster_config(args)))
+    p.set_defaults(fn=lambda args: serve.run(args, cluster_config(args)))
 
     p = sub.add_parser("generate", help="generate text from one prompt through the pipeline")
-    _cluster_args(p)
+    add_cluster_arguments(p)
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -152,12 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("node", help="run one stage worker that a head can drive")
-    worker.add_arguments(p)
-    p.set_defaults(fn=worker.run)
+    node.add_arguments(p)
+    p.set_defaults(fn=node.run)
 
     p = sub.add_parser("plan", help="plan a split of a model over nodes, from its config alone (no weights)")
-    planner.add_arguments(p)
-    p.set_defaults(fn=planner.run)
+    plan_command.add_arguments(p)
+    p.set_defaults(fn=plan_command.run)
 
     p = sub.add_parser("status", help="the cluster as a table: stages, layers, memory, health, load")
     status.add_arguments(p)
@@ -185,9 +134,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
-    from mlxpipe.server.engine import GenerationFailed
-    from mlxpipe.server.pipeline import PipelineError
-
     try:
         return args.fn(args)
     except (ValueError, PipelineError, GenerationFailed) as err:

@@ -19,7 +19,7 @@ from mlxpipe.proto.rpc import Security
 from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, WeightSource, even_split, probe,
                                      split_from_sizes)
-from mlxpipe.shards.store import fingerprint
+from mlxpipe.shards.store import fingerprint, text_config
 from mlxpipe.server.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def read_config(path: Path) -> dict:
     from mlx_lm.utils import load_config
 
     config = load_config(path)
-    text = config.get("text_config", config) | {"model_type": config.get("model_type")}
+    text = text_config(config) | {"model_type": config.get("model_type")}
     if "eos_token_id" in config:
         text["eos_token_id"] = config["eos_token_id"]
     return text
@@ -304,6 +304,7 @@ class Cluster:
         pipeline is faster without it.
         """
         from mlxpipe.server import planner
+        from mlxpipe.server.cost import load_model_cost
 
         cfg = self.config
         count = len(pipeline.stages)
@@ -323,7 +324,7 @@ class Cluster:
         else:
             profiles = [self.profiles[a] for a in addresses]
             memory = [p.memory_bytes for p in profiles]
-        cost = planner.load_model_cost(self.model_path)
+        cost = load_model_cost(self.model_path)
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
@@ -360,7 +361,7 @@ class Cluster:
         self._node_added.set()
         if self.engine is None:  # still starting: the first plan will include it
             return True, "joined; the cluster is starting"
-        from mlxpipe.server.join import REPLAN_WAIT_S
+        from mlxpipe.proto.rpc import REPLAN_WAIT_S
 
         await self.engine.request_replan(f"node {joined.address} joined", timeout=REPLAN_WAIT_S)
         in_plan = joined.address in [st.address for st in self.pipeline.stages]

@@ -1,15 +1,15 @@
-"""Nodes that join: ``mlxpipe node --join HEAD:PORT``.
+"""Nodes that join: the head's side of ``mlxpipe node --join HEAD:PORT``.
 
 The head runs a small gRPC service (``Head.Join``, behind the same cluster
-secret as every node). A node that joins offers its address, memory and
-measured bandwidth; the head adds it to the nodes it plans over and re-plans
-(live sequences pause and replay, as after a fault). ``mlxpipe nodes`` lists
-who joined. Manual ``--nodes`` always works too; no multicast is involved.
+secret as every node). A node that joins (``shards/node.py`` dials in) offers
+its address, memory and measured bandwidth; the head adds it to the nodes it
+plans over and re-plans (live sequences pause and replay, as after a fault).
+``mlxpipe nodes`` lists who joined. Manual ``--nodes`` always works too; no
+multicast is involved.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,11 +19,9 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import Security, head_server
+from mlxpipe.proto.rpc import Security, head_server, refuse_malformed
 
 logger = logging.getLogger(__name__)
-
-REPLAN_WAIT_S = 300.0  # how long a join waits for the re-plan it causes: the node's deadline, the head's wait
 
 
 @dataclass
@@ -40,10 +38,7 @@ class HeadService(pb_grpc.HeadServicer):
         self.cluster = cluster
 
     async def Join(self, request: pb.JoinRequest, context):
-        from mlxpipe.proto.rpc import malformed
-
-        if (why := malformed(request)) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        await refuse_malformed(request, context)
         if ":" not in request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
         joined = Joined(request.address, request.name or request.address, request.memory_bytes,
@@ -59,25 +54,6 @@ async def start_join_server(cluster, listen: str, security: Security) -> grpc.ai
         raise SystemExit(f"cannot listen for joining nodes on {listen}")
     await server.start()
     return server
-
-
-async def join(head: str, address: str, name: str, memory_bytes: int, bandwidth: float, security: Security,
-               attempts: int = 60) -> pb.JoinReply:
-    """Dial the head until it answers; raise PermissionError when it refuses our secret."""
-    last = None
-    for _ in range(attempts):
-        async with security.channel(head) as channel:
-            try:
-                return await pb_grpc.HeadStub(channel).Join(
-                    pb.JoinRequest(address=address, name=name, memory_bytes=memory_bytes,
-                                   bandwidth_bytes_per_s=bandwidth),
-                    timeout=REPLAN_WAIT_S, metadata=security.metadata())
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise PermissionError(f"the head at {head} refused this node: {err.details()}") from err
-                last = err
-        await asyncio.sleep(2.0)
-    raise ConnectionError(f"the head at {head} did not answer: {last.details() if last else ''}")
 
 
 def joined_table(nodes: Dict[str, Joined], in_plan) -> list:

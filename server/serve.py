@@ -13,15 +13,15 @@ import uvicorn
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.metrics import Metrics
-from mlxpipe.server.status import api_key
-from mlxpipe.shards.store import _REPO_ID
+from mlxpipe.server.options import api_key
+from mlxpipe.shards.store import is_repo_id
 
 logger = logging.getLogger(__name__)
 
 
 def model_id(model_arg: str, path: Path) -> str:
     """What /v1/models calls the model: a repo id as given, else the folder's name."""
-    if model_arg and not Path(model_arg).expanduser().exists() and _REPO_ID.match(model_arg):
+    if model_arg and not Path(model_arg).expanduser().exists() and is_repo_id(model_arg):
         return model_arg
     return path.name
 

@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import List
+
+import httpx
+
+from mlxpipe.proto.rpc import Security, add_security_arguments
+from mlxpipe.server.options import api_key, table
+from mlxpipe.server.pipeline import Pipeline
 
 
 def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
 
 
-def table(rows: List[List[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def api_key(args) -> str:
-    """The head's API key: --api-key-file, else $MLXPIPE_API_KEY, else ""."""
-    if args.api_key_file:
-        return Path(args.api_key_file).expanduser().read_text().strip()
-    return os.environ.get("MLXPIPE_API_KEY", "")
-
-
 def get_head(url: str, key: str, path: str):
     """GET ``path`` from the head at ``url`` (given with or without /v1)."""
-    import httpx
-
     r = httpx.get(url.rstrip("/").removesuffix("/v1") + path,
                   headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
     if r.status_code == 401:
@@ -59,8 +50,6 @@ def from_head(url: str, key: str = "") -> str:
 
 
 async def from_nodes(addresses: List[str], security) -> str:
-    from mlxpipe.server.pipeline import Pipeline
-
     pipeline = Pipeline(addresses, "unused", security)
     try:
         health = await pipeline.health(timeout=5)
@@ -86,16 +75,11 @@ def add_nodes_arguments(p) -> None:
 def add_arguments(p) -> None:
     add_nodes_arguments(p)
     p.add_argument("--nodes", default="", help="ask these nodes (host:port,...) directly instead of a head")
-    p.add_argument("--secret-file", default=None, help="the cluster secret, to ask --nodes (or $MLXPIPE_SECRET)")
-    p.add_argument("--tls-ca", default=None)
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
+    add_security_arguments(p)
     p.add_argument("--json", action="store_true", help="print the head's /health as JSON")
 
 
 def run(args) -> int:
-    import httpx
-
     try:
         return _run(args)
     except httpx.HTTPError as err:
@@ -104,10 +88,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     if args.nodes:
-        from mlxpipe.proto.rpc import Security
-
-        security = Security.from_options(secret_file=args.secret_file, ca=args.tls_ca, cert=args.tls_cert,
-                                         key=args.tls_key)
+        security = Security.from_args(args)
         print(asyncio.run(from_nodes([n.strip() for n in args.nodes.split(",") if n.strip()], security)))
         return 0
     if args.json:
@@ -118,8 +99,6 @@ def _run(args) -> int:
 
 
 def run_nodes(args) -> int:
-    import httpx
-
     try:
         r = get_head(args.url, api_key(args), "/nodes")
     except httpx.HTTPError as err:

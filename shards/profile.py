@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.shards.slicing import layer_owner, load_stage
-from mlxpipe.shards.store import mlxpipe_home
+from mlxpipe.shards.store import mlxpipe_home, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> D
     for i, b in enumerate(blocks):
         kinds.setdefault(block_kind(b), []).append(i)
     del model, blocks
-    hidden = int(config.get("text_config", config)["hidden_size"])
+    hidden = int(text_config(config)["hidden_size"])
     timed: Dict[int, float] = {}
 
     def layer_time(i: int) -> float:

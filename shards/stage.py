@@ -2,7 +2,7 @@
 
 ``StageRuntime`` owns the loaded layer range, every live sequence's caches and
 the micro-batch groups. It runs on the one thread that owns MLX in the stage
-process (see ``worker.py``); nothing here blocks on I/O.
+process (see ``servicer.py``); nothing here blocks on I/O.
 
 Sequences and caches:
 

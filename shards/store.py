@@ -61,6 +61,11 @@ def default_model_dir() -> Path:
     return models_dir() / DEFAULT_MODEL_NAME
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of a model config: a multimodal model's ``text_config``, else all of it."""
+    return config.get("text_config", config)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -149,6 +154,11 @@ def pull_default(progress: Optional[bool] = None) -> Path:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face repo id ("owner/name")."""
+    return bool(_REPO_ID.match(name))
+
+
 def _confine(name: str, within: Path) -> Optional[Path]:
     """``name`` as a folder inside ``within``, None if it names no folder there;
     raises ModelPathRefused when it leads outside."""
@@ -175,7 +185,7 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
         inside = _confine(name, within)
         if inside is not None:
             name = str(inside)
-        elif not _REPO_ID.match(name):
+        elif not is_repo_id(name):
             raise ModelNotFound(f"model {name!r} not found in this node's models directory {within}")
     path = Path(name).expanduser()
     if path.is_dir():
@@ -185,7 +195,7 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
             )
         return path.resolve()
     tried = [f"a model folder at {path.resolve()}"]
-    if _REPO_ID.match(name):
+    if is_repo_id(name):
         from huggingface_hub import constants
         from mlx_lm.utils import hf_repo_to_path
 

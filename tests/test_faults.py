@@ -125,7 +125,7 @@ def test_kill_9_one_of_three_replans_onto_two(dsv3_model, reference):
 def _node(listen: str, models_dir, netns: str = "") -> tuple:
     """A stage worker process the head did not start (it cannot restart it)."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "mlxpipe.shards.worker", "--listen", listen,
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "mlxpipe.shards.node", "--listen", listen,
                              "--models-dir", str(models_dir), "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, text=True, env=os.environ | {"MLXPIPE_SECRET": SECRET})
     line = proc.stdout.readline()

@@ -33,7 +33,7 @@ def _node(models_dir, *args, secret=SECRET):
     env.pop("MLXPIPE_SECRET", None)
     if secret:
         env["MLXPIPE_SECRET"] = secret
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker", "--models-dir", str(models_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--models-dir", str(models_dir),
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     line = proc.stdout.readline()

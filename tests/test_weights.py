@@ -75,7 +75,7 @@ def test_receiver_verifies_resumes_and_refuses_strange_names(dsv3_model, tmp_pat
 
 def _node(home, *args, secret=SECRET):
     env = dict(os.environ, MLXPIPE_HOME=str(home), MLXPIPE_SECRET=secret)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", "127.0.0.1:0",
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     line = proc.stdout.readline()

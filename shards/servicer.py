@@ -1,4 +1,4 @@
-"""The stage process: a gRPC server in front of one ``StageRuntime``.
+"""The stage's gRPC servicer: the data path in front of one ``StageRuntime``.
 
 Threads: asyncio runs the gRPC server; one worker thread owns MLX and does all
 array work (loading, every frame, frees). They meet through queues.
@@ -8,33 +8,35 @@ bounded queue: its length is the stage's queue depth), a computer (one frame at
 a time on the MLX thread) and a sender (outputs to the next stage's
 ``Forward`` stream, or, on the last stage, to the head's ``Results`` stream).
 Activations go straight from a stage to the next, never through the head.
-
-    python -m mlxpipe.shards.worker --listen 127.0.0.1:50051
+``node.py`` runs it as ``mlxpipe node``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import itertools
 import logging
 import os
 import resource
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import grpc
+import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import SECRET_ENV, Security, malformed, stage_server
+from mlxpipe.proto.rpc import Security, malformed, refuse_malformed
+from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
+from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
-from mlxpipe.shards.store import fingerprint, mlxpipe_home
-from mlxpipe.shards.weights import CHUNK_BYTES
+from mlxpipe.shards.store import (BrokenModel, ModelNotFound, ModelPathRefused, fingerprint, resolve_model,
+                                  text_config)
+from mlxpipe.shards.store import models_dir as default_models_dir
+from mlxpipe.shards.weight_service import WeightService
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,6 @@ def _rss_bytes() -> int:
 
 def _model_status(err: ValueError) -> grpc.StatusCode:
     """The status for a model a node cannot profile or load, by why."""
-    from mlxpipe.shards.store import BrokenModel, ModelNotFound, ModelPathRefused
-
     for kind, code in ((ModelPathRefused, grpc.StatusCode.PERMISSION_DENIED),
                        (ModelNotFound, grpc.StatusCode.NOT_FOUND),
                        (BrokenModel, grpc.StatusCode.FAILED_PRECONDITION)):
@@ -72,6 +72,8 @@ class _Loaded:
 
 
 class StageServicer(pb_grpc.StageServicer):
+    """The Stage service of pipeline.proto on this node; Have and Receive go to ``WeightService``."""
+
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                  models_dir: Optional[Path] = None, progress: bool = False):
         self.security = security or Security()
@@ -89,31 +91,20 @@ class StageServicer(pb_grpc.StageServicer):
         self._load_lock = asyncio.Lock()
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
-        self._offered: dict = {}    # (fingerprint, start, end) -> units the head offered
-        self._receivers: dict = {}  # fingerprint -> Receiver
+        self.weights = WeightService(self._resolve, self.mlx, progress)
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
 
     def _resolve(self, model: str) -> Path:
-        from mlxpipe.shards.store import models_dir, resolve_model
-
-        return resolve_model(model, within=self.models_dir or models_dir())
-
-    @staticmethod
-    async def _refuse_malformed(request, context) -> None:
-        if (why := malformed(request)) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        return resolve_model(model, within=self.models_dir or default_models_dir())
 
     async def Ping(self, request, context):
         return pb.PingReply()
 
-    # -- Profile, Load --------------------------------------------------------
+    # -- Profile ---------------------------------------------------------------
 
     def _profile_sync(self, request: pb.ProfileRequest) -> pb.ProfileReply:
-        from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
-        from mlxpipe.shards.store import ModelNotFound
-
         reply = pb.ProfileReply(memory_bytes=offered_memory(self.memory_bytes),
                                 node=node_name(), bandwidth_bytes_per_s=memory_bandwidth())
         try:
@@ -127,112 +118,30 @@ class StageServicer(pb_grpc.StageServicer):
         return reply
 
     async def Profile(self, request: pb.ProfileRequest, context):
-        await self._refuse_malformed(request, context)
+        await refuse_malformed(request, context)
         try:
             return await self._mlx(self._profile_sync, request)
         except ValueError as err:
             await context.abort(_model_status(err), str(err))
 
-    # -- weights from the head ------------------------------------------------
-
-    def _have_sync(self, offer: pb.WeightsOffer) -> pb.WeightsNeed:
-        from mlxpipe.shards.store import ModelNotFound
-        from mlxpipe.shards.weights import Receiver
-
-        try:
-            path = self._resolve(offer.model)
-            if fingerprint(path) == offer.fingerprint:
-                return pb.WeightsNeed(local=True)
-        except ModelNotFound:
-            pass
-        receiver = Receiver(mlxpipe_home(), offer.fingerprint, offer.chunk_bytes or CHUNK_BYTES)
-        receiver.write_files(dict(offer.files))
-        need = pb.WeightsNeed()
-        for unit in offer.units:
-            missing = receiver.need(unit.name, unit.header, unit.data_bytes)
-            if missing:
-                need.units.append(pb.UnitNeed(name=unit.name, chunks=missing))
-        need.have_bytes = receiver.verified_bytes()
-        self._offered[(offer.fingerprint, offer.start, offer.end)] = [u.name for u in offer.units]
-        self._receivers[offer.fingerprint] = receiver
-        return need
+    # -- weights from the head (weight_service.py) ---------------------------
 
     async def Have(self, request: pb.WeightsOffer, context):
-        from mlxpipe.shards.weights import WeightsError
-
-        await self._refuse_malformed(request, context)
-        try:
-            return await self._mlx(self._have_sync, request)
-        except WeightsError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return await self.weights.Have(request, context)
 
     async def Receive(self, request_iterator, context):
-        from mlxpipe.shards.weights import WeightsError
+        return await self.weights.Receive(request_iterator, context)
 
-        summary = pb.ReceiveSummary()
-        rejected: dict = {}
-        bar = None
-        try:
-            async for chunk in request_iterator:
-                if (why := malformed(chunk)) is not None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-                receiver = self._receivers.get(chunk.fingerprint)
-                if receiver is None:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"no offer of model {chunk.fingerprint} yet (call Have first)")
-                try:  # disk writes: off the event loop, not on the MLX thread
-                    ok = await asyncio.to_thread(receiver.write_chunk, chunk.unit, chunk.index, chunk.data,
-                                                 chunk.sha256)
-                except WeightsError as err:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                if ok:
-                    summary.bytes += len(chunk.data)
-                    if self.progress:
-                        if bar is None:
-                            from tqdm import tqdm
-
-                            bar = tqdm(desc="receiving weights", unit="B", unit_scale=True, file=sys.stderr)
-                        bar.update(len(chunk.data))
-                else:
-                    logger.warning("chunk %d of %s failed its checksum; asking for it again", chunk.index,
-                                   chunk.unit)
-                    rejected.setdefault(chunk.unit, []).append(chunk.index)
-        finally:
-            if bar is not None:
-                bar.close()
-        summary.rejected.extend(pb.UnitNeed(name=u, chunks=c) for u, c in rejected.items())
-        return summary
-
-    def _model_path(self, request: pb.LoadRequest) -> tuple:
-        """The folder to load, and whether it holds only the weights received for this range."""
-        from mlxpipe.shards.store import ModelNotFound
-        from mlxpipe.shards.weights import Receiver
-
-        try:
-            return self._resolve(request.model), False
-        except ModelNotFound:
-            if not request.fingerprint:
-                raise
-        receiver = Receiver(mlxpipe_home(), request.fingerprint)
-        units = self._offered.get((request.fingerprint, request.start, request.end))
-        if units is None or not receiver.complete(units):
-            raise ModelNotFound(f"model {request.model!r} is not on this node and the weights of layers "
-                                f"[{request.start}, {request.end}) have not all been received")
-        return receiver.dir, True
+    # -- Load ------------------------------------------------------------------
 
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
-        import mlx.core as mx
-
-        from mlxpipe.shards.profile import offered_memory
-        from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
-
-        path, partial = self._model_path(request)
+        path, partial = self.weights.model_path(request)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
         before = mx.get_active_memory()
         stage, config = load_stage(path, request.start, request.end, strict=not partial)
         read_weights(stage, progress=self.progress)
-        text = config.get("text_config", config)
+        text = text_config(config)
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
@@ -265,7 +174,7 @@ class StageServicer(pb_grpc.StageServicer):
         return _Loaded(runtime, reply, request)
 
     async def Load(self, request: pb.LoadRequest, context):
-        await self._refuse_malformed(request, context)
+        await refuse_malformed(request, context)
         async with self._load_lock:
             if request.end <= request.start:
                 await context.abort(
@@ -403,7 +312,7 @@ class StageServicer(pb_grpc.StageServicer):
     # -- Free, Health ----------------------------------------------------------
 
     async def Free(self, request: pb.FreeRequest, context):
-        await self._refuse_malformed(request, context)
+        await refuse_malformed(request, context)
         loaded = self.loaded
         if loaded is None:
             return pb.FreeReply(freed=0)
@@ -414,8 +323,6 @@ class StageServicer(pb_grpc.StageServicer):
         return pb.FreeReply(freed=freed)
 
     async def Health(self, request, context):
-        import mlx.core as mx
-
         reply = pb.HealthReply(
             state=self.state,
             detail=self.detail,
@@ -445,150 +352,3 @@ class StageServicer(pb_grpc.StageServicer):
                 )
             )
         return reply
-
-
-async def _exit_with_parent(server) -> None:
-    """Stop when the process that started us is gone (a head killed with -9
-    must not leave stage processes behind)."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        await asyncio.sleep(1.0)
-    logger.warning("parent process %d is gone; stopping", parent)
-    await server.stop(grace=None)
-    os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
-
-
-async def _join(head: str, address: str, security: Security, memory_bytes: Optional[int]) -> None:
-    """Offer ourselves to the head; stop the node if it refuses our secret."""
-    import platform
-
-    from mlxpipe.server.join import join
-    from mlxpipe.shards.profile import memory_bandwidth, offered_memory
-
-    memory = offered_memory(memory_bytes)
-    bandwidth = await asyncio.to_thread(memory_bandwidth)
-    try:
-        reply = await join(head, address, platform.node(), memory, bandwidth, security)
-    except (PermissionError, ConnectionError) as err:
-        print(f"mlxpipe node: {err}", file=sys.stderr, flush=True)
-        os._exit(1)  # a node the head will not have is of no use
-    logger.warning("joined the head at %s (%s): %s", head, "in the pipeline" if reply.in_plan else "standing by",
-                   reply.detail)
-
-
-def _advertised(listen: str, head: str) -> str:
-    """The address the head should use for us: ours on the route toward the head."""
-    import socket
-
-    host, _, port = listen.rpartition(":")
-    if host not in ("0.0.0.0", "::", "[::]", ""):
-        return listen
-    head_host, _, head_port = head.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((head_host, int(head_port)))
-        return f"{s.getsockname()[0]}:{port}"
-
-
-async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
-                models_dir: Optional[Path] = None, exit_with_parent: bool = False,
-                join: Optional[str] = None, advertise: Optional[str] = None) -> None:
-    """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
-    security = security or Security()
-    # A node in a terminal shows progress; stages a head started stay quiet.
-    servicer = StageServicer(security, memory_bytes, models_dir,
-                             progress=sys.stderr.isatty() and not exit_with_parent)
-    server = stage_server(servicer, security)
-    host, _, port = listen.rpartition(":")
-    bound = security.add_port(server, f"{host}:{port}")
-    if bound == 0:
-        raise SystemExit(f"cannot listen on {listen}")
-    await server.start()
-    # The one line a parent process waits for to learn the address.
-    print(f"mlxpipe node listening on {host}:{bound}", flush=True)
-    logger.info("stage listening on %s:%d (%s, %s)", host, bound,
-                "secret required" if security.secret else "no secret",
-                "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
-    watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
-    joiner = None
-    if join:
-        address = advertise or _advertised(f"{host}:{bound}", join)
-        joiner = asyncio.ensure_future(_join(join, address, security, memory_bytes))
-    await server.wait_for_termination()
-    for task in (watcher, joiner):
-        if task is not None:
-            task.cancel()
-
-
-def _loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "::1", "[::1]", "localhost") or host.startswith("127.")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:50051",
-                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one). "
-                             "Any other host than loopback needs the cluster secret.")
-    parser.add_argument("--secret-file", default=None,
-                        help=f"file holding the cluster secret (or set ${SECRET_ENV})")
-    parser.add_argument("--secret", default=None,
-                        help="the cluster secret itself (visible to other users in `ps`: prefer --secret-file)")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-ca", default=None,
-                        help="PEM CA: verify the next stage, and demand client certificates (mutual TLS)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow listening beyond loopback without a cluster secret (not recommended)")
-    parser.add_argument("--models-dir", default=None,
-                        help="the folder model paths from a head must lie in (default $MLXPIPE_HOME/models); "
-                             "Hugging Face repo ids are looked up in the local HF cache")
-    parser.add_argument("--memory", default=None,
-                        help="memory this node offers for weights and caches, e.g. 150GB "
-                             "(default: 75%% of physical memory)")
-    parser.add_argument("--cpu", type=int, default=None,
-                        help="pin this process to one CPU core (Linux), so that it stands for one node")
-    parser.add_argument("--join", default=None, metavar="HEAD:PORT",
-                        help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
-    parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
-                        help="the address the head should reach this node at (default: the listen address, "
-                             "or this machine's address toward the head)")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="stop when the parent process exits (for stages a head starts itself)")
-    parser.add_argument("--log-level", default="INFO")
-
-
-def run(args) -> int:
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger().setLevel(args.log_level)
-    security = Security.from_options(secret=args.secret, secret_file=args.secret_file, ca=args.tls_ca,
-                                     cert=args.tls_cert, key=args.tls_key)
-    host = args.listen.rpartition(":")[0]
-    if not _loopback(host) and not security.secret and not args.insecure:
-        raise SystemExit(f"refusing to listen on {args.listen} without a cluster secret: anyone who can reach "
-                         f"the port could run and read computations. Give --secret-file or ${SECRET_ENV} "
-                         f"(the same on every node and the head), or --insecure to accept the risk.")
-    if args.cpu is not None:
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {args.cpu})
-        else:
-            logger.warning("--cpu is not supported on this platform")
-    memory = None
-    if args.memory:
-        from mlxpipe.server.planner import parse_size
-
-        memory = parse_size(args.memory)
-    try:
-        asyncio.run(serve(args.listen, security, memory,
-                          Path(args.models_dir).expanduser() if args.models_dir else None,
-                          exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,199 @@
+"""What the benchmark modes share: statistics, the plain mlx-lm baseline process,
+a server process speaking the OpenAI API, and prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import httpx
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+from tqdm import tqdm
+
+DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
+FILLER = ("The history of the river valley is a long story of farms, floods, bridges, markets and the "
+          "people who lived there across many generations. ")
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(x for x in xs if x == x)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+def decode_rate(times: Sequence[float]) -> float:
+    """Tokens after the first per second after the first."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
+
+
+def decode_window(all_times: Sequence[Sequence[float]]) -> Optional[Tuple[float, float]]:
+    """While every stream is decoding: from the last first token to the first last
+    token (None when no stream produced any)."""
+    started = [ts for ts in all_times if ts]
+    if not started:
+        return None
+    return max(ts[0] for ts in started), min(ts[-1] for ts in started)
+
+
+def window_rate(all_times: Sequence[Sequence[float]]) -> float:
+    """Aggregate decode tokens/s over the ``decode_window``."""
+    window = decode_window(all_times)
+    if window is None or window[1] - window[0] < 1e-3:
+        return float("nan")
+    lo, hi = window
+    return sum(1 for ts in all_times for t in ts if lo < t <= hi) / (hi - lo)
+
+
+def pin_to(cpu: Optional[int]):
+    """A preexec_fn pinning a child process to one core (Linux)."""
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def progress_bar(total: int, desc: str):
+    """A progress bar on a terminal, else None."""
+    if not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
+
+
+# -- plain mlx-lm in a process of its own ------------------------------------------
+
+
+@dataclass
+class RunResult:
+    prompt_tokens: int
+    generated: int
+    ttft_s: float          # submit -> first token
+    decode_tps: float      # tokens after the first / time after the first
+
+
+def baseline_worker(model: str) -> None:
+    """Read JSON requests on stdin, run plain mlx-lm ``generate_step``, answer JSON."""
+    model_obj, _ = mlx_lm.load(model)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0 = time.monotonic()
+        times = []
+        for _token, _ in generate_step(mx.array(req["prompt"]), model_obj, max_tokens=req["max_tokens"]):
+            times.append(time.monotonic())
+        print(json.dumps(asdict(RunResult(len(req["prompt"]), len(times), times[0] - t0,
+                                          decode_rate(times)))), flush=True)
+
+
+class Baseline:
+    """mlx-lm ``generate_step`` in its own process (pinned to ``cpu``, as the servers are)."""
+
+    def __init__(self, model: str, cpu: Optional[int]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.bench.command", "--baseline-worker", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=pin_to(cpu))
+        if not self.proc.stdout.readline():
+            raise RuntimeError("the mlx-lm baseline process failed to start")
+
+    def run(self, prompt: List[int], max_tokens: int) -> RunResult:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return RunResult(**json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+async def pipeline_run(cluster, prompt: List[int], max_tokens: int) -> RunResult:
+    t0 = time.monotonic()
+    times = []
+    # Like mlx-lm's generate_step, do not stop at end-of-sequence: both sides
+    # generate exactly max_tokens tokens.
+    async for _ in cluster.engine.submit(prompt, max_tokens, stop_at_eos=False):
+        times.append(time.monotonic())
+    await cluster.engine.drain()
+    return RunResult(len(prompt), len(times), times[0] - t0, decode_rate(times))
+
+
+def chat_prompt(tok, text: str) -> List[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def long_text(tok, tokens: int, tag: str = "") -> str:
+    """A text of about ``tokens`` tokens (distinct per ``tag``, so no cache can reuse it)."""
+    text = f"Document {tag}. "
+    while len(tok.encode(text)) < tokens:
+        text += FILLER
+    ids = tok.encode(text)[:tokens]
+    return tok.decode(ids)
+
+
+# -- servers over HTTP ----------------------------------------------------------------
+
+
+class HttpServer:
+    """A server process speaking the OpenAI API: ``mlxpipe serve`` or ``mlx_lm.server``."""
+
+    def __init__(self, name: str, cmd: List[str], cpu: Optional[int] = None, port: Optional[int] = None):
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     preexec_fn=pin_to(cpu))
+        if port is None:  # mlxpipe serve --port 0 prints where it listens
+            line = self.proc.stdout.readline()
+            if " on http" not in line:
+                raise RuntimeError(f"{name} failed to start: {line!r}")
+            self.url = line.split(" on ")[1].strip().removesuffix("/v1")
+        else:
+            self.url = f"http://127.0.0.1:{port}"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} never became ready")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every mode takes."""
+    q.add_argument("--model", default="default")
+    q.add_argument("--runs", type=int, default=3, help="runs per configuration; medians are reported")
+    q.add_argument("--pin", action="store_true", help="pin stage i (and each baseline) to CPU core i")
+    q.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    return q

@@ -1,0 +1,74 @@
+"""What the head's commands share: option groups, reading them, and the plain-text table they print."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Container, List
+
+from mlxpipe.proto.rpc import Security, add_security_arguments
+from mlxpipe.server.cluster import ClusterConfig
+from mlxpipe.shards.units import parse_size
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the pipeline runs and how it is cut and batched (`serve`, `generate`)."""
+    p.add_argument("--model", default="default",
+                   help="mlx-lm model folder, a Hugging Face repo id already in the local cache, "
+                        "or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
+    p.add_argument("--stages", type=int, default=2,
+                   help="local stage processes to start (default 2; they get a random cluster secret)")
+    p.add_argument("--nodes", default="",
+                   help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order")
+    p.add_argument("--split", default="auto",
+                   help="how to cut the layers: 'auto' (default: the planner balances measured stage "
+                        "times within each node's memory), 'even', or layers per stage such as 18,12")
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="prefill tokens per pipeline frame (default 256); chunks of a long prompt flow "
+                        "through the stages back to back")
+    p.add_argument("--groups", type=int, default=None,
+                   help="micro-batch groups in flight (default: one per stage)")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences per micro-batch group (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued before the server answers 429 (default 256)")
+    p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
+    add_security_arguments(p)
+    p.add_argument("--weights-rate", default=None,
+                   help="cap on weights streamed to each node that lacks the model, e.g. 100MB (per second)")
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The ``ClusterConfig`` that ``add_cluster_arguments``' options describe."""
+    return ClusterConfig(
+        weights_rate=parse_size(args.weights_rate) if args.weights_rate else None,
+        join_listen=getattr(args, "join_listen", None),
+        wait_nodes=getattr(args, "wait_nodes", 0),
+        security=Security.from_args(args),
+        model=args.model,
+        stages=args.stages,
+        nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
+        split=args.split,
+        chunk_size=args.chunk_size,
+        groups=args.groups,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        pin=args.pin,
+    )
+
+
+def api_key(args: argparse.Namespace) -> str:
+    """The head's API key: --api-key-file, else $MLXPIPE_API_KEY, else ""."""
+    if args.api_key_file:
+        return Path(args.api_key_file).expanduser().read_text().strip()
+    return os.environ.get("MLXPIPE_API_KEY", "")
+
+
+def table(rows: List[List[str]], right: Container[int] = ()) -> str:
+    """Rows of cells in aligned columns; columns whose index is in ``right`` (numbers) align right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def cell(j: int, c: str) -> str:
+        return c.rjust(widths[j]) if j in right else c.ljust(widths[j])
+
+    return "\n".join("  ".join(cell(j, c) for j, c in enumerate(r)).rstrip() for r in rows)

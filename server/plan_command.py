@@ -1,0 +1,109 @@
+"""``mlxpipe plan``: the best split of a model over nodes given on the command line, on paper."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import List, Tuple
+
+from mlxpipe.server.cost import ModelCost, load_model_cost
+from mlxpipe.server.options import table
+from mlxpipe.server.planner import NodeSpec, plan
+from mlxpipe.shards.units import expand_list, gb, parse_bandwidth, parse_size
+
+DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``mlxpipe plan``."""
+    p.add_argument("--model", required=True,
+                   help="model folder (config.json, and *.safetensors if present) or a config.json file")
+    p.add_argument("--nodes", required=True,
+                   help="memory budget per node for weights + KV cache, in pipeline order, "
+                        "e.g. 144GB,144GB or 3x144GB or studio=384GB,mini=48GB")
+    p.add_argument("--bits", type=int, default=None,
+                   help="quantize to this many bits (default: the folder's own quantization, else 16-bit)")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
+    p.add_argument("--context", type=int, default=8192, help="tokens of KV cache per stream (default 8192)")
+    p.add_argument("--concurrency", type=int, default=1, help="streams whose KV cache must fit (default 1)")
+    p.add_argument("--bandwidth", default=None,
+                   help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
+                        f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")
+    p.add_argument("--hop-ms", type=float, default=0.0, help="link time per stage hop in ms (default 0)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
+    items = expand_list(args.nodes)
+    if not items:
+        raise ValueError("--nodes lists no node")
+    names, sizes = [], []
+    for i, item in enumerate(items):
+        name, _, size = item.rpartition("=")
+        names.append(name.strip() or f"node{i}")
+        sizes.append(parse_size(size))
+    assumed = args.bandwidth is None
+    bws = [DEFAULT_BANDWIDTH] if assumed else [parse_bandwidth(b) for b in expand_list(args.bandwidth)]
+    if len(bws) == 1:
+        bws *= len(items)
+    if len(bws) != len(items):
+        raise ValueError(f"--bandwidth gives {len(bws)} values for {len(items)} nodes: give one, or one per node")
+    return [NodeSpec(n, m, bandwidth_bytes_per_s=b) for n, m, b in zip(names, sizes, bws)], assumed
+
+
+def _summary(cost: ModelCost, args) -> dict:
+    kinds = [l.kind for l in cost.layers]
+    kv_token = sum(l.kv_bytes_per_token for l in cost.layers)
+    return {
+        "model": cost.name, "model_type": cost.model_type, "num_layers": cost.num_layers,
+        "dense_layers": kinds.count("dense"), "moe_layers": kinds.count("moe"),
+        "bits": cost.bits, "group_size": cost.group_size if cost.bits else None, "sizes_from": cost.source,
+        "params": cost.total_params, "active_params": cost.active_params,
+        "weight_bytes": cost.weight_bytes, "read_bytes_per_token": cost.read_bytes,
+        "kv_bytes_per_token": kv_token, "context": args.context, "concurrency": args.concurrency,
+    }
+
+
+def run(args) -> int:
+    """``mlxpipe plan``: print the best split (a table, or JSON with --json); 2 when nothing fits."""
+    try:
+        nodes, assumed = _nodes_from_args(args)
+        cost = load_model_cost(args.model, args.bits, args.group_size)
+        summary = _summary(cost, args)
+        result = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
+                      hop_seconds=args.hop_ms / 1000)
+    except ValueError as e:
+        if args.json:
+            print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
+        else:
+            print(f"mlxpipe plan: {e}", file=sys.stderr)
+        return 2
+    note = (f"bandwidth: {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s assumed for every node (no --bandwidth given)"
+            if assumed else None)
+    if args.json:
+        print(json.dumps({"feasible": True, **summary, "bandwidth_assumed": assumed,
+                          "nodes": [asdict(n) for n in nodes], **result.to_dict()}, indent=2))
+        return 0
+    quant = f"{cost.bits}-bit, group {cost.group_size}" if cost.bits else "16-bit"
+    print(f"{cost.name}: {cost.num_layers} layers ({summary['dense_layers']} dense, {summary['moe_layers']} MoE), "
+          f"{quant}, {cost.total_params / 1e9:.1f}B parameters ({cost.active_params / 1e9:.1f}B per token)")
+    print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token; "
+          f"KV cache {summary['kv_bytes_per_token'] / 1e3:.1f} KB per token x {args.context} tokens "
+          f"x {args.concurrency} stream(s)")
+    if note:
+        print(note)
+    print()
+    rows = [["stage", "node", "layers", "#layers", "weights GB", "KV GB", "ms/token"]]
+    for i, s in enumerate(result.stages):
+        rows.append([str(i), s.node, f"[{s.start}, {s.end})", str(s.num_layers), f"{s.weight_bytes / 1e9:.1f}",
+                     f"{s.kv_bytes / 1e9:.2f}", f"{s.seconds * 1e3:.2f}"])
+    print(table(rows, right=range(3, 7)))
+    if result.unused:
+        print(f"left out: {', '.join(result.unused)}")
+    print()
+    print(f"predicted decode: {result.tokens_per_s_one_stream:.1f} tokens/s for one stream, "
+          f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
+          f"(one per stage); bandwidth-bound estimate, an upper bound")
+    return 0

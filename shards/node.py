@@ -1,0 +1,179 @@
+"""``mlxpipe node``: a stage's gRPC server on this machine, and its way to a head.
+
+A head drives the node (``servicer.py``); with ``--join HEAD:PORT`` the node
+also offers itself to a head that listens for nodes (``mlxpipe serve
+--join-listen``). A head's local stages are nodes too, started with
+``--exit-with-parent``.
+
+    python -m mlxpipe.shards.node --listen 127.0.0.1:50051
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import grpc
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.rpc import REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, stage_server
+from mlxpipe.shards.profile import memory_bandwidth, offered_memory
+from mlxpipe.shards.servicer import StageServicer
+from mlxpipe.shards.units import parse_size
+
+logger = logging.getLogger(__name__)
+
+
+async def _exit_with_parent(server) -> None:
+    """Stop when the process that started us is gone (a head killed with -9
+    must not leave stage processes behind)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    logger.warning("parent process %d is gone; stopping", parent)
+    await server.stop(grace=None)
+    os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
+
+
+async def join_head(head: str, address: str, name: str, memory_bytes: int, bandwidth: float,
+                    security: Security, attempts: int = 60) -> pb.JoinReply:
+    """Dial the head until it answers; raise PermissionError when it refuses our secret."""
+    last = None
+    for _ in range(attempts):
+        async with security.channel(head) as channel:
+            try:
+                return await pb_grpc.HeadStub(channel).Join(
+                    pb.JoinRequest(address=address, name=name, memory_bytes=memory_bytes,
+                                   bandwidth_bytes_per_s=bandwidth),
+                    timeout=REPLAN_WAIT_S, metadata=security.metadata())
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise PermissionError(f"the head at {head} refused this node: {err.details()}") from err
+                last = err
+        await asyncio.sleep(2.0)
+    raise ConnectionError(f"the head at {head} did not answer: {last.details() if last else ''}")
+
+
+async def _join_or_exit(head: str, address: str, security: Security, memory_bytes: Optional[int]) -> None:
+    """Offer ourselves to the head; stop the node if it refuses our secret."""
+    memory = offered_memory(memory_bytes)
+    bandwidth = await asyncio.to_thread(memory_bandwidth)
+    try:
+        reply = await join_head(head, address, platform.node(), memory, bandwidth, security)
+    except (PermissionError, ConnectionError) as err:
+        print(f"mlxpipe node: {err}", file=sys.stderr, flush=True)
+        os._exit(1)  # a node the head will not have is of no use
+    logger.warning("joined the head at %s (%s): %s", head, "in the pipeline" if reply.in_plan else "standing by",
+                   reply.detail)
+
+
+def _advertised(listen: str, head: str) -> str:
+    """The address the head should use for us: ours on the route toward the head."""
+    host, _, port = listen.rpartition(":")
+    if host not in ("0.0.0.0", "::", "[::]", ""):
+        return listen
+    head_host, _, head_port = head.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((head_host, int(head_port)))
+        return f"{s.getsockname()[0]}:{port}"
+
+
+async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
+                models_dir: Optional[Path] = None, exit_with_parent: bool = False,
+                join: Optional[str] = None, advertise: Optional[str] = None) -> None:
+    """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
+    security = security or Security()
+    # A node in a terminal shows progress; stages a head started stay quiet.
+    servicer = StageServicer(security, memory_bytes, models_dir,
+                             progress=sys.stderr.isatty() and not exit_with_parent)
+    server = stage_server(servicer, security)
+    host, _, port = listen.rpartition(":")
+    bound = security.add_port(server, f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {listen}")
+    await server.start()
+    # The one line a parent process waits for to learn the address.
+    print(f"mlxpipe node listening on {host}:{bound}", flush=True)
+    logger.info("stage listening on %s:%d (%s, %s)", host, bound,
+                "secret required" if security.secret else "no secret",
+                "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
+    watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
+    joiner = None
+    if join:
+        address = advertise or _advertised(f"{host}:{bound}", join)
+        joiner = asyncio.ensure_future(_join_or_exit(join, address, security, memory_bytes))
+    await server.wait_for_termination()
+    for task in (watcher, joiner):
+        if task is not None:
+            task.cancel()
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "[::1]", "localhost") or host.startswith("127.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50051",
+                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one). "
+                             "Any other host than loopback needs the cluster secret.")
+    add_security_arguments(parser, node=True)
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening beyond loopback without a cluster secret (not recommended)")
+    parser.add_argument("--models-dir", default=None,
+                        help="the folder model paths from a head must lie in (default $MLXPIPE_HOME/models); "
+                             "Hugging Face repo ids are looked up in the local HF cache")
+    parser.add_argument("--memory", default=None,
+                        help="memory this node offers for weights and caches, e.g. 150GB "
+                             "(default: 75%% of physical memory)")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="pin this process to one CPU core (Linux), so that it stands for one node")
+    parser.add_argument("--join", default=None, metavar="HEAD:PORT",
+                        help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
+    parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                        help="the address the head should reach this node at (default: the listen address, "
+                             "or this machine's address toward the head)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop when the parent process exits (for stages a head starts itself)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args) -> int:
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(args.log_level)
+    security = Security.from_args(args)
+    host = args.listen.rpartition(":")[0]
+    if not _loopback(host) and not security.secret and not args.insecure:
+        raise SystemExit(f"refusing to listen on {args.listen} without a cluster secret: anyone who can reach "
+                         f"the port could run and read computations. Give --secret-file or ${SECRET_ENV} "
+                         f"(the same on every node and the head), or --insecure to accept the risk.")
+    if args.cpu is not None:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {args.cpu})
+        else:
+            logger.warning("--cpu is not supported on this platform")
+    memory = parse_size(args.memory) if args.memory else None
+    try:
+        asyncio.run(serve(args.listen, security, memory,
+                          Path(args.models_dir).expanduser() if args.models_dir else None,
+                          exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
