@@ -337,7 +337,9 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
                             busy_seconds=st_.busy_seconds, uptime_seconds=st_.uptime_seconds,
                             busy_fraction=st_.busy_fraction,
                             tokens_per_s=st_.tokens_per_s, queue_depth=st_.queue_depth,
-                            frames=st_.frames, tokens=st_.tokens)
+                            frames=st_.frames, tokens=st_.tokens,
+                            prefix_cache_bytes=reply.prefix_bytes, prefix_cache_blocks=reply.prefix_blocks,
+                            prefix_hit_rate=st_.reused_tokens / max(st_.reused_tokens + st_.prefilled_tokens, 1))
                 if reply.state != "ready":
                     reasons.append(f"stage {i} at {st.address} is {reply.state}: {reply.detail}")
             stages.append(info)

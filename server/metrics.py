@@ -38,6 +38,12 @@ class _Stages:
         weights = GaugeMetricFamily("mlxpipe_stage_weight_bytes", "Weight bytes each stage holds",
                                     labels=["stage", "address"])
         up = GaugeMetricFamily("mlxpipe_stage_up", "1 when the stage answers and is ready", labels=["stage", "address"])
+        prefix = GaugeMetricFamily("mlxpipe_stage_prefix_cache_bytes", "Bytes of cached prefix blocks each stage holds",
+                                   labels=["stage", "address"])
+        reused = CounterMetricFamily("mlxpipe_stage_prompt_tokens_reused",
+                                     "Prompt positions each stage took from its prefix cache", labels=["stage", "address"])
+        computed = CounterMetricFamily("mlxpipe_stage_prompt_tokens_computed",
+                                       "Prompt positions each stage computed", labels=["stage", "address"])
         for i, address, reply in self.snapshot:
             labels = [str(i), address]
             up.add_metric(labels, 1.0 if reply is not None and reply.state == "ready" else 0.0)
@@ -48,7 +54,10 @@ class _Stages:
             queue.add_metric(labels, reply.stats.queue_depth)
             kv.add_metric(labels, reply.cache_bytes)
             weights.add_metric(labels, reply.weight_bytes)
-        yield from (busy, frames, queue, kv, weights, up)
+            prefix.add_metric(labels, reply.prefix_bytes)
+            reused.add_metric(labels, reply.stats.reused_tokens)
+            computed.add_metric(labels, reply.stats.prefilled_tokens)
+        yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed)
 
 
 class Metrics:

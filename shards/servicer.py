@@ -156,6 +156,7 @@ class StageServicer(pb_grpc.StageServicer):
             max_tokens=request.max_tokens or StageLimits.max_tokens,
             max_context=max_context,
             max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
+            block_tokens=request.block_tokens,
         )
         runtime = StageRuntime(stage, hidden, vocab, limits)
         reply = pb.LoadReply(
@@ -170,8 +171,18 @@ class StageServicer(pb_grpc.StageServicer):
             fingerprint=request.fingerprint if partial else fingerprint(path),
             kv_bytes_per_token=kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
+            block_tokens=runtime.prefix.block_tokens if runtime.prefix is not None else 0,
         )
         return _Loaded(runtime, reply, request)
+
+    @staticmethod
+    def _reply(loaded: _Loaded) -> pb.LoadReply:
+        """What Load answers: the shard, and the prefix blocks it holds now."""
+        reply = pb.LoadReply()
+        reply.CopyFrom(loaded.reply)
+        if loaded.runtime.prefix is not None:
+            reply.blocks.extend(loaded.runtime.prefix.blocks)
+        return reply
 
     async def Load(self, request: pb.LoadRequest, context):
         await refuse_malformed(request, context)
@@ -186,8 +197,10 @@ class StageServicer(pb_grpc.StageServicer):
             # sequence of the same id), and their results are stale.
             await self._end_streams()
             if self.loaded is not None and self.loaded.request == request:
+                # The same shard again (a rebuilt pipeline): live sequences go, the
+                # prefix cache stays (the head learns what it holds from the reply).
                 await self._mlx(self.loaded.runtime.free_all)
-                return self.loaded.reply
+                return self._reply(self.loaded)
             self.loaded = None
             self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
             try:
@@ -339,6 +352,8 @@ class StageServicer(pb_grpc.StageServicer):
             reply.next_address = loaded.request.next_address
             reply.live_seqs.extend(sorted(list(rt.seqs)))
             reply.cache_bytes = rt.cache_bytes()
+            reply.prefix_bytes = rt.prefix_bytes()
+            reply.prefix_blocks = len(rt.prefix) if rt.prefix is not None else 0
             busy_fraction, tokens_per_s = rt.stats.window()
             reply.stats.CopyFrom(
                 pb.StageStats(
@@ -349,6 +364,8 @@ class StageServicer(pb_grpc.StageServicer):
                     frames=rt.stats.frames,
                     tokens=rt.stats.tokens,
                     queue_depth=max(self._queued, 0),
+                    reused_tokens=rt.stats.reused_tokens,
+                    prefilled_tokens=rt.stats.prefilled_tokens,
                 )
             )
         return reply

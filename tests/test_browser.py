@@ -111,6 +111,9 @@ def test_page_chats_and_shows_the_cluster(page, server):   # page first: no brow
     final = reply.text_content()
     assert final.strip(), "the final reply is empty"
     assert page.locator(".msg.error").count() == 0
+    # Every stage keeps the chat's prompt in its prefix cache, and the page shows the bytes.
+    page.wait_for_function("[...document.querySelectorAll('.stage .prefix')].every(e => parseFloat(e.textContent) > 0)",
+                           timeout=10_000)
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)

@@ -172,11 +172,14 @@ function stageCard() {
       <div><dt>queue</dt><dd class="queue"></dd></div>
       <div><dt>seqs</dt><dd class="seqs"></dd></div>
       <div><dt>memory</dt><dd class="memory"></dd></div>
+      <div><dt>prefix cache</dt><dd class="prefix"></dd></div>
+      <div><dt>cache hits</dt><dd class="hits"></dd></div>
     </dl>`;
   const part = (cls) => el.querySelector(`.${cls}`);
   return { el, index: part("index"), layers: part("layers"), state: part("state"),
            address: part("address"), fill: part("fill"), busy: part("busy"), tps: part("tps"),
-           queue: part("queue"), seqs: part("seqs"), memory: part("memory") };
+           queue: part("queue"), seqs: part("seqs"), memory: part("memory"), prefix: part("prefix"),
+           hits: part("hits") };
 }
 
 function renderStage(row, s) {
@@ -194,6 +197,8 @@ function renderStage(row, s) {
   row.queue.textContent = dash(s.queue_depth);
   row.seqs.textContent = dash(s.live_sequences);
   row.memory.textContent = dash(`${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
+  row.prefix.textContent = dash(`${((s.prefix_cache_bytes || 0) / MB).toFixed(1)} MB`);
+  row.hits.textContent = dash(`${Math.round((s.prefix_hit_rate || 0) * 100)}%`);
 }
 
 function renderHealth(h) {
