@@ -204,26 +204,26 @@ class ReceiveSummary(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_tokens", "max_cache_bytes", "fingerprint", "block_tokens")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
     next_address: str
     max_batch: int
-    max_tokens: int
     max_cache_bytes: int
     fingerprint: str
+    max_chunk_tokens: int
     block_tokens: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
     __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks")

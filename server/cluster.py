@@ -216,7 +216,7 @@ class Cluster:
             model_bytes = sum(f.stat().st_size for f in self.model_path.glob("*.safetensors"))
             cap = max(offered_memory() - model_bytes, 0) // len(addresses)
         return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
-                        max_tokens=cfg.chunk_size, max_cache_bytes=cap,
+                        max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cap,
                         block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0)
 
     async def _await_up(self, down: Dict[str, str], refuse: bool = False) -> Dict[str, str]:

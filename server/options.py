@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Container, List
+from typing import Container, List, Optional
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.cluster import ClusterConfig
@@ -24,12 +24,20 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="auto",
                    help="how to cut the layers: 'auto' (default: the planner balances measured stage "
                         "times within each node's memory), 'even', or layers per stage such as 18,12")
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="prefill tokens per pipeline frame (default 256); chunks of a long prompt flow "
-                        "through the stages back to back")
+    p.add_argument("--chunk-size", type=int, default=ClusterConfig.chunk_size,
+                   help=f"prefill tokens per pipeline frame, at most (default {ClusterConfig.chunk_size}); "
+                        "chunks of a long prompt flow through the stages back to back")
     p.add_argument("--groups", type=int, default=None,
                    help="micro-batch groups in flight (default: one per stage)")
-    p.add_argument("--max-batch", type=int, default=32, help="sequences per micro-batch group (default 32)")
+    p.add_argument("--max-batch", type=int, default=ClusterConfig.max_batch,
+                   help=f"sequences per micro-batch group (default {ClusterConfig.max_batch})")
+    p.add_argument("--prefix-cache-bytes", default=None,
+                   help="KV-cache memory per stage for prefixes of earlier requests that later ones reuse "
+                        "(chat history, agents' system prompts), e.g. 2GB; 0 turns the prefix cache off "
+                        "(default: half of the KV budget; cached blocks always give way to live requests)")
+    p.add_argument("--prefix-block", type=int, default=ClusterConfig.block_tokens,
+                   help=f"tokens per prefix-cache block (default {ClusterConfig.block_tokens}): prefixes are "
+                        "reused in whole blocks")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
@@ -54,7 +62,15 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         pin=args.pin,
+        prefix_cache_bytes=_prefix_cache_bytes(args.prefix_cache_bytes),
+        block_tokens=args.prefix_block,
     )
+
+
+def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    return 0 if text.strip() == "0" else parse_size(text)
 
 
 def api_key(args: argparse.Namespace) -> str:

@@ -153,7 +153,9 @@ async def probe(addresses: Sequence[str], security: Security, timeout: float = 2
 
 
 @dataclass
-class StageInfo:
+class Placement:
+    """One stage of a pipeline, as the head knows it: where it runs and which layers."""
+
     address: str
     start: int
     end: int
@@ -183,12 +185,13 @@ class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
-                 max_batch: int = 0, max_tokens: int = 0, max_cache_bytes: int = 0, block_tokens: int = 0):
-        self.stages = [StageInfo(a, 0, 0) for a in addresses]
+                 max_batch: int = 0, max_chunk_tokens: int = 0, max_cache_bytes: int = 0,
+                 block_tokens: int = 0):
+        self.stages = [Placement(a, 0, 0) for a in addresses]
         self.model = model
         self.security = security or Security()
         self.md = self.security.metadata()  # every call carries the cluster secret
-        self.max_batch, self.max_tokens, self.max_cache_bytes = max_batch, max_tokens, max_cache_bytes
+        self.max_batch, self.max_chunk_tokens, self.max_cache_bytes = max_batch, max_chunk_tokens, max_cache_bytes
         self.block_tokens = block_tokens  # prefix-cache block size the stages keep (0: none)
         self.channels = [self.security.channel(a) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
@@ -291,7 +294,7 @@ class Pipeline:
             st = self.stages[i]
             nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
-                                 max_batch=self.max_batch, max_tokens=self.max_tokens,
+                                 max_batch=self.max_batch, max_chunk_tokens=self.max_chunk_tokens,
                                  max_cache_bytes=self.max_cache_bytes, block_tokens=self.block_tokens)
             try:
                 if weights is not None:
@@ -361,7 +364,7 @@ class Pipeline:
                                 f"{err.code().name}: {err.details()}") from err
         raise PipelineError("stage 0 closed the forward stream")
 
-    async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[StageInfo, Optional[pb.HealthReply], str]]:
+    async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[Placement, Optional[pb.HealthReply], str]]:
         """(stage, reply or None, error) for every stage, asked at once."""
 
         async def one(i: int):

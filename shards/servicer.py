@@ -1,4 +1,4 @@
-"""The stage's gRPC servicer: the data path in front of one ``StageRuntime``.
+"""The stage's gRPC servicer: the data path in front of one ``Shard``.
 
 Threads: asyncio runs the gRPC server; one worker thread owns MLX and does all
 array work (loading, every frame, frees). They meet through queues.
@@ -32,7 +32,7 @@ from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, malformed, refuse_malformed
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
-from mlxpipe.shards.stage import FrameError, StageLimits, StageRuntime
+from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.store import (BrokenModel, ModelNotFound, ModelPathRefused, fingerprint, resolve_model,
                                   text_config)
 from mlxpipe.shards.store import models_dir as default_models_dir
@@ -63,10 +63,10 @@ def _model_status(err: ValueError) -> grpc.StatusCode:
 
 
 class _Loaded:
-    """A loaded shard: the runtime plus what Load replied."""
+    """A loaded shard plus what Load replied."""
 
-    def __init__(self, runtime: StageRuntime, reply: pb.LoadReply, request: pb.LoadRequest):
-        self.runtime = runtime
+    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest):
+        self.shard = shard
         self.reply = reply
         self.request = request
 
@@ -151,14 +151,14 @@ class StageServicer(pb_grpc.StageServicer):
             f.stat().st_size for f in path.glob("*.safetensors")
         )
         offered = offered_memory(self.memory_bytes)
-        limits = StageLimits(
-            max_batch=request.max_batch or StageLimits.max_batch,
-            max_tokens=request.max_tokens or StageLimits.max_tokens,
+        limits = ShardLimits(
+            max_batch=request.max_batch or ShardLimits.max_batch,
+            max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
             max_context=max_context,
             max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
             block_tokens=request.block_tokens,
         )
-        runtime = StageRuntime(stage, hidden, vocab, limits)
+        shard = Shard(stage, hidden, vocab, limits)
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -171,17 +171,17 @@ class StageServicer(pb_grpc.StageServicer):
             fingerprint=request.fingerprint if partial else fingerprint(path),
             kv_bytes_per_token=kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
-            block_tokens=runtime.prefix.block_tokens if runtime.prefix is not None else 0,
+            block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
         )
-        return _Loaded(runtime, reply, request)
+        return _Loaded(shard, reply, request)
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:
         """What Load answers: the shard, and the prefix blocks it holds now."""
         reply = pb.LoadReply()
         reply.CopyFrom(loaded.reply)
-        if loaded.runtime.prefix is not None:
-            reply.blocks.extend(loaded.runtime.prefix.blocks)
+        if loaded.shard.prefix is not None:
+            reply.blocks.extend(loaded.shard.prefix.blocks)
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):
@@ -199,7 +199,7 @@ class StageServicer(pb_grpc.StageServicer):
             if self.loaded is not None and self.loaded.request == request:
                 # The same shard again (a rebuilt pipeline): live sequences go, the
                 # prefix cache stays (the head learns what it holds from the reply).
-                await self._mlx(self.loaded.runtime.free_all)
+                await self._mlx(self.loaded.shard.free_all)
                 return self._reply(self.loaded)
             self.loaded = None
             self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
@@ -271,7 +271,7 @@ class StageServicer(pb_grpc.StageServicer):
             nonlocal count
             while (frame := await inbox.get()) is not None:
                 self._queued -= 1
-                out = await self._mlx(loaded.runtime.run, frame, session)
+                out = await self._mlx(loaded.shard.run, frame, session)
                 count += 1
                 await outbox.put(out)
             await outbox.put(None)
@@ -304,7 +304,7 @@ class StageServicer(pb_grpc.StageServicer):
             if downstream is not None and not downstream.done():
                 downstream.cancel()
             # However the stream ended, its sequences go: the head replays them.
-            freed = await asyncio.shield(self._mlx(loaded.runtime.free_session, session))
+            freed = await asyncio.shield(self._mlx(loaded.shard.free_session, session))
             if freed:
                 logger.info("stream %d ended; freed %d sequences", session, freed)
             self._streams.discard(me)
@@ -330,9 +330,9 @@ class StageServicer(pb_grpc.StageServicer):
         if loaded is None:
             return pb.FreeReply(freed=0)
         if request.seq_ids:
-            freed = await self._mlx(loaded.runtime.free, list(request.seq_ids))
+            freed = await self._mlx(loaded.shard.free, list(request.seq_ids))
         else:
-            freed = await self._mlx(loaded.runtime.free_all)
+            freed = await self._mlx(loaded.shard.free_all)
         return pb.FreeReply(freed=freed)
 
     async def Health(self, request, context):
@@ -344,7 +344,7 @@ class StageServicer(pb_grpc.StageServicer):
         )
         loaded = self.loaded
         if loaded is not None:
-            rt = loaded.runtime
+            rt = loaded.shard
             reply.model = loaded.reply.model_path
             reply.start, reply.end = loaded.request.start, loaded.request.end
             reply.num_layers = loaded.reply.num_layers

@@ -94,7 +94,7 @@ def layer_owner(model: nn.Module) -> nn.Module:
     return best
 
 
-class StageModel:
+class SlicedModel:
     """Layers ``[start, end)`` of ``model``; the first stage also embeds, the last
     also runs the final norm and output head (returning logits)."""
 
@@ -156,7 +156,7 @@ class StageModel:
             self._inbox.hidden = None
 
 
-def load_stage(path: Path, start: int, end: int, strict: bool = True) -> tuple[StageModel, dict]:
+def load_stage(path: Path, start: int, end: int, strict: bool = True) -> tuple[SlicedModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
@@ -180,10 +180,10 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True) -> tuple[S
         raise BrokenModel(f"model folder {path} has a damaged weights file: {err}") from err
     except (ValueError, FileNotFoundError) as err:  # mlx-lm: missing or misshapen tensors, unknown model type
         raise BrokenModel(f"model folder {path} cannot be loaded: {err}") from err
-    return StageModel(model, start, end), config
+    return SlicedModel(model, start, end), config
 
 
-def read_weights(stage: StageModel, progress: bool = False) -> None:
+def read_weights(stage: SlicedModel, progress: bool = False) -> None:
     """Read the range's blocks from disk one at a time (with a progress bar)."""
     blocks = stage.blocks
     if progress:
@@ -196,7 +196,7 @@ def read_weights(stage: StageModel, progress: bool = False) -> None:
         mx.eval(block.parameters())
 
 
-def warm_up(stage: StageModel, hidden_size: int) -> int:
+def warm_up(stage: SlicedModel, hidden_size: int) -> int:
     """One throwaway token through the range: reads (materializes) exactly the
     weights the range uses and compiles its kernels. Returns the range's KV-cache
     bytes per token of context (float32 activations assumed on a later stage)."""

@@ -1,6 +1,6 @@
 """A stage's state and work, without any networking: Frames in, Frames or Results out.
 
-``StageRuntime`` owns the loaded layer range, every live sequence's caches and
+``Shard`` owns the loaded layer range, every live sequence's caches and
 the micro-batch groups. It runs on the one thread that owns MLX in the stage
 process (see ``servicer.py``); nothing here blocks on I/O.
 
@@ -35,7 +35,7 @@ from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.prefix import BlockStore, supports
 from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
-from mlxpipe.shards.slicing import StageModel
+from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class _Group:
 
 
 @dataclass
-class StageLimits:
+class ShardLimits:
     max_batch: int = 32        # rows in a decode frame (the head's scheduler puts at most 32 in a group too)
-    max_tokens: int = 4096     # tokens in a prefill frame
+    max_chunk_tokens: int = 4096  # tokens in a prefill frame
     max_context: int = 8192    # tokens per sequence
     max_seqs: int = 256        # live sequences
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
@@ -74,7 +74,7 @@ class StageLimits:
 
 
 @dataclass
-class StageStatsCounter:
+class BusyClock:
     """Busy time (computing a frame) against wall time: the rest is the bubble."""
 
     busy_seconds: float = 0.0         # finished frames
@@ -123,15 +123,18 @@ class StageStatsCounter:
         return min(busy / span, 1.0), tokens / span
 
 
-class StageRuntime:
-    def __init__(self, model: StageModel, hidden_size: int, vocab_size: int, limits: StageLimits):
+class Shard:
+    """A stage's loaded layer range with every live sequence's caches, its decode
+    groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
+
+    def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits):
         self.model = model
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.limits = limits
         self.seqs: Dict[int, _Seq] = {}
         self.groups: Dict[int, _Group] = {}
-        self.stats = StageStatsCounter()
+        self.stats = BusyClock()
         self.prefix: Optional[BlockStore] = None
         if limits.block_tokens and supports(model.make_cache()):
             self.prefix = BlockStore(limits.block_tokens)
@@ -202,8 +205,8 @@ class StageRuntime:
             if rows != 1:
                 raise FrameError(f"a PREFILL frame carries one sequence, got {rows}")
             n = frame.seqs[0].num_tokens
-            if not 1 <= n <= lim.max_tokens:
-                raise FrameError(f"prefill chunk of {n} tokens; this stage takes 1..{lim.max_tokens}")
+            if not 1 <= n <= lim.max_chunk_tokens:
+                raise FrameError(f"prefill chunk of {n} tokens; this stage takes 1..{lim.max_chunk_tokens}")
         elif frame.kind == pb.Frame.DECODE:
             if rows > lim.max_batch:
                 raise FrameError(f"decode frame of {rows} rows; this stage takes at most {lim.max_batch}")

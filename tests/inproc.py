@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq
 from mlxpipe.shards.slicing import load_stage
-from mlxpipe.shards.stage import StageLimits, StageRuntime
+from mlxpipe.shards.stage import ShardLimits, Shard
 
 
 class InProcess:
@@ -18,8 +18,8 @@ class InProcess:
         self.stages = []
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
-            limits = StageLimits(max_tokens=config.chunk_size, block_tokens=config.block_tokens)
-            self.stages.append(StageRuntime(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits))
+            limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
+            self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits))
         self.scheduler = Scheduler(config)
         self.reset_prefix()
         self._ids = 0

@@ -182,7 +182,7 @@ _OVERSIZED = [
 @pytest.fixture(scope="module")
 def later_stage(node, default_model):
     stub = stage_stub(node)
-    stub.Load(pb.LoadRequest(model=str(default_model), start=15, end=30, max_tokens=256), timeout=120)
+    stub.Load(pb.LoadRequest(model=str(default_model), start=15, end=30, max_chunk_tokens=256), timeout=120)
     raw = grpc.intercept_channel(grpc.insecure_channel(node, options=CHANNEL_OPTIONS),
                                  __import__("conftest")._WithSecret(SECRET))
     forward = raw.stream_unary("/mlxpipe.v1.Stage/Forward", request_serializer=lambda b: b,
