@@ -14,22 +14,34 @@ from mlxpipe.server.engine import collect
 NEW_TOKENS = 32
 
 
-async def _pipeline_tokens(model_path, stages, prompts, split=None):
+async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None):
+    """Greedy tokens of ``prompts`` run together; with ``then(prompts, outs)``, a second
+    round of prompts built from the first (they start from the prefix cache)."""
     cfg = ClusterConfig(model=str(model_path), stages=stages, split=split, chunk_size=8)
     async with Cluster(cfg) as cluster:
-        streams = [cluster.engine.submit(p, NEW_TOKENS) for p in prompts]
-        outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
+        async def run(ps):
+            streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
+            outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
+            return outs, [s.cached_tokens for s in streams]
+
+        outs, _ = await run(prompts)
+        second = None
+        if then is not None:
+            again = then(prompts, outs)
+            second = (again, *await run(again))
         await cluster.engine.drain()
         health = await cluster.pipeline.health()
         ranges = [(st.start, st.end) for st in cluster.pipeline.stages]
-        return outs, health, ranges
+        return outs, health, ranges, second
 
 
 def _prompt_ids(model_path):
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model_path)
-    return [tok.encode(p) for p in PROMPTS]
+    # Chat prompts: a few dozen tokens each, so prefill runs in several chunks and
+    # later turns start from whole blocks of the prefix cache.
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("model", ["default_model", "dsv3_model"])
@@ -37,7 +49,16 @@ def _prompt_ids(model_path):
 def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
     path = request.getfixturevalue(model)
     prompts = _prompt_ids(path)
-    outs, health, ranges = run_async(_pipeline_tokens(path, stages, prompts))
+
+    def next_turns(prompts, outs):
+        # The first conversation resent (prompt + answer), and a later turn of it
+        # (prompt, answer, more): both start from blocks every stage kept, the
+        # answer's blocks included.
+        p, o = max(zip(prompts, outs), key=lambda po: len(po[0]) + len(po[1]))
+        return [p + o, p + o + prompts[2][-6:]]
+
+    outs, health, ranges, (again, again_outs, cached) = run_async(
+        _pipeline_tokens(path, stages, prompts, then=next_turns))
     # Real stage processes, each holding its own contiguous, half-open range.
     assert len(health) == stages
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -47,10 +68,13 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
     for prompt, got in zip(prompts, outs):
         want = reference(path, prompt, NEW_TOKENS)
         assert got == want, f"pipeline of {stages} stages diverged from mlx-lm"
+    for prompt, got, hit in zip(again, again_outs, cached):
+        assert hit >= 16, f"a resent prefix was not reused ({hit} cached tokens of {len(prompt)})"
+        assert got == reference(path, prompt, NEW_TOKENS), f"{stages} stages diverged after a prefix-cache hit"
 
 
 def test_uneven_split_equals_mlx_lm(default_model, reference):
     prompts = _prompt_ids(default_model)[:1]
-    outs, _, ranges = run_async(_pipeline_tokens(default_model, 2, prompts, split="7,23"))
+    outs, _, ranges, _ = run_async(_pipeline_tokens(default_model, 2, prompts, split="7,23"))
     assert ranges == [(0, 7), (7, 30)]
     assert outs[0] == reference(default_model, prompts[0], NEW_TOKENS)
