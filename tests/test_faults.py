@@ -44,9 +44,15 @@ async def _until(predicate, timeout: float, what: str, step: float = 0.05) -> fl
     return time.monotonic() - t0
 
 
-async def _generate_through_fault(cluster, fault):
+def _shared_prefix_prompts(n=STREAMS):
+    """Prompts of an agent-like workload: a 48-token prefix they all share, distinct tails."""
+    prefix = [(37 * i + 11) % 4000 + 100 for i in range(48)]
+    return [prefix + p for p in _prompts(n)]
+
+
+async def _generate_through_fault(cluster, fault, prompts=None):
     """Start 8 streams; once each has a few tokens, call fault(); collect everything."""
-    prompts = _prompts()
+    prompts = prompts or _prompts()
     streams = [cluster.engine.submit(p, NEW_TOKENS) for p in prompts]
     got = [[] for _ in streams]
     times = [[] for _ in streams]
@@ -67,6 +73,10 @@ async def _generate_through_fault(cluster, fault):
           f"{NEW_TOKENS} tokens; fault noticed after {info if info is not None else float('nan'):.2f} s; "
           f"longest pause between tokens {pause:.2f} s; recoveries {cluster.engine.stats.recoveries}")
     return prompts, got, info
+
+
+async def _stage_stats(cluster):
+    return [(reply.prefix_blocks, reply.stats.reused_tokens) for _, reply, _ in await cluster.pipeline.health()]
 
 
 def _check(model, prompts, got, reference):
@@ -99,6 +109,70 @@ def test_kill_9_stage_restarted_in_place(dsv3_model, reference):
     assert noticed < 5 and recoveries == 1
     assert after == before  # the same two addresses, one of them a new process
     assert all(h.state == "ready" and list(h.live_seqs) == [] for _, h, _ in health)
+
+
+def test_kill_9_under_a_cached_workload(dsv3_model, reference):
+    """8 streams that start from a cached prefix; stage 1 killed mid-decode and
+    restarted empty: no stage may start after blocks it lacks, answers stay right."""
+    async def main():
+        cfg = ClusterConfig(model=str(dsv3_model), stages=2, split="even", supervision=FAST)
+        async with Cluster(cfg) as cluster:
+            prompts = _shared_prefix_prompts()
+            await collect(cluster.engine.submit(prompts[0], 4))  # caches the shared prefix
+            cached = []
+
+            async def fault():
+                cached.extend(s.cached_tokens for s in cluster.engine.streams.values())
+                os.kill(cluster.local.procs[1].pid, signal.SIGKILL)
+                return await _noticed(cluster)
+
+            _, got, noticed = await _generate_through_fault(cluster, fault, prompts)
+            await cluster.engine.drain()
+            return prompts, got, noticed, cached, await _stage_stats(cluster)
+
+    prompts, got, noticed, cached, stats = run_async(main(), timeout=240)
+    _check(dsv3_model, prompts, got, reference)
+    assert noticed < 5 and len(cached) == STREAMS and min(cached) >= 32
+    # Stage 0 kept its blocks through the rebuild; the new stage 1 got blocks again from the replays.
+    assert all(blocks > 0 for blocks, _ in stats)
+
+
+def test_a_stage_back_within_the_rejoin_time_keeps_its_cache_for_the_replay(dsv3_model, reference):
+    """A node stalls (SIGSTOP) and comes back before the head gives up on it: the
+    rebuilt pipeline is the same, every stage still holds its prefix blocks, and
+    the replayed sequences start from them instead of from token 0."""
+    nodes = [_node("127.0.0.1:0", dsv3_model.parent) for _ in range(2)]
+    try:
+        async def main():
+            cfg = ClusterConfig(model=str(dsv3_model), nodes=[a for _, a in nodes], split="even",
+                                rejoin_timeout_s=30.0, supervision=FAST, security=SECURE)
+            async with Cluster(cfg) as cluster:
+                prompts = _shared_prefix_prompts()
+                await collect(cluster.engine.submit(prompts[0], 4))
+                before = []
+
+                async def fault():
+                    before.extend(await _stage_stats(cluster))
+                    nodes[1][0].send_signal(signal.SIGSTOP)
+                    noticed = await _noticed(cluster)
+                    await asyncio.sleep(0.5)
+                    nodes[1][0].send_signal(signal.SIGCONT)
+                    return noticed
+
+                _, got, noticed = await _generate_through_fault(cluster, fault, prompts)
+                return (prompts, got, noticed, before, await _stage_stats(cluster),
+                        [st.address for st in cluster.pipeline.stages], cluster.engine.stats.recoveries)
+
+        prompts, got, noticed, before, after, stages, recoveries = run_async(main(), timeout=240)
+        _check(dsv3_model, prompts, got, reference)
+        assert noticed < 5 and recoveries == 1 and stages == [a for _, a in nodes]
+        # The 8 replays took at least the shared prefix's 3 blocks each from the caches that survived.
+        assert all(b[1] - a[1] >= STREAMS * 48 for a, b in zip(before, after)), (before, after)
+    finally:
+        for proc, _ in nodes:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
 
 
 def test_kill_9_one_of_three_replans_onto_two(dsv3_model, reference):
