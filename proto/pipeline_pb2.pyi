@@ -57,7 +57,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SeqEntry(_message.Message):
     STORE_FIRST_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -76,7 +77,8 @@ class SeqEntry(_message.Message):
     store_first: int
     store: _containers.RepeatedScalarFieldContainer[int]
     context: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ...) -> None: ...
+    trim: int
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict")
@@ -85,9 +87,11 @@ class Frame(_message.Message):
         PREFILL: _ClassVar[Frame.Kind]
         DECODE: _ClassVar[Frame.Kind]
         CONTROL: _ClassVar[Frame.Kind]
+        VERIFY: _ClassVar[Frame.Kind]
     PREFILL: Frame.Kind
     DECODE: Frame.Kind
     CONTROL: Frame.Kind
+    VERIFY: Frame.Kind
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -264,7 +268,7 @@ class ProfileRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s")
+    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost")
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +276,7 @@ class ProfileReply(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ROW_COST_FIELD_NUMBER: _ClassVar[int]
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     embed_seconds: float
     head_seconds: float
@@ -279,7 +284,8 @@ class ProfileReply(_message.Message):
     node: str
     cached: bool
     bandwidth_bytes_per_s: float
-    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+    row_cost: float
+    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)

@@ -50,6 +50,8 @@ class ClusterConfig:
     stage_log_level: str = "WARNING"
     prefix_cache_bytes: Optional[int] = None  # per stage, for cached prefix blocks (None: half the KV budget; 0: off)
     block_tokens: int = 16          # positions per prefix-cache block
+    speculate: bool = True          # verify drafted tokens (prompt lookup) while few sequences decode
+    spec_depth: int = 8             # drafted positions in flight per sequence, at most
 
 
 def available_cpus() -> List[int]:
@@ -88,6 +90,17 @@ def prefix_blocks(pipeline: Pipeline, max_kv_tokens: int, cache_bytes: Optional[
     if cache_bytes is None:
         return max_kv_tokens // 2 // block
     return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
+
+
+def verify_positions(row_cost: float, stages: int, depth: int) -> int:
+    """Positions per VERIFY frame that get ``depth`` + 1 positions through ``stages``
+    stages soonest, when a frame of p positions costs 1 + row_cost x (p - 1) one-row
+    steps: 1 where rows cost in proportion (every stage works on its own frame),
+    all of them in one frame where rows are nearly free."""
+    def seconds(p: int) -> float:
+        return (-(-(depth + 1) // p) + stages - 1) * (1 + row_cost * (p - 1))
+
+    return min(range(1, depth + 2), key=lambda p: (seconds(p), -p))  # ties: fewer frames
 
 
 def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, int]]:
@@ -133,6 +146,12 @@ class Cluster:
     def pipeline(self) -> Pipeline:
         """The running pipeline (the engine's: it replaces it after a rebuild)."""
         return self.engine.pipeline
+
+    @property
+    def row_cost(self) -> float:
+        """What an extra row of a step costs on these nodes (1 when not profiled: the safe guess)."""
+        costs = sorted(p.row_cost for p in self.profiles.values() if p.layer_seconds)
+        return costs[len(costs) // 2] if costs else 1.0
 
     @property
     def vocab_size(self) -> int:
@@ -187,6 +206,10 @@ class Cluster:
                 max_kv_tokens=kv,
                 block_tokens=cfg.block_tokens,
                 prefix_blocks=prefix_blocks(pipeline, kv, cfg.prefix_cache_bytes),
+                speculate=cfg.speculate,
+                spec_max_running=n,
+                spec_depth=cfg.spec_depth,
+                spec_positions=verify_positions(self.row_cost, n, cfg.spec_depth),
                 num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,

@@ -26,6 +26,21 @@ Rules:
   the first frame of a round carries the blocks to drop (``evict``). Cached
   blocks count against the KV budget; live sequences win: admission evicts
   least recently used blocks before it would refuse.
+- Speculative decoding (when ``speculate``): while few sequences decode (at
+  most ``spec_max_running``, so the groups alone would leave stages idle), a
+  sequence whose tokens suggest what comes next (``draft.PromptLookup``)
+  leaves its group and sends VERIFY frames instead: its last token and the
+  drafted tokens after it, ``spec_positions`` per frame, up to ``spec_depth``
+  positions beyond its confirmed tokens in flight. The last stage samples
+  after every position exactly as a decode step would (same history, same
+  random key), so the head takes a position's sample as the next token only
+  while every draft before it matched what was sampled; at the first mismatch
+  the sampled token still counts, the rest is discarded (results of frames
+  already in flight are stale) and the next frame trims it from the stages.
+  Greedy and seeded output is therefore exactly what plain decoding gives.
+  The depth follows the acceptance (halved on a miss, one more after a full
+  window accepted); a sequence whose drafts keep failing decodes in its group
+  again for a while.
 - Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
 """
 
@@ -38,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.draft import PromptLookup
 from mlxpipe.server.prefix import PrefixIndex, chain_hashes
 
 
@@ -71,6 +87,7 @@ class Sequence:
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
+    spec: Optional["Spec"] = None  # speculative decoding state, once it has speculated
 
     @property
     def tokens(self) -> List[int]:
@@ -92,6 +109,26 @@ class Flight:
     kind: int
     seq_ids: List[int]
     group: Optional[int] = None
+    epoch: int = 0  # VERIFY: the speculation epoch it was sent in (a rejection makes older ones stale)
+
+
+@dataclass
+class Spec:
+    """A sequence's speculative decoding. Its confirmed tokens are its prompt and
+    what it generated; the stages hold their positions but the last (C = tokens - 1).
+    ``fed`` positions after those are in flight: the last token, then guesses."""
+
+    depth: int                      # positions beyond the confirmed it may have in flight
+    drafter: PromptLookup = field(default_factory=PromptLookup)
+    solo: bool = False              # verifying drafts, out of its group
+    fed: int = 0                    # positions C, C+1, ... sent and not yet judged
+    guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
+    epoch: int = 0
+    trim: int = 0                   # positions the stages hold beyond the confirmed: the next frame drops them
+    inflight: int = 0               # its VERIFY frames in flight
+    judged: int = 0                 # drafted tokens judged since the last reset, and how many matched
+    matched: int = 0
+    cooldown: int = 0               # decode steps in its group before it may speculate again
 
 
 @dataclass
@@ -106,6 +143,10 @@ class SchedulerConfig:
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
     block_tokens: int = 16         # positions per prefix-cache block
     prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
+    speculate: bool = False        # verify drafted tokens (prompt lookup) while few sequences decode
+    spec_max_running: int = 2      # ... at most this many (default: the stages)
+    spec_positions: int = 1        # positions per VERIFY frame (1 where extra rows cost in proportion)
+    spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
 
 
 @dataclass
@@ -134,6 +175,7 @@ class Scheduler:
         self.waiting: Deque[Sequence] = deque()
         self.prefilling: List[Sequence] = []
         self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
+        self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self.prefix = PrefixIndex(config.block_tokens, config.prefix_blocks, 0) if config.prefix_blocks else None
@@ -188,6 +230,9 @@ class Scheduler:
         elif seq.group is not None:
             self.groups[seq.group].remove(seq.seq_id)
             seq.group = None
+        elif seq.spec is not None and seq.spec.solo:
+            self.solo.remove(seq.seq_id)
+            seq.spec.solo = False
         seq.phase = Phase.DONE
         seq.finish_reason = reason
         if seq.known:
@@ -211,7 +256,9 @@ class Scheduler:
         self._admit()
         if self.prefix is not None:  # blocks that fit beside what live sequences may grow to
             self._room = (self.max_kv_tokens - self.kv_reserved) // self.config.block_tokens
-        frames += self._decode_frames()
+        frames += self._verify_frames()  # may send a sequence back to a group...
+        frames += self._decode_frames()  # ... or take one out of its group...
+        frames += self._verify_frames()  # ... which then verifies at once
         frames += self._prefill_frames()
         if self.pending_free or self.pending_evict:
             if not frames:
@@ -229,8 +276,13 @@ class Scheduler:
         """KV positions admitted sequences may grow to: prompt plus token budget each."""
         return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
 
+    @property
+    def decoding(self) -> int:
+        """Sequences past their prefill: in groups, or verifying drafts."""
+        return sum(len(g) for g in self.groups) + len(self.solo)
+
     def _admit(self) -> None:
-        holding = len(self.prefilling) + sum(len(g) for g in self.groups)
+        holding = len(self.prefilling) + self.decoding
         reserved = self.kv_reserved
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
@@ -269,7 +321,8 @@ class Scheduler:
         """Tell the stages to keep the blocks ``seq`` completed before this frame."""
         if self.prefix is None:
             return
-        upto = entry.offset // self.config.block_tokens
+        # Only confirmed positions: a verify frame's offset may lie past drafted ones.
+        upto = min(entry.offset, len(seq.tokens) - 1) // self.config.block_tokens
         if upto <= seq.stored:
             return
         keys = chain_hashes(seq.tokens, self.config.block_tokens, seq.hashes, upto)[seq.stored : upto]
@@ -291,11 +344,18 @@ class Scheduler:
         for g, members in enumerate(self.groups):
             if not members or g in busy_groups:
                 continue
+            for sid in list(members):
+                if self._start_speculating(self.seqs[sid]):
+                    members.remove(sid)
+            if not members:
+                continue
             seqs = [self.seqs[s] for s in members]
             entries = [
                 pb.SeqEntry(seq_id=s.seq_id, offset=s.cached, num_tokens=1, sample=True) for s in seqs
             ]
             for s, e in zip(seqs, entries):
+                if s.spec is not None and s.spec.trim:  # back from speculating: drop its rejected drafts
+                    e.trim, s.spec.trim = s.spec.trim, 0
                 self._store(s, e)
             tokens = [s.generated[-1] for s in seqs]
             frames.append(self._frame(pb.Frame.DECODE, list(members), entries, g, tokens))
@@ -327,6 +387,107 @@ class Scheduler:
                 break
         return frames
 
+
+    # -- speculative decoding ---------------------------------------------------
+
+    def _start_speculating(self, seq: Sequence) -> bool:
+        """Whether a grouped sequence leaves its group to verify drafts now."""
+        cfg = self.config
+        if not cfg.speculate or self.decoding > cfg.spec_max_running:
+            return False
+        spec = seq.spec = seq.spec or Spec(depth=cfg.spec_depth)
+        if spec.cooldown:
+            spec.cooldown -= 1
+            return False
+        if not self._draft(seq, 1):
+            return False
+        spec.solo = True
+        seq.group = None
+        self.solo.append(seq.seq_id)
+        return True
+
+    def _draft(self, seq: Sequence, need: int) -> bool:
+        """Make sure ``need`` guesses exist after the confirmed tokens."""
+        spec = seq.spec
+        if len(spec.guesses) < need:
+            tokens = seq.tokens
+            more = spec.drafter.propose(tokens + spec.guesses, need - len(spec.guesses), confirmed=len(tokens))
+            spec.guesses += more
+        return len(spec.guesses) >= need
+
+    def _stop_speculating(self, seq: Sequence) -> None:
+        """Back to decoding in a group (its first decode frame trims what the stages
+        hold beyond the confirmed tokens)."""
+        seq.spec.solo = False
+        seq.spec.guesses.clear()
+        self.solo.remove(seq.seq_id)
+        self._join_group(seq)
+
+    def _verify_frames(self) -> List[pb.Frame]:
+        cfg = self.config
+        frames = []
+        for sid in list(self.solo):
+            seq = self.seqs[sid]
+            spec = seq.spec
+            if spec.inflight == 0 and (self.decoding > cfg.spec_max_running or not self._draft(seq, 1)):
+                self._stop_speculating(seq)  # the pipeline fills up, or nothing to guess
+                continue
+            while spec.fed < spec.depth + 1:
+                # Inputs for positions C + fed, ...: the last token, then guesses.
+                n = min(cfg.spec_positions, spec.depth + 1 - spec.fed)
+                if spec.fed + n - 1 > len(spec.guesses):
+                    self._draft(seq, spec.fed + n - 1)
+                    n = min(n, len(spec.guesses) + 1 - spec.fed)
+                if n < 1:
+                    break  # nothing more to guess: wait for what is in flight
+                inputs = ([seq.tokens[-1]] if spec.fed == 0 else []) + spec.guesses[max(spec.fed - 1, 0) : spec.fed + n - 1]
+                entry = pb.SeqEntry(seq_id=sid, offset=seq.cached + spec.fed, num_tokens=n, sample=True,
+                                    trim=spec.trim)
+                spec.trim = 0
+                self._store(seq, entry)
+                frames.append(self._frame(pb.Frame.VERIFY, [sid], [entry], tokens=inputs))
+                self.inflight[frames[-1].frame_id].epoch = spec.epoch
+                spec.fed += n
+                spec.inflight += 1
+        return frames
+
+    def _judge(self, seq: Sequence, flight: Flight, results: List[pb.TokenResult]) -> List[pb.TokenResult]:
+        """The samples of a VERIFY frame that become tokens: each, while every draft
+        before it matched; at the first mismatch the rest is void."""
+        spec = seq.spec
+        spec.inflight -= 1
+        if flight.epoch != spec.epoch:
+            return []  # sent before a rejection: about positions that no longer exist
+        taken = []
+        for t in results:
+            taken.append(t)
+            spec.fed -= 1  # position C is confirmed now; C moves on by one
+            if not spec.fed:
+                if spec.guesses and spec.guesses[0] == t.token:
+                    spec.guesses.pop(0)  # guessed but not yet sent: keep the rest of the guess
+                else:
+                    spec.guesses.clear()
+                continue
+            guess = spec.guesses.pop(0)  # the input already sent at the next position
+            spec.judged += 1
+            if guess == t.token:
+                spec.matched += 1
+                continue
+            # A miss: what the stages hold after the confirmed tokens is void.
+            spec.trim, spec.fed = spec.trim + spec.fed, 0
+            spec.guesses.clear()
+            spec.epoch += 1
+            spec.depth = max(1, spec.depth // 2)
+            break
+        else:
+            if spec.fed == 0 and spec.depth < self.config.spec_depth:
+                spec.depth += 1
+        if spec.judged >= 16:  # drafts that keep failing cost more than they save: pause
+            if spec.matched < spec.judged // 4:
+                spec.cooldown = 32
+            spec.judged = spec.matched = 0
+        return taken
+
     # -- results --------------------------------------------------------------
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
@@ -335,6 +496,15 @@ class Scheduler:
         if flight is None:
             return []
         events = []
+        if flight.kind == pb.Frame.VERIFY:
+            seq = self.seqs.get(flight.seq_ids[0])
+            if seq is None:  # finished or cancelled while the frame was in flight
+                return []
+            for t in self._judge(seq, flight, list(result.tokens)):
+                events.append(self._take(seq, t))
+                if seq.phase == Phase.DONE:
+                    break
+            return events
         by_id = {t.seq_id: t for t in result.tokens}
         for sid in flight.seq_ids:
             seq = self.seqs.get(sid)
@@ -343,21 +513,25 @@ class Scheduler:
             t = by_id.get(sid)
             if t is None:
                 continue
-            seq.generated.append(t.token)
-            if seq.phase == Phase.PREFILL:
-                self.prefilling.remove(seq)
-                seq.phase = Phase.RUNNING
-                self._join_group(seq)
-            top = (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None
-            reason = None
-            if t.token in seq.eos:
-                reason = "stop"
-            elif len(seq.generated) >= seq.max_tokens or len(seq.prompt) + len(seq.generated) >= seq.max_context:
-                reason = "length"
-            if reason:
-                self._finish(seq, reason)
-            events.append(TokenEvent(seq, t.token, t.logprob, top, reason is not None))
+            events.append(self._take(seq, t))
         return events
+
+    def _take(self, seq: Sequence, t: pb.TokenResult) -> TokenEvent:
+        """A sampled token becomes the sequence's next."""
+        seq.generated.append(t.token)
+        if seq.phase == Phase.PREFILL:
+            self.prefilling.remove(seq)
+            seq.phase = Phase.RUNNING
+            self._join_group(seq)
+        top = (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None
+        reason = None
+        if t.token in seq.eos:
+            reason = "stop"
+        elif len(seq.generated) >= seq.max_tokens or len(seq.prompt) + len(seq.generated) >= seq.max_context:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason)
+        return TokenEvent(seq, t.token, t.logprob, top, reason is not None)
 
     def _join_group(self, seq: Sequence) -> None:
         # The smallest group; admission (max_running <= num_groups * max_batch)
@@ -381,7 +555,9 @@ class Scheduler:
         )
         self.prefilling = []
         self.groups = [[] for _ in range(self.config.num_groups)]
+        self.solo = []
         for seq in reversed(live):
+            seq.spec = None  # the stages hold nothing of it now
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
             seq.sent, seq.group, seq.known, seq.stored, seq.reuse = 0, None, False, 0, []

@@ -4,8 +4,11 @@ The planner needs seconds per decode step for each layer and for the first
 and last stages' extras. A profile times, on a batch of ``batch`` rows of one
 token each, one block of every kind the model has (blocks alike in class and
 sub-module classes cost alike), the first block with the embedding, and the
-last block with the final norm, output head and sampling. Each measurement
-loads just the blocks it runs. Results are cached per model fingerprint, node
+last block with the final norm, output head and sampling; and one block on a
+single row too, to tell what extra rows cost (``row_cost``: near 1 where a
+step's time grows with its rows, as on CPUs; near 0 where reading the weights
+dominates, as on Apple silicon). Each measurement loads just the blocks it
+runs. Results are cached per model fingerprint, node
 and batch under ``$MLXPIPE_HOME/profiles``.
 """
 
@@ -89,7 +92,9 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> D
     """Seconds per decode step of ``batch`` rows: per layer, embedding, head."""
     cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
     if cache_file.exists():
-        return json.loads(cache_file.read_text()) | {"cached": True}
+        cached = json.loads(cache_file.read_text())
+        if "row_cost" in cached:  # (older profiles lack it: measure again)
+            return cached | {"cached": True}
     from mlx_lm.utils import load_model
 
     model, config = load_model(path, lazy=True)
@@ -118,8 +123,14 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> D
             layer_seconds[i] = seconds_of_kind[kind]
     first = layer_time(0)
     last = layer_time(n - 1)
+    typical = max(kinds.values(), key=len)
+    inner = [i for i in typical if 0 < i < n - 1] or typical
+    middle = inner[len(inner) // 2]  # timed above, at `batch` rows
+    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats)
+    row_cost = (timed[middle] / one_row - 1) / (batch - 1) if batch > 1 and one_row > 0 else 1.0
     result = {
         "layer_seconds": layer_seconds,
+        "row_cost": min(max(row_cost, 0.0), 1.0),
         "embed_seconds": max(first - layer_seconds[0], 0.0),
         "head_seconds": max(last - layer_seconds[n - 1], 0.0),
         "batch": batch,

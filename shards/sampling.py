@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlxpipe.proto import pipeline_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
 INT32 = 1 << 31  # token ids and top_k travel as int32
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -157,8 +158,9 @@ class SeqSampler:
             frequency_penalty=params.frequency_penalty or None,
             frequency_context_size=params.penalty_context_size,
         )
-        # How much history the penalties can look at; keep no more than that.
-        self._keep = max(params.repetition_context_size, params.penalty_context_size)
+        # How much history the penalties can look at (and drafted positions that may
+        # be trimmed off); keep no more than that.
+        self._keep = max(params.repetition_context_size, params.penalty_context_size) + MAX_DRAFTED
         self.history: List[int] = []
         self.filters = []
         if 0 < params.top_p < 1:
@@ -178,6 +180,11 @@ class SeqSampler:
         if self.processors:
             self.history.extend(tokens)
             del self.history[: -self._keep]
+
+    def trim(self, n: int) -> None:
+        """Forget the last ``n`` observed tokens (drafts the head rejected)."""
+        if self.processors and n:
+            del self.history[-n:]
 
     def process(self, logits: mx.array) -> mx.array:
         """Logits [1, V] -> log-probabilities [1, V] after the logits processors."""
@@ -248,3 +255,19 @@ def pick_batch(
             top = (tops[i][0].tolist(), tops[i][1].tolist())
         out.append((token_list[i], lp_list[i] if want[i] else 0.0, top))
     return out
+
+
+def pick_positions(sampler: SeqSampler, logits: mx.array, tokens: List[int], offset: int):
+    """One pick after every position of one sequence (a verify frame): ``logits``
+    [n, V] for input ``tokens`` at positions ``offset`` .. ``offset + n - 1``. Each
+    pick is the one a plain decode step at that position would make: the same
+    history for the penalties, the same random key."""
+    n = len(tokens)
+    if not sampler.processors:  # nothing depends on history: all rows at once
+        sampler.observe(tokens)
+        return pick_batch([sampler] * n, logits, [offset + i + 1 for i in range(n)])
+    picks = []
+    for i, t in enumerate(tokens):
+        sampler.observe([t])
+        picks += pick_batch([sampler], logits[i : i + 1], [offset + i + 1])
+    return picks

@@ -115,6 +115,7 @@ class StageServicer(pb_grpc.StageServicer):
         reply.layer_seconds.extend(result["layer_seconds"])
         reply.embed_seconds, reply.head_seconds = result["embed_seconds"], result["head_seconds"]
         reply.cached = result["cached"]
+        reply.row_cost = result["row_cost"]
         return reply
 
     async def Profile(self, request: pb.ProfileRequest, context):

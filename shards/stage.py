@@ -15,6 +15,11 @@ Sequences and caches:
   filtered out; rows follow the frame's order.
 - ``free`` drops sequences wherever they are. Every frame is validated before
   any state changes; a bad frame raises ``FrameError`` and changes nothing.
+- A VERIFY frame carries positions of one sequence (its last token and
+  tokens the head drafted: speculative decoding). The sequence leaves its
+  decode group for caches of its own; the last stage samples after every
+  position. The head judges the drafts; a later frame's ``trim`` drops the
+  positions it rejected (mlx-lm's trimmable caches), before anything else.
 - Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
   first drops the blocks in ``evict``; a sequence's first frame may start it
   after cached blocks (``reuse``); any later frame may name blocks of the
@@ -34,7 +39,7 @@ import mlx.core as mx
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.prefix import BlockStore, supports
-from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch, pick_positions
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,7 @@ class _Seq:
     group: Optional[int] = None       # decode group holding its caches
     sampler: Optional[SeqSampler] = None  # last stage only
     session: int = 0                  # the Forward stream that brought it
+    drafted: int = 0                  # positions VERIFY frames added since it last decoded: what may be trimmed
 
 
 @dataclass
@@ -121,6 +127,15 @@ class BusyClock:
         if since is not None:
             busy += now - max(since, lo)
         return min(busy / span, 1.0), tokens / span
+
+
+def _token_result(seq_id: int, pick) -> pb.TokenResult:
+    token, logprob, top = pick
+    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob)
+    if top is not None:
+        r.top_ids.extend(top[0])
+        r.top_logprobs.extend(top[1])
+    return r
 
 
 class Shard:
@@ -213,6 +228,12 @@ class Shard:
             if any(e.num_tokens != 1 for e in frame.seqs):
                 raise FrameError("every row of a DECODE frame adds exactly one token")
             n = 1
+        elif frame.kind == pb.Frame.VERIFY:
+            if rows != 1:
+                raise FrameError(f"a VERIFY frame carries one sequence, got {rows}")
+            n = frame.seqs[0].num_tokens
+            if not 1 <= n <= lim.max_chunk_tokens:
+                raise FrameError(f"verify frame of {n} positions; this stage takes 1..{lim.max_chunk_tokens}")
         else:
             raise FrameError(f"unknown frame kind {frame.kind}")
         if len(frame.tokens) != rows * n:
@@ -246,10 +267,13 @@ class Shard:
                                      f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
             elif seq is None:
                 raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
-            elif seq.length != e.offset:
+            elif e.trim > seq.drafted:
+                raise FrameError(f"sequence {e.seq_id}: only the {seq.drafted} positions verify frames added "
+                                 f"may be trimmed, not {e.trim}")
+            elif seq.length - e.trim != e.offset:
                 raise FrameError(
-                    f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset}",
-                    "FAILED_PRECONDITION",
+                    f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset} "
+                    f"after trimming {e.trim}", "FAILED_PRECONDITION",
                 )
             elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
                 raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
@@ -298,6 +322,9 @@ class Shard:
         self.free(frame.free)
         if frame.evict:
             self.prefix.drop(frame.evict)
+        for e in frame.seqs:
+            if e.trim:
+                self._trim(self.seqs[e.seq_id], e.trim)
         self.stats.begin()
         out = None
         try:
@@ -305,6 +332,8 @@ class Shard:
                 out = self._prefill(frame, hidden, session)
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
+            elif frame.kind == pb.Frame.VERIFY:
+                out = self._verify(frame, hidden)
         finally:
             self.stats.end(rows * n)
         if self.model.last:
@@ -367,7 +396,34 @@ class Shard:
             return []
         return self._sample([entry], [seq], out[:, -1, :])
 
+    def _trim(self, seq: _Seq, n: int) -> None:
+        """Drop a sequence's last ``n`` positions (drafts the head rejected); it holds
+        caches of its own while it verifies drafts."""
+        for c in seq.caches:
+            c.trim(n)
+        seq.length -= n
+        seq.drafted -= n
+        if seq.sampler is not None:
+            seq.sampler.trim(n)
+
+    def _verify(self, frame: pb.Frame, hidden: Optional[mx.array]):
+        entry = frame.seqs[0]
+        seq = self.seqs[entry.seq_id]
+        if seq.group is not None:  # caches of its own, so that rejected positions can be trimmed
+            self._detach(seq.group, [entry.seq_id])
+        self._keep_blocks(entry, seq)
+        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches)
+        seq.length += entry.num_tokens
+        seq.drafted += entry.num_tokens
+        if not self.model.last:
+            mx.eval(out)
+            return out
+        picks = pick_positions(seq.sampler, out[0], list(frame.tokens), seq.length - entry.num_tokens)
+        return [_token_result(entry.seq_id, pick) for pick in picks]
+
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
+        for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
+            self.seqs[e.seq_id].drafted = 0
         group = self._regroup(frame.group, [e.seq_id for e in frame.seqs])
         for e in frame.seqs:
             self._keep_blocks(e, self.seqs[e.seq_id])
@@ -392,14 +448,7 @@ class Shard:
 
     def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
         picks = pick_batch([s.sampler for s in seqs], logits, [s.length for s in seqs])
-        results = []
-        for e, (token, logprob, top) in zip(entries, picks):
-            r = pb.TokenResult(seq_id=e.seq_id, token=token, logprob=logprob)
-            if top is not None:
-                r.top_ids.extend(top[0])
-                r.top_logprobs.extend(top[1])
-            results.append(r)
-        return results
+        return [_token_result(e.seq_id, pick) for e, pick in zip(entries, picks)]
 
     def _regroup(self, gid: int, members: List[int]) -> _Group:
         """Make group ``gid`` hold exactly ``members``, caches in that row order."""

@@ -1,0 +1,46 @@
+"""Drafts for speculative decoding: tokens a sequence will likely produce next. Pure logic.
+
+Prompt lookup: when the last few tokens of a sequence appeared before (in its
+prompt or in what it generated), guess that what followed them then follows
+again. Agents resending and editing files, summaries and retrieval answers
+copy long runs from their prompt, so guesses there are often right; a wrong
+guess costs only the positions that verify it. No model is involved.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+
+class PromptLookup:
+    """Drafts for one sequence from n-gram matches in its own tokens.
+
+    The index maps every n-gram (``min_ngram`` <= n <= ``max_ngram``) to the
+    position just after its latest occurrence; it grows with the sequence, so
+    a draft costs O(max_ngram + k) however long the sequence is.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._after: Dict[Tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending at positions < this are in the index
+
+    def _index(self, tokens: Sequence[int], upto: int) -> None:
+        for end in range(max(self._indexed, 1), upto + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._after[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, upto + 1)
+
+    def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
+        """Up to ``k`` tokens that may follow ``tokens``: the sequence's first
+        ``confirmed`` tokens (only ever extended between calls) and drafts not yet
+        judged after them. Only confirmed tokens enter the index."""
+        end = len(tokens)
+        if k < 1 or end < 2:
+            return []
+        self._index(tokens, min(confirmed, end - 1))  # every n-gram but the suffix itself
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            at = self._after.get(tuple(tokens[end - n :]))
+            if at is not None:
+                return list(tokens[at : at + k])
+        return []

@@ -1,0 +1,118 @@
+"""Speculative decoding: drafts (pure), the scheduler's verify/judge/trim logic
+(pure), and token-for-token equality with plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+from inproc import InProcess
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.cluster import verify_positions
+from mlxpipe.server.draft import PromptLookup
+from mlxpipe.server.scheduler import Phase, Scheduler, SchedulerConfig, Sequence
+from mlxpipe.shards.sampling import Sampling
+
+
+def test_prompt_lookup_continues_the_latest_match():
+    d = PromptLookup()
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert d.propose(tokens, 3, confirmed=len(tokens)) == [4, 5, 9]
+    tokens += [7, 1, 2]  # now "1 2" was last followed by 3 and by 7: the latest wins
+    assert d.propose(tokens, 2, confirmed=len(tokens)) == [3, 7]
+    assert PromptLookup().propose([5, 6, 7, 8], 3, confirmed=4) == []   # nothing repeats
+    # Unjudged drafts extend the key but never enter the index.
+    d = PromptLookup()
+    assert d.propose([1, 2, 3, 1, 2, 3, 4], 2, confirmed=6) == []
+
+
+def test_frames_per_verify_follow_what_rows_cost():
+    assert verify_positions(1.0, 2, 8) == 1   # CPU: each stage works on its own position
+    assert verify_positions(0.0, 2, 8) == 9   # rows free: one frame holds them all
+    assert verify_positions(1.0, 1, 8) == 9   # one stage: no pipeline to fill, fewer frames
+
+
+# -- the scheduler, driven by hand ------------------------------------------------------
+
+
+def _running(s, prompt, max_tokens=40):
+    """A sequence through its prefill, decoding in a group, with token 50 sampled."""
+    seq = Sequence(seq_id=1, prompt=list(prompt), max_tokens=max_tokens, sampling=Sampling().to_wire())
+    s.add(seq)
+    for f in s.schedule():
+        s.on_result(pb.Result(frame_id=f.frame_id, tokens=[pb.TokenResult(seq_id=1, token=50)] if f.seqs[0].sample else []))
+    assert seq.phase == Phase.RUNNING
+    return seq
+
+
+def _answer(s, frame, tokens):
+    return s.on_result(pb.Result(frame_id=frame.frame_id, tokens=[pb.TokenResult(seq_id=1, token=t) for t in tokens]))
+
+
+def test_drafts_are_verified_position_by_position_and_a_miss_is_trimmed():
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_positions=1, max_prefill_inflight=8))
+    # The prompt has 50 51 52 53 9 ...; 50 is sampled: the drafts after it are 51 52 53 9.
+    seq = _running(s, [50, 51, 52, 53, 9, 8, 7, 6, 5])
+    frames = s.schedule()
+    assert [f.kind for f in frames] == [pb.Frame.VERIFY] * 5
+    assert [list(f.tokens) for f in frames] == [[50], [51], [52], [53], [9]]
+    assert [f.seqs[0].offset for f in frames] == [9, 10, 11, 12, 13]
+    # The model samples 51, 52, then 7 where the draft said 53: tokens 51, 52, 7 count.
+    assert [e.token for e in _answer(s, frames[0], [51])] == [51]
+    assert [e.token for e in _answer(s, frames[1], [52])] == [52]
+    assert [e.token for e in _answer(s, frames[2], [7])] == [7]
+    assert _answer(s, frames[3], [9]) == [] and _answer(s, frames[4], [8]) == []  # stale: after the miss
+    assert seq.generated[-4:] == [50, 51, 52, 7]
+    nxt = s.schedule()
+    # The stages hold positions 9..13; 9, 10, 11 are confirmed now: the first frame drops
+    # 12 and 13 and feeds 7 there. The miss halved the depth: 2 drafts after it (6 5, from the prompt).
+    assert [f.kind for f in nxt] == [pb.Frame.VERIFY] * 3
+    assert nxt[0].seqs[0].trim == 2 and nxt[0].seqs[0].offset == 12
+    assert [list(f.tokens) for f in nxt] == [[7], [6], [5]] and not nxt[1].seqs[0].trim
+
+
+def test_speculation_stops_when_the_pipeline_fills_and_rejoins_with_a_trim():
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=2, spec_max_running=1, max_prefill_inflight=8))
+    _running(s, [50, 51, 52, 9])  # 50 sampled: drafts 51 52
+    (f1, f2, f3) = s.schedule()
+    _answer(s, f1, [51]), _answer(s, f2, [99]), _answer(s, f3, [1])  # a miss at the second position
+    s.add(Sequence(seq_id=2, prompt=[5, 6, 7], max_tokens=4, sampling=Sampling().to_wire()))
+    frames = s.schedule()  # two sequences now: more than spec_max_running
+    decode = [f for f in frames if f.kind == pb.Frame.DECODE]
+    assert decode and decode[0].seqs[0].seq_id == 1 and decode[0].seqs[0].trim == 1
+    assert s.solo == []
+
+
+# -- equality, in one process ------------------------------------------------------------------
+
+
+def _code_prompt(tok):
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    return tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n" + code}],
+                                   add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("model,ranges,positions", [
+    ("default_model", [(0, 30)], 9),
+    ("default_model", [(0, 13), (13, 30)], 1),
+    ("default_model", [(0, 13), (13, 30)], 3),
+    ("dsv3_model", [(0, 1), (1, 3), (3, 4)], 1),
+])
+def test_speculative_tokens_equal_plain_decoding(model, ranges, positions, request, reference):
+    from mlx_lm.utils import load_tokenizer
+
+    path = request.getfixturevalue(model)
+    tok = load_tokenizer(path)
+    config = SchedulerConfig(chunk_size=64, speculate=True, spec_depth=8, spec_positions=positions,
+                             num_groups=len(ranges), spec_max_running=len(ranges))
+    pipe = InProcess(path, ranges, config, eos=tok.eos_token_ids)
+    code = _code_prompt(tok)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True)
+    for prompt in (code, chat):
+        (out,), (seq,) = pipe.generate([prompt], 40)
+        assert out == reference(path, prompt, 40)
+        if prompt is code and model == "default_model":
+            assert seq.spec is not None and seq.spec.matched > 0, "the code block should be copied from the prompt"
+    # Sampled, with a seed: the same tokens as without speculation.
+    plain = InProcess(path, ranges, SchedulerConfig(chunk_size=64, num_groups=len(ranges)), eos=tok.eos_token_ids)
+    sampling = Sampling(temperature=0.8, top_p=0.95, seed=7, repetition_penalty=1.1)
+    assert pipe.generate([code], 30, sampling)[0] == plain.generate([code], 30, sampling)[0]
