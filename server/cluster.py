@@ -92,11 +92,12 @@ def prefix_blocks(pipeline: Pipeline, max_kv_tokens: int, cache_bytes: Optional[
     return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
 
 
-def verify_positions(row_cost: float, stages: int, depth: int) -> int:
-    """Positions per VERIFY frame that get ``depth`` + 1 positions through ``stages``
-    stages soonest, when a frame of p positions costs 1 + row_cost x (p - 1) one-row
-    steps: 1 where rows cost in proportion (every stage works on its own frame),
-    all of them in one frame where rows are nearly free."""
+def verify_positions(row_cost: float, stages: int, depth: int = 4) -> int:
+    """Positions per VERIFY frame that get ``depth`` + 1 positions (a typical
+    window: the depth adapts) through ``stages`` stages soonest, when a frame of p
+    positions costs 1 + row_cost x (p - 1) one-row steps: 1 where rows cost about
+    in proportion (every stage works on its own frame, and a miss wastes least),
+    the whole window in one frame where rows are nearly free."""
     def seconds(p: int) -> float:
         return (-(-(depth + 1) // p) + stages - 1) * (1 + row_cost * (p - 1))
 
@@ -209,7 +210,7 @@ class Cluster:
                 speculate=cfg.speculate,
                 spec_max_running=n,
                 spec_depth=cfg.spec_depth,
-                spec_positions=verify_positions(self.row_cost, n, cfg.spec_depth),
+                spec_positions=verify_positions(self.row_cost, n),
                 num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,

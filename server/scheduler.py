@@ -38,8 +38,8 @@ Rules:
   the sampled token still counts, the rest is discarded (results of frames
   already in flight are stale) and the next frame trims it from the stages.
   Greedy and seeded output is therefore exactly what plain decoding gives.
-  The depth follows the acceptance (halved on a miss, one more after a full
-  window accepted); a sequence whose drafts keep failing decodes in its group
+  The depth follows the acceptance (halved on a miss, one more after as many
+  drafts in a row matched); a sequence whose drafts keep failing decodes in its group
   again for a while.
 - Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
 """
@@ -128,6 +128,7 @@ class Spec:
     inflight: int = 0               # its VERIFY frames in flight
     judged: int = 0                 # drafted tokens judged since the last reset, and how many matched
     matched: int = 0
+    streak: int = 0                 # drafts matched since the last miss or depth increase
     cooldown: int = 0               # decode steps in its group before it may speculate again
 
 
@@ -472,16 +473,16 @@ class Scheduler:
             spec.judged += 1
             if guess == t.token:
                 spec.matched += 1
+                spec.streak += 1
+                if spec.streak >= spec.depth and spec.depth < self.config.spec_depth:
+                    spec.depth, spec.streak = spec.depth + 1, 0
                 continue
             # A miss: what the stages hold after the confirmed tokens is void.
             spec.trim, spec.fed = spec.trim + spec.fed, 0
             spec.guesses.clear()
             spec.epoch += 1
-            spec.depth = max(1, spec.depth // 2)
+            spec.depth, spec.streak = max(1, spec.depth // 2), 0
             break
-        else:
-            if spec.fed == 0 and spec.depth < self.config.spec_depth:
-                spec.depth += 1
         if spec.judged >= 16:  # drafts that keep failing cost more than they save: pause
             if spec.matched < spec.judged // 4:
                 spec.cooldown = 32
