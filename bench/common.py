@@ -11,13 +11,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import httpx
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, speculative_generate_step
 from tqdm import tqdm
 
 DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
@@ -84,20 +84,32 @@ class RunResult:
     generated: int
     ttft_s: float          # submit -> first token
     decode_tps: float      # tokens after the first / time after the first
+    tokens: List[int] = field(default_factory=list)  # what was generated
 
 
 def baseline_worker(model: str) -> None:
-    """Read JSON requests on stdin, run plain mlx-lm ``generate_step``, answer JSON."""
+    """Read JSON requests on stdin, run plain mlx-lm ``generate_step`` (or, with a
+    ``draft`` model, mlx-lm's ``speculative_generate_step``), answer JSON."""
     model_obj, _ = mlx_lm.load(model)
+    drafts = {}
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
+        prompt = mx.array(req["prompt"])
+        if req.get("draft"):
+            if req["draft"] not in drafts:
+                drafts[req["draft"]] = mlx_lm.load(req["draft"])[0]
+            steps = speculative_generate_step(prompt, model_obj, drafts[req["draft"]], max_tokens=req["max_tokens"],
+                                              num_draft_tokens=req["num_draft_tokens"])
+        else:
+            steps = generate_step(prompt, model_obj, max_tokens=req["max_tokens"])
         t0 = time.monotonic()
-        times = []
-        for _token, _ in generate_step(mx.array(req["prompt"]), model_obj, max_tokens=req["max_tokens"]):
+        times, tokens = [], []
+        for step in steps:
             times.append(time.monotonic())
+            tokens.append(int(step[0]))
         print(json.dumps(asdict(RunResult(len(req["prompt"]), len(times), times[0] - t0,
-                                          decode_rate(times)))), flush=True)
+                                          decode_rate(times), tokens))), flush=True)
 
 
 class Baseline:
@@ -110,8 +122,10 @@ class Baseline:
         if not self.proc.stdout.readline():
             raise RuntimeError("the mlx-lm baseline process failed to start")
 
-    def run(self, prompt: List[int], max_tokens: int) -> RunResult:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+    def run(self, prompt: List[int], max_tokens: int, draft: Optional[str] = None,
+            num_draft_tokens: int = 3) -> RunResult:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens, "draft": draft,
+                                          "num_draft_tokens": num_draft_tokens}) + "\n")
         self.proc.stdin.flush()
         return RunResult(**json.loads(self.proc.stdout.readline()))
 
@@ -122,13 +136,14 @@ class Baseline:
 
 async def pipeline_run(cluster, prompt: List[int], max_tokens: int) -> RunResult:
     t0 = time.monotonic()
-    times = []
+    times, tokens = [], []
     # Like mlx-lm's generate_step, do not stop at end-of-sequence: both sides
     # generate exactly max_tokens tokens.
-    async for _ in cluster.engine.submit(prompt, max_tokens, stop_at_eos=False):
+    async for token in cluster.engine.submit(prompt, max_tokens, stop_at_eos=False):
         times.append(time.monotonic())
+        tokens.append(token.id)
     await cluster.engine.drain()
-    return RunResult(len(prompt), len(times), times[0] - t0, decode_rate(times))
+    return RunResult(len(prompt), len(times), times[0] - t0, decode_rate(times), tokens)
 
 
 def chat_prompt(tok, text: str) -> List[int]:
