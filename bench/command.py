@@ -10,12 +10,12 @@ import asyncio
 import json
 import sys
 
-from mlxpipe.bench import balance, load, prefill, stream
+from mlxpipe.bench import balance, load, prefill, quality, stream
 from mlxpipe.bench.common import baseline_worker
 
 # Each mode module adds its subcommand and the coroutine it runs (``measure``):
 # a new mode is a new module and an entry here.
-MODES = (stream, load, prefill, balance)
+MODES = (stream, load, prefill, balance, quality)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

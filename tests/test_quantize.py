@@ -19,7 +19,7 @@ from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.cost import load_model_cost
 from mlxpipe.server.engine import collect
 from mlxpipe.shards.quant_spec import RECIPES, QuantSpec, quantized_fingerprint
-from mlxpipe.shards.quantize import QuantizeError, quantize_folder, quantize_range, stage_units
+from mlxpipe.shards.quantize import QuantizeError, quantize_range, stage_units
 from mlxpipe.shards.store import fingerprint
 from mlxpipe.shards.weights import model_units, unit_of, units_for_range
 
@@ -194,6 +194,17 @@ def test_bits_4_served_equals_convert_and_mlx_lm(stages, sources, converted, ref
         assert got == reference(conv, prompt, NEW_TOKENS)
 
 
+def test_bits_auto_on_local_stages_takes_the_most_that_fits(sources, converted, reference):
+    """Local stages offer this machine's memory, which holds the tiny model at 8 bits:
+    `--bits auto` profiles at 4 bits, plans, and serves 8-bit, convert's 8-bit tokens."""
+    src = sources("dsv3")
+    prompts = _prompts(src)[:1]
+    outs, placed, cluster = run_async(_serve(ClusterConfig(model=str(src), stages=2, bits="auto"), prompts))
+    assert cluster.quant == QuantSpec("8")
+    assert {p[2].fingerprint for p in placed} == {quantized_fingerprint(fingerprint(src), QuantSpec("8"))}
+    assert outs[0] == reference(converted("dsv3", 8), prompts[0], NEW_TOKENS)
+
+
 def test_stage_peak_memory_is_its_share_plus_under_one_full_layer(tmp_path, default_model):
     """A stage process quantizing layers [3, 5) of an 8-layer bf16 model: MLX's peak
     memory while loading (LoadReply.peak_bytes) stays under the range's 4-bit share plus
@@ -276,3 +287,21 @@ def test_spec_round_trips_and_refuses_what_mlx_cannot_do():
             QuantSpec.parse(bad)
     with pytest.raises(ValueError, match="group size"):
         QuantSpec("4", 48)
+
+
+# -- mlxpipe bench quality -----------------------------------------------------------------
+
+
+def test_bench_quality_scores_every_setting(sources):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxpipe.bench.quality import TEXT, measure
+
+    src = sources("llama")
+    tokens = load_tokenizer(src).encode(TEXT.read_text())[:96]
+    rows = {r["setting"]: r for r in measure(src, ["bf16", "8", "3", "auto"], tokens, 64)}
+    ppl = {k: r["perplexity"] for k, r in rows.items()}
+    assert all(1 < p < float("inf") for p in ppl.values())
+    assert abs(ppl["8"] / ppl["bf16"] - 1) < 0.02  # 8 bits: nearly lossless
+    assert rows["3"]["weight_bytes"] < rows["auto"]["weight_bytes"] < rows["8"]["weight_bytes"]
+    assert 3 < rows["auto"]["mean_bits"] < 4 and rows["bf16"]["quantization"] == "as stored"

@@ -48,13 +48,12 @@ DSV3_CONFIG = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int = 4) -> Path:
-    """A tiny DeepSeek-V3 folder at ``out`` with the tokenizer of ``tokenizer_from``."""
+def _random_deepseek_v3(config: dict, seed: int):
+    """mlx-lm's DeepSeek-V3 of ``config`` with random weights: (model, its ModelArgs)."""
     from mlx_lm.models import deepseek_v3
-    from mlx_lm.utils import save_model
 
     mx.random.seed(seed)
-    args = deepseek_v3.ModelArgs.from_dict(DSV3_CONFIG)
+    args = deepseek_v3.ModelArgs.from_dict(config)
     model = deepseek_v3.Model(args)
     # Random router weights and biases, so experts are actually chosen apart.
     for layer in model.model.layers:
@@ -63,6 +62,14 @@ def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int 
             layer.mlp.gate.e_score_correction_bias = mx.random.normal((args.n_routed_experts,)) * 0.1
     # Larger embeddings than the default init, so tokens differ clearly.
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
+    return model, args
+
+
+def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int = 4) -> Path:
+    """A tiny DeepSeek-V3 folder at ``out`` with the tokenizer of ``tokenizer_from``."""
+    from mlx_lm.utils import save_model
+
+    model, _ = _random_deepseek_v3(DSV3_CONFIG, seed)
     nn.quantize(model, group_size=32, bits=bits,
                 class_predicate=lambda p, m: hasattr(m, "to_quantized") and "gate" != p.rsplit(".", 1)[-1])
     mx.eval(model.parameters())
@@ -154,17 +161,9 @@ def build_deepseek_v3_source(out: Path, tokenizer_from: Path, fp8: bool = False,
     bf16, or with every projection in the layers FP8 + ``weight_scale_inv`` like the
     published checkpoint."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import deepseek_v3
 
-    mx.random.seed(seed)
     config = dict(DSV3_FP8_CONFIG if fp8 else DSV3_BF16_CONFIG)
-    args = deepseek_v3.ModelArgs.from_dict(config)
-    model = deepseek_v3.Model(args)
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "gate"):
-            layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape) * 0.5
-            layer.mlp.gate.e_score_correction_bias = mx.random.normal((args.n_routed_experts,)) * 0.1
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
+    model, args = _random_deepseek_v3(config, seed)
     _jitter_norms(model)
     hf = {}
     heads, nope, vdim, rank = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
