@@ -306,6 +306,7 @@ class BitsChoice:
     higher_short: str            # why ``higher`` everywhere does not fit
     higher_bytes: int            # weights at ``higher`` everywhere, and at ``lower`` everywhere
     lower_bytes: int
+    lower_tokens_per_s: float    # the pipeline's predicted pace at ``lower`` everywhere
 
     @property
     def raised(self) -> int:
@@ -324,8 +325,10 @@ class BitsChoice:
         else:
             kept = (f"the embedding, the head and {self.raised} of {self.cost.num_layers} layers (the outermost) "
                     f"at {up}, {self.cost.num_layers - self.raised} at {down}")
+        speed = (f"; more bits read more per token: {self.plan.tokens_per_s_pipeline:.1f} tokens/s predicted, "
+                 f"{self.lower_tokens_per_s:.1f} at {down} everywhere" if self.spec.bits == self.higher else "")
         return (f"{up} everywhere ({gb(self.higher_bytes)}) does not fit ({self.higher_short}); kept {kept}: "
-                f"{size} ({gb(self.lower_bytes)} at {down} everywhere). Fewer bits cost accuracy: "
+                f"{size} ({gb(self.lower_bytes)} at {down} everywhere){speed}. Fewer bits cost accuracy: "
                 f"see `mlxpipe bench quality` in docs/planning.md")
 
 
@@ -367,7 +370,7 @@ def plan_bits(cost_of: Callable[[QuantSpec], ModelCost], nodes: Sequence[NodeSpe
             continue
         if j == 0:
             return BitsChoice(QuantSpec(rung, group_size), costs[rung], base, rung, None, "",
-                              costs[rung].weight_bytes, costs[rung].weight_bytes)
+                              costs[rung].weight_bytes, costs[rung].weight_bytes, base.tokens_per_s_pipeline)
         up = order[j - 1]
         break
     else:
@@ -392,4 +395,5 @@ def plan_bits(cost_of: Callable[[QuantSpec], ModelCost], nodes: Sequence[NodeSpe
         except PlanInfeasible:
             hi = mid
     k, cost, chosen = best
-    return BitsChoice(spec(k), cost, chosen, rung, up, why[up], costs[up].weight_bytes, costs[rung].weight_bytes)
+    return BitsChoice(spec(k), cost, chosen, rung, up, why[up], costs[up].weight_bytes, costs[rung].weight_bytes,
+                      base.tokens_per_s_pipeline)
