@@ -305,3 +305,10 @@ def test_bench_quality_scores_every_setting(sources):
     assert abs(ppl["8"] / ppl["bf16"] - 1) < 0.02  # 8 bits: nearly lossless
     assert rows["3"]["weight_bytes"] < rows["auto"]["weight_bytes"] < rows["8"]["weight_bytes"]
     assert 3 < rows["auto"]["mean_bits"] < 4 and rows["bf16"]["quantization"] == "as stored"
+
+
+def test_bits_on_a_quantized_model_is_refused_before_anything_starts(default_model, sources):
+    with pytest.raises(ValueError, match="quantized already"):
+        run_async(Cluster(ClusterConfig(model=str(default_model), bits="4")).start())
+    with pytest.raises(ValueError, match="--bits auto needs --split auto"):
+        run_async(Cluster(ClusterConfig(model=str(sources("llama")), bits="auto", split="even")).start())
