@@ -297,7 +297,7 @@ def test_bench_quality_scores_every_setting(sources):
 
     from mlxpipe.bench.quality import TEXT, measure
 
-    src = sources("llama")
+    src = sources("dsv3")
     tokens = load_tokenizer(src).encode(TEXT.read_text())[:96]
     rows = {r["setting"]: r for r in measure(src, ["bf16", "8", "3", "auto"], tokens, 64)}
     ppl = {k: r["perplexity"] for k, r in rows.items()}
