@@ -143,7 +143,7 @@ class WeightUnit(_message.Message):
     def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightsOffer(_message.Message):
-    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files")
+    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files", "source_fingerprint")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class WeightsOffer(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     start: int
@@ -165,7 +166,8 @@ class WeightsOffer(_message.Message):
     chunk_bytes: int
     units: _containers.RepeatedCompositeFieldContainer[WeightUnit]
     files: _containers.ScalarMap[str, bytes]
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    source_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., source_fingerprint: _Optional[str] = ...) -> None: ...
 
 class UnitNeed(_message.Message):
     __slots__ = ("name", "chunks")
@@ -207,8 +209,18 @@ class ReceiveSummary(_message.Message):
     rejected: _containers.RepeatedCompositeFieldContainer[UnitNeed]
     def __init__(self, bytes: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ...) -> None: ...
 
+class Quantization(_message.Message):
+    __slots__ = ("bits", "group_size", "layer_bits")
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    bits: str
+    group_size: int
+    layer_bits: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bits: _Optional[str] = ..., group_size: _Optional[int] = ..., layer_bits: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +230,7 @@ class LoadRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -227,10 +240,11 @@ class LoadRequest(_message.Message):
     fingerprint: str
     max_chunk_tokens: int
     block_tokens: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    quantization: Quantization
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +258,7 @@ class LoadReply(_message.Message):
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -257,15 +272,18 @@ class LoadReply(_message.Message):
     max_cache_bytes: int
     block_tokens: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    peak_bytes: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("model", "batch")
+    __slots__ = ("model", "batch", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     batch: int
-    def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ...) -> None: ...
+    quantization: Quantization
+    def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
     __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost")

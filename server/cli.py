@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 
 from mlxpipe.bench import command as bench
 from mlxpipe.server import certs, plan_command, serve, status
@@ -16,6 +17,7 @@ from mlxpipe.server.options import add_cluster_arguments, cluster_config
 from mlxpipe.server.pipeline import PipelineError
 from mlxpipe.server.textgen import stream_text
 from mlxpipe.shards import node
+from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.sampling import Sampling
 from mlxpipe.shards.store import pull_default
 
@@ -23,6 +25,19 @@ from mlxpipe.shards.store import pull_default
 def cmd_pull(args) -> int:
     path = pull_default(progress=None if not args.quiet else False)
     print(path)
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    """``mlxpipe quantize``: a quantized folder, made one layer at a time (shards/quantize.py)."""
+    from mlxpipe.shards.quantize import quantize_folder
+    from mlxpipe.shards.store import resolve_model
+
+    layer_bits = [b for b in args.layer_bits.split(",")] if args.layer_bits else None
+    spec = QuantSpec.parse(args.bits, args.group_size, layer_bits)
+    config = quantize_folder(resolve_model(args.model), Path(args.out), spec)
+    own = sum(isinstance(v, dict) for v in config["quantization"].values())
+    print(f"{args.out}: {spec.describe()} ({own} modules with bits of their own)")
     return 0
 
 
@@ -119,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="tokens/s of the pipeline beside plain mlx-lm, measured side by side")
     bench.add_arguments(p)
     p.set_defaults(fn=bench.run)
+
+    p = sub.add_parser("quantize", help="quantize a full-precision model folder, one layer at a time "
+                                        "(what mlx_lm.convert -q writes)")
+    p.add_argument("--model", required=True, help="full-precision model folder (bf16, fp16, fp32, DeepSeek's FP8)")
+    p.add_argument("--bits", required=True, help="2, 3, 4, 5, 6 or 8, or one of mlx-lm's mixed recipes (mixed_3_6, ...)")
+    p.add_argument("--group-size", type=int, default=None, help="weights per scale and bias (default 64)")
+    p.add_argument("--layer-bits", default=None,
+                   help="bits (or a recipe) per layer, comma-separated, e.g. as `mlxpipe plan --bits auto --json` "
+                        "lists them; --bits then applies to the embedding and the head")
+    p.add_argument("out", help="the folder to write (must not exist)")
+    p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("pull", help="fetch and convert the embedded default model once")
     p.add_argument("--quiet", action="store_true", help="no progress display")

@@ -17,10 +17,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
-from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, WeightSource, even_split, probe,
-                                     split_from_sizes)
-from mlxpipe.shards.store import fingerprint, text_config
+from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
+                                     probe, split_from_sizes)
 from mlxpipe.server.scheduler import SchedulerConfig
+from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.store import fingerprint, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class ClusterConfig:
     block_tokens: int = 16          # positions per prefix-cache block
     speculate: bool = True          # verify drafted tokens (prompt lookup) while few sequences decode
     spec_depth: int = 8             # drafted positions in flight per sequence, at most
+    bits: Optional[str] = None      # quantize a full-precision model as stages load it: "4", a recipe, or "auto"
+    group_size: int = DEFAULT_GROUP_SIZE  # weights per quantization scale and bias, with `bits`
 
 
 def available_cpus() -> List[int]:
@@ -134,6 +137,8 @@ class Cluster:
         self.plan_note = ""
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
+        self.quant: Optional[QuantSpec] = None  # how stages quantize the model as they load it (None: as stored)
+        self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
         self._node_added = asyncio.Event()
@@ -172,6 +177,14 @@ class Cluster:
         self.model_config = read_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path,
                                         eos_token_ids=self.model_config.get("eos_token_id"))
+        if cfg.bits is not None:  # refuse what cannot be quantized before starting anything
+            if "quantization" in self.model_config:
+                raise ValueError(f"{self.model_path} is quantized already; --bits quantizes a full-precision "
+                                 "model (bf16, fp16, fp32, or DeepSeek's FP8) as the stages load it")
+            if cfg.bits == "auto" and cfg.split not in (None, "auto"):
+                raise ValueError("--bits auto needs --split auto: the planner chooses the bits")
+            if cfg.bits != "auto":
+                self.quant = QuantSpec.parse(cfg.bits, cfg.group_size)
         if cfg.split not in (None, "auto"):  # refuse a bad --split before starting anything
             # (nodes that join are not known yet: then the split need only fit the model)
             named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
@@ -279,11 +292,22 @@ class Cluster:
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
                 ranges = even_split(self.num_layers, len(addresses))
             pipeline.assign(ranges)
-            await pipeline.load(progress=sys.stderr.isatty(), weights=self.weights)
+            await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.quant)
         except BaseException:
             await pipeline.close()
             raise
         return pipeline
+
+    def _weights(self) -> Optional[WeightSource]:
+        """What remote nodes that lack the model receive: the model folder, or its
+        units quantized by the spec in effect (quantized on the head when first needed)."""
+        if self.weights is None or self.quant is None:
+            return self.weights
+        key = self.quant.key()
+        if key not in self._quantized:
+            self._quantized[key] = QuantizedSource(self.model_path, self.weights.fingerprint, self.quant,
+                                                   self.num_layers, rate=self.config.weights_rate)
+        return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
         """A new loaded pipeline after a fault, over the stages that work.
@@ -339,7 +363,11 @@ class Cluster:
             wanted = []  # one profile serves every local stage
         elif local:
             wanted = [0]
-        for i, reply in zip(wanted, await pipeline.profile(wanted, cfg.profile_batch)):
+        auto = cfg.bits == "auto"
+        # Nodes time the model as it will run: quantized (with --bits auto, at 4 bits,
+        # scaled by bytes read to the bits each layer gets).
+        profiled = QuantSpec("4", cfg.group_size) if auto else self.quant
+        for i, reply in zip(wanted, await pipeline.profile(wanted, cfg.profile_batch, profiled)):
             self.profiles[addresses[i]] = reply
         if local:
             first = next(iter(self.profiles.values()))
@@ -348,7 +376,7 @@ class Cluster:
         else:
             profiles = [self.profiles[a] for a in addresses]
             memory = [p.memory_bytes for p in profiles]
-        cost = load_model_cost(self.model_path)
+        cost = load_model_cost(self.model_path, quant=profiled)
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
@@ -364,9 +392,17 @@ class Cluster:
             nodes.append(planner.NodeSpec(
                 name=address, memory_bytes=mem,
                 layer_seconds={k: statistics.median(v) for k, v in by_kind.items()},
-                embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds))
+                embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds,
+                profiled=cost if auto else None))
         context = cfg.context or min(int(self.model_config.get("max_position_embeddings") or 8192), 8192)
-        plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=local)
+        if auto:
+            choice = planner.plan_bits(lambda spec: load_model_cost(self.model_path, quant=spec), nodes,
+                                       group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
+                                       every_node=local)
+            plan, self.quant = choice.plan, choice.spec
+            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
+        else:
+            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=local)
         ranges, seconds = plan.ranges, [s.seconds for s in plan.stages]
         keep = [s.node_index for s in plan.stages]
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
@@ -392,7 +428,7 @@ class Cluster:
         return in_plan, self.plan_note
 
     def describe(self) -> List[str]:
-        lines = [f"model {self.model_path}"]
+        lines = [f"model {self.model_path}" + (f", quantized on load: {self.quant.describe()}" if self.quant else "")]
         for i, st in enumerate(self.pipeline.stages):
             mb = st.load.weight_bytes / 1e6 if st.load else 0
             lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
@@ -407,6 +443,8 @@ class Cluster:
             await self.engine.stop()
         if self.local is not None:
             self.local.stop()
+        for source in self._quantized.values():
+            source.close()
 
     async def __aenter__(self) -> "Cluster":
         return await self.start()

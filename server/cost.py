@@ -19,8 +19,9 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from mlxpipe.shards.quant_spec import BITS, RECIPES, QuantSpec
 from mlxpipe.shards.store import text_config
 from mlxpipe.shards.weights import LAYER_RE, read_header
 
@@ -37,6 +38,8 @@ class LayerCost:
     weight_bytes: int         # bytes resident on the node
     read_bytes: int           # bytes read per decoded token
     kv_bytes_per_token: int   # KV cache bytes per token of context
+    quant_params: int = 0     # parameters in quantized matrices
+    quant_bits: int = 0       # their bits, summed over parameters (quant_bits / quant_params: mean bits)
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,12 @@ class ModelCost:
     head_bytes: int           # on the last stage
     head_read_bytes: int
     tied: bool                # output head shares the embedding matrix
-    bits: Optional[int]       # None: 16-bit weights
+    bits: Optional[int]       # None: 16-bit weights (or per-layer rungs: see quant)
     group_size: int
     source: str               # "config" or "safetensors"
+    quant: Optional[QuantSpec] = None  # the rungs costed, when quantizing a full-precision model
+    ends_quant_params: int = 0  # quantized parameters of the embedding and an untied head
+    ends_quant_bits: int = 0
 
     def __post_init__(self) -> None:
         # Weight bytes of layers [0, i): the planner asks for O(nodes x layers^2) stage weights.
@@ -88,6 +94,18 @@ class ModelCost:
         """Bytes read per decoded token through the whole model."""
         return self.embed_read_bytes + sum(l.read_bytes for l in self.layers) + self.head_read_bytes
 
+    @property
+    def mean_bits(self) -> Optional[float]:
+        """Nominal bits per quantized weight, over the whole model (scales and biases not counted)."""
+        params = self.ends_quant_params + sum(l.quant_params for l in self.layers)
+        bits = self.ends_quant_bits + sum(l.quant_bits for l in self.layers)
+        return bits / params if params else None
+
+    def stage_mean_bits(self, start: int, end: int) -> Optional[float]:
+        """Nominal bits per quantized weight of layers [start, end)."""
+        params = sum(l.quant_params for l in self.layers[start:end])
+        return sum(l.quant_bits for l in self.layers[start:end]) / params if params else None
+
     def stage_weight_bytes(self, start: int, end: int) -> int:
         """Weights of a stage running layers [start, end): embedding on the first, head on the last."""
         pre = self._weight_prefix
@@ -107,10 +125,13 @@ class _Quant:
     group_size: int
     dtype_bytes: int
 
+    def quantizes(self, cols: int) -> bool:
+        # cols is the input dimension, the one groups run along; mlx-lm skips a module it does not divide.
+        return self.bits is not None and cols % self.group_size == 0
+
     def matrix(self, rows: int, cols: int, count: int = 1) -> int:
-        # cols is the input dimension, the one groups run along.
         n = rows * cols * count
-        if self.bits is None or cols % self.group_size:
+        if not self.quantizes(cols):
             return n * self.dtype_bytes
         return n * self.bits // 8 + (n // self.group_size) * 2 * self.dtype_bytes
 
@@ -118,17 +139,62 @@ class _Quant:
         return n * self.dtype_bytes
 
 
+class _Scheme:
+    """The ``_Quant`` of each weight matrix, by its module path (as mlx-lm names it):
+    one for all (``bits``), or the rung a ``QuantSpec`` gives its layer, where a
+    mixed recipe's rung decides module by module with mlx-lm's own rule."""
+
+    def __init__(self, bits: Optional[int], group_size: int, dtype_bytes: int,
+                 spec: Optional[QuantSpec] = None, num_layers: int = 0) -> None:
+        self.uniform = _Quant(bits, group_size, dtype_bytes)
+        self.spec, self.num_layers, self.dtype_bytes = spec, num_layers, dtype_bytes
+        self._recipes: Dict[str, Callable[[str], int]] = {}
+
+    def __call__(self, path: str) -> _Quant:
+        if self.spec is None:
+            return self.uniform
+        m = LAYER_RE.search(path + ".")
+        rung = self.spec.layer(int(m.group(1))) if m else self.spec.bits
+        bits = self._recipe(rung)(path) if rung in RECIPES else int(rung)
+        return _Quant(bits, self.spec.group_size, self.dtype_bytes)
+
+    def _recipe(self, name: str) -> Callable[[str], int]:
+        """mlx-lm's recipe predicate, asked about module paths (it needs of a model only
+        the name of a down projection and the number of layers)."""
+        if name not in self._recipes:
+            from mlx_lm.convert import mixed_quant_predicate_builder
+
+            class _Outline:
+                layers = [None] * self.num_layers
+
+                @staticmethod
+                def named_modules():
+                    return [("model.layers.0.mlp.down_proj", None)]
+
+            predicate = mixed_quant_predicate_builder(name, _Outline(), self.spec.group_size)
+            self._recipes[name] = lambda path: predicate(path, None)["bits"]
+        return self._recipes[name]
+
+
 class _Parts:
     """Accumulates (params, bytes) of a layer as always-read and partly-read parts."""
 
     def __init__(self) -> None:
-        self.params = self.active = self.bytes = self.read = 0
+        self.params = self.active = self.bytes = self.read = self.qparams = self.qbits = 0
 
     def add(self, params: int, nbytes: int, fraction: float = 1.0) -> None:
         self.params += params
         self.bytes += nbytes
         self.active += round(params * fraction)
         self.read += round(nbytes * fraction)
+
+    def matrix(self, q: _Quant, rows: int, cols: int, count: int = 1, fraction: float = 1.0) -> None:
+        """A weight matrix [rows, cols] (``count`` of them: stacked experts)."""
+        n = rows * cols * count
+        self.add(n, q.matrix(rows, cols, count), fraction)
+        if q.quantizes(cols):
+            self.qparams += n
+            self.qbits += n * q.bits
 
 
 def _dtype_bytes(cfg: dict) -> int:
@@ -150,65 +216,77 @@ def _is_moe(cfg: dict, i: int) -> bool:
             and i not in (cfg.get("mlp_only_layers") or []))
 
 
-def _attention(cfg: dict, q: _Quant, kv_bytes: int) -> Tuple[int, int, int]:
-    """(params, bytes, KV bytes per token) of one attention block and its two norms."""
+def _attention(cfg: dict, q: Callable[[str], _Quant], parts: _Parts) -> int:
+    """Adds one attention block and its two norms to ``parts``; returns its KV values per token.
+    ``q`` gives the quantization of a module of the block by its name."""
     h = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
-    parts = _Parts()
-    parts.add(2 * h, q.plain(2 * h))                      # input + post-attention RMSNorm
+    plain = q("input_layernorm").plain
+    parts.add(2 * h, plain(2 * h))                        # input + post-attention RMSNorm
     if cfg.get("kv_lora_rank"):                           # MLA (DeepSeek V2/V3)
         kvr, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
         nope, vd = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
         qr = cfg.get("q_lora_rank")
         if qr:
-            parts.add(h * qr, q.matrix(qr, h))
-            parts.add(qr, q.plain(qr))
-            parts.add(qr * heads * (nope + rope), q.matrix(heads * (nope + rope), qr))
+            parts.matrix(q("self_attn.q_a_proj"), qr, h)
+            parts.add(qr, plain(qr))
+            parts.matrix(q("self_attn.q_b_proj"), heads * (nope + rope), qr)
         else:
-            parts.add(h * heads * (nope + rope), q.matrix(heads * (nope + rope), h))
-        parts.add(h * (kvr + rope), q.matrix(kvr + rope, h))
-        parts.add(kvr, q.plain(kvr))
+            parts.matrix(q("self_attn.q_proj"), heads * (nope + rope), h)
+        parts.matrix(q("self_attn.kv_a_proj_with_mqa"), kvr + rope, h)
+        parts.add(kvr, plain(kvr))
         # kv_b_proj, which mlx-lm splits into embed_q (heads, kvr, nope) and unembed_out (heads, vd, kvr)
-        parts.add(heads * kvr * (nope + vd), q.matrix(heads * kvr, nope) + q.matrix(heads * vd, kvr))
-        parts.add(heads * vd * h, q.matrix(h, heads * vd))
-        return parts.params, parts.bytes, (kvr + rope) * kv_bytes
+        parts.matrix(q("self_attn.embed_q"), heads * kvr, nope)
+        parts.matrix(q("self_attn.unembed_out"), heads * vd, kvr)
+        parts.matrix(q("self_attn.o_proj"), h, heads * vd)
+        return kvr + rope
     kvh = int(cfg.get("num_key_value_heads") or heads)
     hd = int(cfg.get("head_dim") or h // heads)
-    parts.add(h * heads * hd, q.matrix(heads * hd, h))
-    parts.add(2 * h * kvh * hd, 2 * q.matrix(kvh * hd, h))
-    parts.add(heads * hd * h, q.matrix(h, heads * hd))
+    parts.matrix(q("self_attn.q_proj"), heads * hd, h)
+    parts.matrix(q("self_attn.k_proj"), kvh * hd, h)
+    parts.matrix(q("self_attn.v_proj"), kvh * hd, h)
+    parts.matrix(q("self_attn.o_proj"), h, heads * hd)
     mt = str(cfg.get("model_type", ""))
     if cfg.get("attention_bias") or mt.startswith("qwen2"):
-        parts.add((heads + 2 * kvh) * hd, q.plain((heads + 2 * kvh) * hd))
+        parts.add((heads + 2 * kvh) * hd, plain((heads + 2 * kvh) * hd))
     if mt.startswith("qwen3"):                            # per-head q/k RMSNorm
-        parts.add(2 * hd, q.plain(2 * hd))
-    return parts.params, parts.bytes, 2 * kvh * hd * kv_bytes
+        parts.add(2 * hd, plain(2 * hd))
+    return 2 * kvh * hd
 
 
-def _layer(cfg: dict, i: int, q: _Quant, kv_bytes: int) -> LayerCost:
+def _layer(cfg: dict, i: int, scheme: _Scheme, kv_bytes: int) -> LayerCost:
     h = int(cfg["hidden_size"])
     parts = _Parts()
-    p, b, kv = _attention(cfg, q, kv_bytes)
-    parts.add(p, b)
+    q = lambda name: scheme(f"model.layers.{i}.{name}")  # noqa: E731
+    kv = _attention(cfg, q, parts) * kv_bytes
     if not _is_moe(cfg, i):
         inter = int(cfg["intermediate_size"])
-        parts.add(3 * h * inter, 2 * q.matrix(inter, h) + q.matrix(h, inter))
-        return LayerCost("dense", parts.params, parts.active, parts.bytes, parts.read, kv)
+        parts.matrix(q("mlp.gate_proj"), inter, h)
+        parts.matrix(q("mlp.up_proj"), inter, h)
+        parts.matrix(q("mlp.down_proj"), h, inter)
+        return LayerCost("dense", parts.params, parts.active, parts.bytes, parts.read, kv, parts.qparams, parts.qbits)
     n = _num_experts(cfg)
     k = int(cfg["num_experts_per_tok"])
     inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    parts.add(3 * n * h * inter, 2 * q.matrix(inter, h, n) + q.matrix(h, inter, n), k / n)
-    parts.add(n * h, q.plain(n * h))                      # router: stays 16-bit
+    parts.matrix(q("mlp.switch_mlp.gate_proj"), inter, h, n, k / n)
+    parts.matrix(q("mlp.switch_mlp.up_proj"), inter, h, n, k / n)
+    parts.matrix(q("mlp.switch_mlp.down_proj"), h, inter, n, k / n)
+    parts.add(n * h, q("mlp.gate").plain(n * h))          # router: stays 16-bit
+    if cfg.get("topk_method") == "noaux_tc":              # DeepSeek-V3's e_score_correction_bias: float32
+        parts.add(n, 4 * n)
     shared = int(cfg.get("n_shared_experts") or 0) * inter or int(cfg.get("shared_expert_intermediate_size") or 0)
     if shared:
-        parts.add(3 * h * shared, 2 * q.matrix(shared, h) + q.matrix(h, shared))
+        parts.matrix(q("mlp.shared_experts.gate_proj"), shared, h)
+        parts.matrix(q("mlp.shared_experts.up_proj"), shared, h)
+        parts.matrix(q("mlp.shared_experts.down_proj"), h, shared)
         if cfg.get("shared_expert_intermediate_size"):    # Qwen2-MoE's shared-expert gate
-            parts.add(h, q.plain(h))
-    return LayerCost("moe", parts.params, parts.active, parts.bytes, parts.read, kv)
+            parts.add(h, q("mlp.shared_expert_gate").plain(h))
+    return LayerCost("moe", parts.params, parts.active, parts.bytes, parts.read, kv, parts.qparams, parts.qbits)
 
 
 def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] = None,
-               kv_dtype_bytes: Optional[int] = None, name: Optional[str] = None) -> ModelCost:
+               kv_dtype_bytes: Optional[int] = None, name: Optional[str] = None,
+               quant: Optional[QuantSpec] = None) -> ModelCost:
     """Cost of every layer, the embedding and the head, from a Hugging Face / mlx-lm config dict.
 
     Quantization (``bits`` b, affine group size g, default 64, as ``mlx_lm.convert``
@@ -225,8 +303,12 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
     ``kv_dtype_bytes`` says otherwise. Bytes read per decoded token: all of a
     dense layer; for a MoE layer the attention, norms, router, shared experts
     and ``num_experts_per_tok`` of the routed experts; one row of the embedding;
-    all of the head.
+    all of the head. ``quant`` (which wins over ``bits`` and ``group_size``)
+    gives each layer its own rung, and mixed recipes their bits module by module.
     """
+    if quant is not None:
+        bits, group_size = (int(quant.bits) if quant.layer_bits is None and quant.bits in BITS else None,
+                            quant.group_size)
     try:
         stored = cfg.get("quantization") or {}
         if bits is None:
@@ -239,16 +321,25 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
             raise ValueError(f"bits must be between 1 and 8 (or 16 for unquantized), not {bits}")
         if group_size <= 0:
             raise ValueError(f"group size must be positive, not {group_size}")
-        q = _Quant(bits, int(group_size), _dtype_bytes(cfg))
+        num_layers = int(cfg["num_hidden_layers"])
+        if quant is not None:
+            quant.check_layers(num_layers)
+        scheme = _Scheme(bits, int(group_size), _dtype_bytes(cfg), quant, num_layers)
         kv_bytes = kv_dtype_bytes or _dtype_bytes(cfg)
-        layers = tuple(_layer(cfg, i, q, kv_bytes) for i in range(int(cfg["num_hidden_layers"])))
+        layers = tuple(_layer(cfg, i, scheme, kv_bytes) for i in range(num_layers))
         h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     except KeyError as e:
         raise ValueError(f"config lacks {e.args[0]!r}: is it a decoder-only language model's "
                          "config.json?") from None
     tied = bool(cfg.get("tie_word_embeddings", False))
-    embed = q.matrix(vocab, h)
-    head = embed + q.plain(h)                             # output projection + final RMSNorm
+    ends = _Parts()
+    q = scheme("model.embed_tokens")
+    ends.matrix(q, vocab, h)
+    embed = ends.bytes
+    qh = q if tied else scheme("lm_head")                 # a tied head is the embedding
+    head = qh.matrix(vocab, h) + q.plain(h)               # output projection + final RMSNorm
+    if not tied:
+        ends.matrix(qh, vocab, h)
     return ModelCost(
         name=name or (cfg.get("architectures") or [""])[0] or cfg.get("model_type", "model"),
         model_type=str(cfg.get("model_type", "")),
@@ -256,6 +347,7 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         embed_params=vocab * h, embed_bytes=embed, embed_read_bytes=q.matrix(1, h),
         head_params=vocab * h + h, head_bytes=head, head_read_bytes=head,
         tied=tied, bits=bits, group_size=int(group_size), source="config",
+        quant=quant, ends_quant_params=ends.qparams, ends_quant_bits=ends.qbits,
     )
 
 
@@ -300,22 +392,25 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
     for i, l in enumerate(cost.layers):
         skipped = routed[i] * (1 - k / n) if l.kind == "moe" and n else 0
         layers.append(LayerCost(l.kind, l.params, l.active_params, layer_bytes[i],
-                                round(layer_bytes[i] - skipped), l.kv_bytes_per_token))
+                                round(layer_bytes[i] - skipped), l.kv_bytes_per_token, l.quant_params,
+                                l.quant_bits))
     tied = not has_head
     head_total = head + (embed if tied else 0)
     vocab = int(cfg["vocab_size"])
     return ModelCost(cost.name, cost.model_type, tuple(layers), cost.embed_params, embed,
                      -(-embed // vocab), cost.head_params, head_total, head_total, tied,
-                     cost.bits, cost.group_size, "safetensors")
+                     cost.bits, cost.group_size, "safetensors", cost.quant, cost.ends_quant_params,
+                     cost.ends_quant_bits)
 
 
 def load_model_cost(path: str | Path, bits: Optional[int] = None,
-                    group_size: Optional[int] = None) -> ModelCost:
+                    group_size: Optional[int] = None, quant: Optional[QuantSpec] = None) -> ModelCost:
     """Cost of the model at ``path``: a config.json file, or a folder holding one.
 
     When the folder also holds ``*.safetensors`` files and ``bits`` is unset or
     matches the folder's own quantization, weight bytes are the exact tensor
-    sizes from the headers (the tensors themselves are never read).
+    sizes from the headers (the tensors themselves are never read). ``quant``:
+    the cost once a full-precision model is quantized so (from the config).
     """
     p = Path(path)
     cfg_path = p / "config.json" if p.is_dir() else p
@@ -329,8 +424,8 @@ def load_model_cost(path: str | Path, bits: Optional[int] = None,
         raise ValueError(f"{cfg_path} is not a JSON object")
     cfg = text_config(cfg) if "num_hidden_layers" not in cfg else cfg
     name = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
-    cost = model_cost(cfg, bits, group_size, name=name)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    cost = model_cost(cfg, bits, group_size, name=name, quant=quant)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() and quant is None else []
     stored = cfg.get("quantization") or {}
     if files and (bits is None or (bits == stored.get("bits") and cost.group_size == stored.get("group_size"))):
         return _from_safetensors(cost, cfg, files)

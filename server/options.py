@@ -9,6 +9,7 @@ from typing import Container, List, Optional
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.cluster import ClusterConfig
+from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.units import parse_size
 
 
@@ -41,6 +42,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
+    p.add_argument("--bits", default=None,
+                   help="quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage "
+                        "loads its layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's "
+                        "mixed recipes (mixed_3_6, ...), or 'auto': per layer, the most bits that fit "
+                        "every node (docs/planning.md)")
+    p.add_argument("--group-size", type=int, default=ClusterConfig.group_size,
+                   help=f"weights per quantization scale and bias, with --bits (default {ClusterConfig.group_size})")
     add_security_arguments(p)
     p.add_argument("--weights-rate", default=None,
                    help="cap on weights streamed to each node that lacks the model, e.g. 100MB (per second)")
@@ -64,7 +72,16 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         pin=args.pin,
         prefix_cache_bytes=_prefix_cache_bytes(args.prefix_cache_bytes),
         block_tokens=args.prefix_block,
+        bits=_bits(args.bits),
+        group_size=args.group_size,
     )
+
+
+def _bits(text: Optional[str]) -> Optional[str]:
+    """--bits: 'auto', or a rung (checked here, so a typo fails before anything starts)."""
+    if text is None or text.strip() == "auto":
+        return text and "auto"
+    return QuantSpec.parse(text).bits
 
 
 def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:

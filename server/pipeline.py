@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, List, Optional, Sequence, Tuple
@@ -24,6 +25,10 @@ import grpc
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import SECRET_ENV, Security
+from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
+from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
+from mlxpipe.shards.store import mlxpipe_home
+from mlxpipe.shards.weights import Unit, model_units, units_for_range
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +177,60 @@ class WeightSource:
     num_layers: int
     rate: Optional[float] = None      # bytes per second at most, per node
     corrupt: frozenset = frozenset()  # (unit, chunk) to garble once: for tests of the checksum path
+    source_fingerprint: str = ""      # of the full-precision folder, when what is sent is quantized
 
     def __post_init__(self):
-        from mlxpipe.shards.weights import model_units
-
         self.units = model_units(self.folder)
         self.files = {n: (self.folder / n).read_bytes()
                       for n in ("config.json", "generation_config.json") if (self.folder / n).exists()}
+
+    def range_units(self, start: int, end: int) -> List[Unit]:
+        """The units a stage with layers ``[start, end)`` needs."""
+        return units_for_range(self.units, start, end, self.num_layers)
+
+
+class QuantizedSource(WeightSource):
+    """The head's full-precision model, quantized by ``spec`` for nodes that lack it.
+
+    Units are quantized when a node first needs them, one at a time
+    (``shards/quantize.py``: the head never holds the full-precision model), into
+    ``$MLXPIPE_HOME/quantized/<fingerprint>/``, a folder keyed by the source's
+    fingerprint and the spec; from there they travel like any folder's units.
+    One thread of its own does the MLX work (MLX arrays belong to the thread
+    that made them), one unit after another.
+    """
+
+    def __init__(self, source: Path, source_fingerprint: str, spec: QuantSpec, num_layers: int,
+                 rate: Optional[float] = None):
+        self.source, self.spec = source, spec
+        self._mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantize")
+        config = self._mlx.submit(self._prepare).result()  # a lazy graph: nothing read yet
+        fp = quantized_fingerprint(source_fingerprint, spec)
+        folder = mlxpipe_home() / "quantized" / fp
+        write_config(config, folder)
+        super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint)
+
+    def _prepare(self) -> dict:
+        self._model, config = prepare(self.source, self.spec)
+        return config
+
+    def range_units(self, start: int, end: int) -> List[Unit]:
+        return self._mlx.submit(self._range_units, start, end).result()
+
+    def _range_units(self, start: int, end: int) -> List[Unit]:
+        missing = [u for u in stage_units(self._model, start, end) if u not in self.units]
+        if missing:
+            logger.info("quantizing %s for layers [%d, %d): %s", self.source, start, end, ", ".join(missing))
+            try:
+                write_units(self._model, self.folder, missing)
+            except QuantizeError:  # written and released before, but its file is gone: start afresh
+                self._prepare()
+                write_units(self._model, self.folder, missing)
+            self.units = model_units(self.folder)
+        return units_for_range(self.units, start, end, self.num_layers)
+
+    def close(self) -> None:
+        self._mlx.shutdown(wait=False)
 
 
 class Pipeline:
@@ -200,13 +252,15 @@ class Pipeline:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._writer: Optional[asyncio.Task] = None
 
-    async def profile(self, indices: Sequence[int], batch: int) -> List[pb.ProfileReply]:
-        """Ask stages (by index) to time the model, for the planner."""
+    async def profile(self, indices: Sequence[int], batch: int,
+                      quant: Optional[QuantSpec] = None) -> List[pb.ProfileReply]:
+        """Ask stages (by index) to time the model (quantized by ``quant``), for the planner."""
+        request = pb.ProfileRequest(model=self.model, batch=batch,
+                                    quantization=quant.to_wire() if quant else None)
 
         async def one(i: int) -> pb.ProfileReply:
             try:
-                return await self.stubs[i].Profile(pb.ProfileRequest(model=self.model, batch=batch),
-                                                   timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                return await self.stubs[i].Profile(request, timeout=LOAD_TIMEOUT_S, metadata=self.md)
             except grpc.aio.AioRpcError as err:
                 raise PipelineError(f"stage {i} at {self.stages[i].address} could not profile the model: "
                                     f"{err.code().name}: {err.details()}") from err
@@ -225,14 +279,17 @@ class Pipeline:
         whose checksum failed). Returns the data bytes sent."""
         import hashlib
 
-        from mlxpipe.shards.weights import CHUNK_BYTES, chunk_size, units_for_range
+        from mlxpipe.shards.weights import CHUNK_BYTES, chunk_size
 
         st, stub = self.stages[i], self.stubs[i]
-        units = units_for_range(source.units, st.start, st.end, source.num_layers)
         offer = pb.WeightsOffer(model=self.model, fingerprint=source.fingerprint, start=st.start, end=st.end,
                                 chunk_bytes=CHUNK_BYTES, files=source.files,
-                                units=[pb.WeightUnit(name=u.name, header=u.header(), data_bytes=u.data_bytes)
-                                       for u in units])
+                                source_fingerprint=source.source_fingerprint)
+        if source.source_fingerprint:  # quantized units: first ask whether the node quantizes its own copy
+            if (await stub.Have(offer, timeout=LOAD_TIMEOUT_S, metadata=self.md)).local:
+                return 0
+        units = await asyncio.to_thread(source.range_units, st.start, st.end)
+        offer.units.extend(pb.WeightUnit(name=u.name, header=u.header(), data_bytes=u.data_bytes) for u in units)
         need = await stub.Have(offer, timeout=LOAD_TIMEOUT_S, metadata=self.md)
         if need.local:
             return 0
@@ -281,9 +338,12 @@ class Pipeline:
         logger.info("sent %.1f MB of weights to %s", sent / 1e6, st.address)
         return sent
 
-    async def load(self, progress: bool = False, weights: Optional[WeightSource] = None) -> List[pb.LoadReply]:
+    async def load(self, progress: bool = False, weights: Optional[WeightSource] = None,
+                   quant: Optional[QuantSpec] = None) -> List[pb.LoadReply]:
         """Every stage loads its range, all at once (a progress bar counts them in).
-        With ``weights``, a stage without the model first receives its range's."""
+        With ``weights``, a stage without the model first receives its range's.
+        With ``quant``, a stage holding the full-precision model quantizes its range
+        as it loads it (and ``weights`` should be a ``QuantizedSource`` of the same spec)."""
         bar = None
         if progress:
             from tqdm import tqdm
@@ -295,7 +355,8 @@ class Pipeline:
             nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
                                  max_batch=self.max_batch, max_chunk_tokens=self.max_chunk_tokens,
-                                 max_cache_bytes=self.max_cache_bytes, block_tokens=self.block_tokens)
+                                 max_cache_bytes=self.max_cache_bytes, block_tokens=self.block_tokens,
+                                 quantization=quant.to_wire() if quant else None)
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)

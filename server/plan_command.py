@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from mlxpipe.server.cost import ModelCost, load_model_cost
 from mlxpipe.server.options import table
-from mlxpipe.server.planner import NodeSpec, plan
+from mlxpipe.server.planner import BitsChoice, NodeSpec, Plan, plan, plan_bits
+from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.units import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
@@ -23,8 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", required=True,
                    help="memory budget per node for weights + KV cache, in pipeline order, "
                         "e.g. 144GB,144GB or 3x144GB or studio=384GB,mini=48GB")
-    p.add_argument("--bits", type=int, default=None,
-                   help="quantize to this many bits (default: the folder's own quantization, else 16-bit)")
+    p.add_argument("--bits", default=None,
+                   help="quantize to this many bits, or by one of mlx-lm's mixed recipes (mixed_3_6, ...), or "
+                        "'auto': per layer the most bits that fit the nodes (default: the folder's own "
+                        "quantization, else 16-bit)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
     p.add_argument("--context", type=int, default=8192, help="tokens of KV cache per stream (default 8192)")
     p.add_argument("--concurrency", type=int, default=1, help="streams whose KV cache must fit (default 1)")
@@ -53,13 +56,37 @@ def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
     return [NodeSpec(n, m, bandwidth_bytes_per_s=b) for n, m, b in zip(names, sizes, bws)], assumed
 
 
+def _cost_and_plan(args, nodes: List[NodeSpec]) -> Tuple[ModelCost, Plan, Optional[BitsChoice]]:
+    """The model's cost at the bits asked for, and its plan (``--bits auto``: the choice of bits too)."""
+    kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000)
+    bits = None if args.bits is None else args.bits.strip()
+    if bits == "auto":
+        choice = plan_bits(lambda spec: load_model_cost(args.model, quant=spec), nodes,
+                           group_size=args.group_size or DEFAULT_GROUP_SIZE, **kw)
+        return choice.cost, choice.plan, choice
+    if bits is not None and not bits.isdigit():  # a mixed recipe
+        cost = load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size))
+    else:
+        cost = load_model_cost(args.model, None if bits is None else int(bits), args.group_size)
+    return cost, plan(cost, nodes, **kw), None
+
+
+def _quant_name(cost: ModelCost) -> str:
+    if cost.quant is not None:
+        return cost.quant.describe()
+    return f"{cost.bits}-bit, group {cost.group_size}" if cost.bits else "16-bit"
+
+
 def _summary(cost: ModelCost, args) -> dict:
     kinds = [l.kind for l in cost.layers]
     kv_token = sum(l.kv_bytes_per_token for l in cost.layers)
     return {
         "model": cost.name, "model_type": cost.model_type, "num_layers": cost.num_layers,
         "dense_layers": kinds.count("dense"), "moe_layers": kinds.count("moe"),
-        "bits": cost.bits, "group_size": cost.group_size if cost.bits else None, "sizes_from": cost.source,
+        "bits": cost.bits, "group_size": cost.group_size if cost.bits or cost.quant else None,
+        "quantization": _quant_name(cost), "mean_bits": cost.mean_bits,
+        "layer_bits": [cost.quant.layer(i) for i in range(cost.num_layers)] if cost.quant else None,
+        "sizes_from": cost.source,
         "params": cost.total_params, "active_params": cost.active_params,
         "weight_bytes": cost.weight_bytes, "read_bytes_per_token": cost.read_bytes,
         "kv_bytes_per_token": kv_token, "context": args.context, "concurrency": args.concurrency,
@@ -70,10 +97,8 @@ def run(args) -> int:
     """``mlxpipe plan``: print the best split (a table, or JSON with --json); 2 when nothing fits."""
     try:
         nodes, assumed = _nodes_from_args(args)
-        cost = load_model_cost(args.model, args.bits, args.group_size)
+        cost, result, choice = _cost_and_plan(args, nodes)
         summary = _summary(cost, args)
-        result = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
-                      hop_seconds=args.hop_ms / 1000)
     except ValueError as e:
         if args.json:
             print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
@@ -82,11 +107,17 @@ def run(args) -> int:
         return 2
     note = (f"bandwidth: {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s assumed for every node (no --bandwidth given)"
             if assumed else None)
+    stage_bits = [cost.stage_mean_bits(s.start, s.end) for s in result.stages]
     if args.json:
-        print(json.dumps({"feasible": True, **summary, "bandwidth_assumed": assumed,
-                          "nodes": [asdict(n) for n in nodes], **result.to_dict()}, indent=2))
+        out = {"feasible": True, **summary, "bandwidth_assumed": assumed,
+               "nodes": [asdict(n) for n in nodes], **result.to_dict()}
+        for st, b in zip(out["stages"], stage_bits):
+            st["mean_bits"] = b
+        if choice is not None:
+            out["trade"] = choice.trade()
+        print(json.dumps(out, indent=2))
         return 0
-    quant = f"{cost.bits}-bit, group {cost.group_size}" if cost.bits else "16-bit"
+    quant = _quant_name(cost) if choice is None else f"--bits auto: {_quant_name(cost)}"
     print(f"{cost.name}: {cost.num_layers} layers ({summary['dense_layers']} dense, {summary['moe_layers']} MoE), "
           f"{quant}, {cost.total_params / 1e9:.1f}B parameters ({cost.active_params / 1e9:.1f}B per token)")
     print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token; "
@@ -95,15 +126,28 @@ def run(args) -> int:
     if note:
         print(note)
     print()
-    rows = [["stage", "node", "layers", "#layers", "weights GB", "KV GB", "ms/token"]]
-    for i, s in enumerate(result.stages):
-        rows.append([str(i), s.node, f"[{s.start}, {s.end})", str(s.num_layers), f"{s.weight_bytes / 1e9:.1f}",
-                     f"{s.kv_bytes / 1e9:.2f}", f"{s.seconds * 1e3:.2f}"])
-    print(table(rows, right=range(3, 7)))
+    rows = [["stage", "node", "layers", "#layers", "bits", "weights GB", "KV GB", "ms/token"]]
+    for i, (s, b) in enumerate(zip(result.stages, stage_bits)):
+        rows.append([str(i), s.node, f"[{s.start}, {s.end})", str(s.num_layers), _bits_cell(cost, s, b),
+                     f"{s.weight_bytes / 1e9:.1f}", f"{s.kv_bytes / 1e9:.2f}", f"{s.seconds * 1e3:.2f}"])
+    print(table(rows, right=range(3, 8)))
     if result.unused:
         print(f"left out: {', '.join(result.unused)}")
     print()
     print(f"predicted decode: {result.tokens_per_s_one_stream:.1f} tokens/s for one stream, "
           f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
           f"(one per stage); bandwidth-bound estimate, an upper bound")
+    if choice is not None:
+        print(f"quality: {choice.trade()}")
     return 0
+
+
+def _bits_cell(cost: ModelCost, stage, mean: Optional[float]) -> str:
+    """A stage's bits: one rung, or its layers counted by rung, and the mean."""
+    if cost.quant is None or mean is None:
+        return str(cost.bits or 16)
+    rungs = [cost.quant.layer(i) for i in range(stage.start, stage.end)]
+    if len(set(rungs)) == 1:
+        return rungs[0]
+    counts = " + ".join(f"{rungs.count(r)}x{r}" for r in sorted(set(rungs), key=rungs.index))
+    return f"{counts} = {mean:.2f}"

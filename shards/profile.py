@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.slicing import layer_owner, load_stage
 from mlxpipe.shards.store import mlxpipe_home, text_config
 
@@ -69,8 +70,9 @@ def block_kind(block: nn.Module) -> str:
     return f"{type(block).__name__}({','.join(parts)})"
 
 
-def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, repeats: int) -> float:
-    stage, _ = load_stage(path, start, end)
+def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, repeats: int,
+                quant: Optional[QuantSpec]) -> float:
+    stage, _ = load_stage(path, start, end, quant=quant)
     tokens = mx.zeros((batch, 1), dtype=mx.int32)
     hidden = None if stage.first else mx.zeros((batch, 1, hidden_size), dtype=mx.float32)
 
@@ -88,8 +90,10 @@ def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, 
     return statistics.median(once() for _ in range(repeats))
 
 
-def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> Dict:
-    """Seconds per decode step of ``batch`` rows: per layer, embedding, head."""
+def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
+            quant: Optional[QuantSpec] = None) -> Dict:
+    """Seconds per decode step of ``batch`` rows: per layer, embedding, head. With
+    ``quant``, of the blocks quantized so (``fingerprint`` should say so too)."""
     cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
     if cache_file.exists():
         cached = json.loads(cache_file.read_text())
@@ -110,7 +114,7 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3) -> D
     def layer_time(i: int) -> float:
         # A kind found only at layer 0 or n - 1 (or a one-layer model) would load and time it twice.
         if i not in timed:
-            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats)
+            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats, quant)
         return timed[i]
 
     seconds_of_kind = {}

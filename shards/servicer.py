@@ -31,6 +31,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, malformed, refuse_malformed
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
+from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.store import (BrokenModel, ModelNotFound, ModelPathRefused, fingerprint, resolve_model,
@@ -111,7 +112,9 @@ class StageServicer(pb_grpc.StageServicer):
             path = self._resolve(request.model)
         except ModelNotFound:
             return reply  # no model here (yet): memory and bandwidth are all we can offer
-        result = profile(path, fingerprint(path), batch=request.batch or 8)
+        quant = QuantSpec.from_wire(request.quantization)
+        result = profile(path, quantized_fingerprint(fingerprint(path), quant), batch=request.batch or 8,
+                         quant=quant)
         reply.layer_seconds.extend(result["layer_seconds"])
         reply.embed_seconds, reply.head_seconds = result["embed_seconds"], result["head_seconds"]
         reply.cached = result["cached"]
@@ -137,11 +140,16 @@ class StageServicer(pb_grpc.StageServicer):
 
     def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
         path, partial = self.weights.model_path(request)
+        # Weights received from the head come quantized already; a full-precision
+        # folder of our own is quantized here, one module at a time.
+        quant = None if partial else QuantSpec.from_wire(request.quantization)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
         before = mx.get_active_memory()
-        stage, config = load_stage(path, request.start, request.end, strict=not partial)
+        mx.reset_peak_memory()
+        stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
         read_weights(stage, progress=self.progress)
+        peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = text_config(config)
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
@@ -169,10 +177,11 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=request.fingerprint if partial else fingerprint(path),
+            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
             kv_bytes_per_token=kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
+            peak_bytes=peak_bytes,
         )
         return _Loaded(shard, reply, request)
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
+
+if TYPE_CHECKING:
+    from mlxpipe.shards.quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -156,22 +159,31 @@ class SlicedModel:
             self._inbox.hidden = None
 
 
-def load_stage(path: Path, start: int, end: int, strict: bool = True) -> tuple[SlicedModel, dict]:
+def load_stage(path: Path, start: int, end: int, strict: bool = True,
+               quant: Optional["QuantSpec"] = None) -> tuple[SlicedModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
     ``warm_up`` to read them now. ``strict=False`` for a folder holding only
-    this range's tensors (received from the head).
+    this range's tensors (received from the head). With ``quant`` the folder
+    holds a full-precision model and the range is read and quantized now, one
+    module at a time (``quantize.py``); the config returned is the quantized one.
     """
     import json
 
     from mlx_lm.utils import load_model
 
+    from mlxpipe.shards.quantize import QuantizeError, quantize_range
     from mlxpipe.shards.store import BrokenModel
 
     path = Path(path)
     try:
-        model, config = load_model(path, lazy=True, strict=strict)
+        if quant is not None:
+            model, config = quantize_range(path, start, end, quant)
+        else:
+            model, config = load_model(path, lazy=True, strict=strict)
+    except QuantizeError:
+        raise
     except json.JSONDecodeError as err:
         raise BrokenModel(f"{path / 'config.json'} is not valid JSON: {err}") from err
     except KeyError as err:

@@ -40,8 +40,8 @@ class WeightService:
     def _have_sync(self, offer: pb.WeightsOffer) -> pb.WeightsNeed:
         try:
             path = self.resolve(offer.model)
-            if fingerprint(path) == offer.fingerprint:
-                return pb.WeightsNeed(local=True)
+            if fingerprint(path) in (offer.fingerprint, offer.source_fingerprint):
+                return pb.WeightsNeed(local=True)  # (quantized units: we quantize our own copy on Load)
         except ModelNotFound:
             pass
         receiver = Receiver(mlxpipe_home(), offer.fingerprint, offer.chunk_bytes or CHUNK_BYTES)

@@ -130,6 +130,28 @@ class Unit:
         return bytes(out)
 
 
+def unit_of(name: str) -> str:
+    """The unit a tensor (or module) of this name belongs to."""
+    m = LAYER_RE.search(name)
+    return f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
+
+
+def unit_file(unit: str) -> str:
+    """The file a unit lives in, on a node that received it (and in the head's quantized cache)."""
+    return f"model-{unit}.safetensors"
+
+
+def range_unit_names(start: int, end: int, num_layers: int, tied: bool) -> List[str]:
+    """The units a stage holding layers ``[start, end)`` needs: its layers, ``embed``
+    if it is first (or last with a head ``tied`` to the embedding), ``head`` if last."""
+    names = [f"layer-{i:05d}" for i in range(start, end)]
+    if start == 0 or (end == num_layers and tied):
+        names.append("embed")
+    if end == num_layers:
+        names.append("head")
+    return names
+
+
 def model_units(folder: Path) -> Dict[str, Unit]:
     """Every unit of the mlx-lm model folder ``folder``, from its safetensors headers."""
     units: Dict[str, Unit] = {}
@@ -138,8 +160,7 @@ def model_units(folder: Path) -> Dict[str, Unit]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            m = LAYER_RE.search(name)
-            unit = f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
+            unit = unit_of(name)
             begin, end = info["data_offsets"]
             units.setdefault(unit, Unit(unit)).tensors.append(
                 Source(name, info["dtype"], list(info["shape"]), path, data_start + begin, end - begin))
@@ -150,12 +171,8 @@ def model_units(folder: Path) -> Dict[str, Unit]:
 
 def units_for_range(units: Dict[str, Unit], start: int, end: int, num_layers: int) -> List[Unit]:
     """The units a stage holding layers ``[start, end)`` needs."""
-    names = [f"layer-{i:05d}" for i in range(start, end)]
     tied = not any("lm_head" in t.name for t in units.get("head", Unit("head")).tensors)
-    if start == 0 or (end == num_layers and tied):
-        names.append("embed")
-    if end == num_layers:
-        names.append("head")
+    names = range_unit_names(start, end, num_layers, tied)
     missing = [n for n in names if n.startswith("layer") and n not in units]
     if missing:
         raise WeightsError(f"the model folder has no tensors for {missing[:3]}")
@@ -181,7 +198,7 @@ class Receiver:
     def _paths(self, unit: str) -> Tuple[Path, Path, Path]:
         if not _UNIT.match(unit):
             raise WeightsError(f"unit name {unit!r} is not one of embed, head, layer-NNNNN")
-        return (self.dir / f"model-{unit}.safetensors", self.dir / f"{unit}.partial", self.dir / f"{unit}.chunks")
+        return (self.dir / unit_file(unit), self.dir / f"{unit}.partial", self.dir / f"{unit}.chunks")
 
     def write_files(self, files: Dict[str, bytes]) -> None:
         """Small files that come whole (config.json)."""

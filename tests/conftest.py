@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -34,6 +36,48 @@ def dsv3_model(tmp_path_factory, default_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sources(tmp_path_factory, default_model):
+    """sources(name) -> a full-precision model folder, built once per session: "dsv3" (bf16
+    DeepSeek-V3), "dsv3-fp8" (FP8 + weight_scale_inv, as published), "llama" (bf16)."""
+    from tiny_models import build_deepseek_v3_source, build_llama_source
+
+    builders = {"dsv3": lambda out: build_deepseek_v3_source(out, default_model),
+                "dsv3-fp8": lambda out: build_deepseek_v3_source(out, default_model, fp8=True),
+                "llama": lambda out: build_llama_source(out, default_model)}
+    root = tmp_path_factory.mktemp("sources")
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = builders[name](root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, sources):
+    """converted(name, bits=4, group_size=64, recipe=None) -> what `mlx_lm.convert -q` writes
+    for sources(name) (bits=None: convert without quantizing); once per session."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("converted")
+    done = {}
+
+    def get(name: str, bits=4, group_size=64, recipe=None) -> Path:
+        key = (name, bits, group_size, recipe)
+        if key not in done:
+            out = root / "-".join(map(str, key))
+            with contextlib.redirect_stdout(io.StringIO()):
+                convert(str(sources(name)), str(out), quantize=bits is not None, q_bits=bits,
+                        q_group_size=group_size if bits else None, quant_predicate=recipe)
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def reference():
     """reference(path, prompt_ids, n) -> greedy tokens of single-process mlx-lm,
     up to and including the first end-of-sequence token."""
@@ -59,6 +103,20 @@ def reference():
         return cache[key]
 
     return run
+
+
+def node_process(home: Path, *args, secret=None):
+    """A `mlxpipe node` process on a free loopback port with its own $MLXPIPE_HOME:
+    (process, address or None if it did not start)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, MLXPIPE_HOME=str(home), MLXPIPE_SECRET=secret or SECRET)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", "127.0.0.1:0",
+                             "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    line = proc.stdout.readline()
+    return proc, (line.split()[-1] if "listening on" in line else None)
 
 
 def run_async(coro, timeout: float = 300):

@@ -14,6 +14,7 @@ from planner_oracle import brute_force
 from mlxpipe.server import plan_command
 from mlxpipe.server import planner as P
 from mlxpipe.server.cost import LayerCost, ModelCost, load_model_cost
+from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.units import expand_list, parse_bandwidth, parse_size
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -229,3 +230,78 @@ def test_cli_table_and_infeasible(capsys):
     assert rc == 2 and "short" in json.loads(capsys.readouterr().out)["error"]
     assert plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "2x144GB",
                        "--bandwidth", "800GB/s,800GB/s,800GB/s")) == 2
+
+
+# -- `--bits auto`: the most bits that fit -------------------------------------------------
+
+DSV3 = CONFIGS / "deepseek_v3.json"
+
+
+def _dsv3_cost(spec):
+    return load_model_cost(DSV3, quant=spec)
+
+
+def test_auto_bits_fit_deepseek_v3_on_two_178GB_above_3_bits():
+    """The Done-when: DeepSeek-V3 on two M2 Ultras at a raised wired limit (178 GB each):
+    4-bit does not fit, and --bits auto finds a fitting mix above 3 bits on average."""
+    nodes = [P.NodeSpec(f"m{i}", 178 * GB, bandwidth_bytes_per_s=800 * GB) for i in range(2)]
+    with pytest.raises(P.PlanInfeasible, match="short"):
+        P.plan(_dsv3_cost(QuantSpec("4")), nodes, context=8192)
+    choice = P.plan_bits(_dsv3_cost, nodes, context=8192)
+    check_plan(choice.plan, choice.cost, nodes, 8192)
+    assert choice.cost.mean_bits > 3.5 and choice.higher == "4" and choice.raised > 0
+    assert choice.cost.weight_bytes < 356 * GB < _dsv3_cost(QuantSpec("4")).weight_bytes
+    # The most that fits: the next layer in the raising order at `higher` does not.
+    L = choice.cost.num_layers
+    more = set(P.raise_order(L)[:choice.raised + 1])
+    spec = QuantSpec("4", 64, tuple("4" if i in more else choice.lower for i in range(L)))
+    with pytest.raises(P.PlanInfeasible):
+        P.plan(_dsv3_cost(spec), nodes, context=8192)
+    # Every layer's bytes and the stage sums are those of its own rung.
+    for i, l in enumerate(choice.cost.layers):
+        assert l.weight_bytes == _dsv3_cost(QuantSpec(choice.spec.layer(i))).layers[i].weight_bytes
+    assert "22.2 GB short" in choice.trade() and "4-bit" in choice.trade()
+
+
+def test_auto_bits_ends_of_the_ladder():
+    roomy = [P.NodeSpec("big", 2000 * GB, bandwidth_bytes_per_s=800 * GB)]
+    choice = P.plan_bits(_dsv3_cost, roomy)
+    assert choice.spec == QuantSpec("8") and choice.higher is None and "nothing given up" in choice.trade()
+    with pytest.raises(P.PlanInfeasible, match="not even 3-bit fits"):
+        P.plan_bits(_dsv3_cost, [P.NodeSpec("small", 100 * GB, bandwidth_bytes_per_s=800 * GB)])
+    assert P.raise_order(5) == [0, 4, 1, 3, 2] and P.raise_order(4) == [0, 3, 1, 2]
+
+
+def test_recipe_rungs_cost_what_mlx_lm_gives_each_module():
+    """mixed_3_6: 6 bits for down projections of mlx-lm's "more bits" layers (first and last
+    eighth, every third between) and the output head, 3 bits elsewhere."""
+    cost = _dsv3_cost(QuantSpec("mixed_3_6"))
+    three, four = _dsv3_cost(QuantSpec("3")), _dsv3_cost(QuantSpec("4"))
+    assert three.weight_bytes < cost.weight_bytes < four.weight_bytes
+    more = [i for i in range(61) if i < 7 or i >= 53 or (i - 7) % 3 == 2]
+    for i, l in enumerate(cost.layers):
+        assert (l.weight_bytes > three.layers[i].weight_bytes) == (i in more)
+    assert cost.head_bytes > three.head_bytes and cost.embed_bytes == three.embed_bytes
+
+
+def test_measured_times_scale_with_the_bytes_read():
+    four, three = _dsv3_cost(QuantSpec("4")), _dsv3_cost(QuantSpec("3"))
+    node = P.NodeSpec("m", 178 * GB, layer_seconds={"dense": 0.002, "moe": 0.004}, head_seconds=0.01,
+                      profiled=four)
+    layers4, _, head4 = node.times(four)
+    layers3, _, head3 = node.times(three)
+    assert layers4[10] == pytest.approx(0.004)
+    assert layers3[10] == pytest.approx(0.004 * three.layers[10].read_bytes / four.layers[10].read_bytes)
+    assert head3 < head4 == pytest.approx(0.01)
+
+
+def test_cli_auto_shows_bits_per_stage_and_the_trade(capsys):
+    assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto",
+                                  "--bandwidth", "800GB/s")) == 0
+    out = capsys.readouterr().out
+    assert "--bits auto:" in out and "quality: 4-bit everywhere" in out
+    assert "bits" in out.splitlines()[3].split() and "x4 + " in out
+    assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mean_bits"] > 3 and len(out["layer_bits"]) == 61 and all(s["mean_bits"] > 3 for s in out["stages"])
+    assert sum(s["weight_bytes"] for s in out["stages"]) == out["weight_bytes"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import SECRET, run_async
+from conftest import SECRET, node_process, run_async
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster import Cluster, ClusterConfig
@@ -74,12 +73,7 @@ def test_receiver_verifies_resumes_and_refuses_strange_names(dsv3_model, tmp_pat
 
 
 def _node(home, *args, secret=SECRET):
-    env = dict(os.environ, MLXPIPE_HOME=str(home), MLXPIPE_SECRET=secret)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", "127.0.0.1:0",
-                             "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    line = proc.stdout.readline()
-    return proc, (line.split()[-1] if "listening on" in line else None)
+    return node_process(home, *args, secret=secret)
 
 
 def _range_bytes(model, start, end):

@@ -48,13 +48,12 @@ DSV3_CONFIG = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int = 4) -> Path:
-    """A tiny DeepSeek-V3 folder at ``out`` with the tokenizer of ``tokenizer_from``."""
+def _random_deepseek_v3(config: dict, seed: int):
+    """mlx-lm's DeepSeek-V3 of ``config`` with random weights: (model, its ModelArgs)."""
     from mlx_lm.models import deepseek_v3
-    from mlx_lm.utils import save_model
 
     mx.random.seed(seed)
-    args = deepseek_v3.ModelArgs.from_dict(DSV3_CONFIG)
+    args = deepseek_v3.ModelArgs.from_dict(config)
     model = deepseek_v3.Model(args)
     # Random router weights and biases, so experts are actually chosen apart.
     for layer in model.model.layers:
@@ -63,6 +62,14 @@ def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int 
             layer.mlp.gate.e_score_correction_bias = mx.random.normal((args.n_routed_experts,)) * 0.1
     # Larger embeddings than the default init, so tokens differ clearly.
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
+    return model, args
+
+
+def build_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, bits: int = 4) -> Path:
+    """A tiny DeepSeek-V3 folder at ``out`` with the tokenizer of ``tokenizer_from``."""
+    from mlx_lm.utils import save_model
+
+    model, _ = _random_deepseek_v3(DSV3_CONFIG, seed)
     nn.quantize(model, group_size=32, bits=bits,
                 class_predicate=lambda p, m: hasattr(m, "to_quantized") and "gate" != p.rsplit(".", 1)[-1])
     mx.eval(model.parameters())
@@ -85,3 +92,118 @@ def tensor_bytes(path: Path, predicate) -> int:
             if predicate(name):
                 total += arr.nbytes
     return total
+
+
+# -- full-precision sources, in the layout Hugging Face ships them (what `--bits` quantizes) --
+
+# The DeepSeek-V3 above, widened so that every projection's input is a multiple of 64:
+# at mlx-lm's default group size every linear layer quantizes (a 32-wide one would stay
+# bf16, and MLX's CPU gather_mm runs unquantized experts in float32 only).
+DSV3_BF16_CONFIG = dict(DSV3_CONFIG, moe_intermediate_size=64, kv_lora_rank=64, qk_nope_head_dim=64,
+                        architectures=["DeepseekV3ForCausalLM"], torch_dtype="bfloat16")
+# Wider still, so that FP8's 128 x 128 blocks are several per matrix and some padded.
+DSV3_FP8_CONFIG = dict(DSV3_BF16_CONFIG, hidden_size=256, intermediate_size=320, moe_intermediate_size=192,
+                       kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                       v_head_dim=64, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                           "quant_method": "fp8", "weight_block_size": [128, 128]})
+LLAMA_BF16_CONFIG = {  # SmolLM2's shape, shrunk; tied embeddings
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+def _jitter_norms(model: nn.Module) -> None:
+    for _, m in model.named_modules():
+        if isinstance(m, nn.RMSNorm):
+            m.weight = 1.0 + 0.1 * mx.random.normal(m.weight.shape)
+
+
+def _fp8_blocks(w: mx.array, block: int = 128):
+    """DeepSeek-V3's FP8 form of ``w``: e4m3 bytes (uint8) and float32 ``weight_scale_inv``
+    per 128 x 128 block, so that ``w ~= fp8 * scale_inv``."""
+    w = w.astype(mx.float32)
+    m, n = w.shape
+    pm, pn = (-m) % block, (-n) % block
+    blocks = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
+    scale = mx.maximum(mx.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(m + pm, n + pn)[:m, :n]
+    return mx.to_fp8(q), scale.astype(mx.float32)
+
+
+def _save_labelled(path: Path, tensors: dict, fp8_names) -> None:
+    """``mx.save_safetensors``, with the uint8 tensors in ``fp8_names`` labelled F8_E4M3 as in
+    the real checkpoint (``mx.load`` reads them back as uint8)."""
+    import struct
+
+    mx.save_safetensors(str(path), tensors, metadata={"format": "pt"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    for k in fp8_names:
+        header[k]["dtype"] = "F8_E4M3"
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+
+
+def _finish(out: Path, config: dict, tokenizer_from: Path) -> Path:
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+def build_deepseek_v3_source(out: Path, tokenizer_from: Path, fp8: bool = False, seed: int = 0) -> Path:
+    """A tiny full-precision DeepSeek-V3 in the Hugging Face layout (per-expert weights,
+    ``kv_b_proj``, float32 ``e_score_correction_bias``): what mlx-lm's ``sanitize`` undoes.
+    bf16, or with every projection in the layers FP8 + ``weight_scale_inv`` like the
+    published checkpoint."""
+    from mlx.utils import tree_flatten
+
+    config = dict(DSV3_FP8_CONFIG if fp8 else DSV3_BF16_CONFIG)
+    model, args = _random_deepseek_v3(config, seed)
+    _jitter_norms(model)
+    hf = {}
+    heads, nope, vdim, rank = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
+    for k, v in tree_flatten(model.parameters()):
+        if ".self_attn.embed_q." in k or ".self_attn.unembed_out." in k:
+            continue
+        if ".mlp.switch_mlp." in k:  # [experts, out, in] -> experts.<e>.<proj>.weight
+            for e in range(v.shape[0]):
+                hf[k.replace(".switch_mlp.", f".experts.{e}.")] = v[e]
+            continue
+        hf[k] = v
+    for i in range(args.num_hidden_layers):
+        hf[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = mx.random.uniform(
+            -(rank ** -0.5), rank ** -0.5, (heads * (nope + vdim), rank))
+    hf = {k: (v if "e_score_correction_bias" in k else v.astype(mx.bfloat16)) for k, v in hf.items()}
+    fp8_names = []
+    if fp8:  # the projections in the layers; router, norms, embedding and head stay bf16
+        for k in list(hf):
+            if ".layers." in k and (k.endswith("proj.weight") or k.endswith("kv_a_proj_with_mqa.weight")):
+                hf[k], hf[k.replace(".weight", ".weight_scale_inv")] = _fp8_blocks(hf[k])
+                fp8_names.append(k)
+    else:
+        config.pop("quantization_config", None)
+    mx.eval(hf)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_labelled(out / "model.safetensors", hf, fp8_names)
+    return _finish(out, config, tokenizer_from)
+
+
+def build_llama_source(out: Path, tokenizer_from: Path, seed: int = 0, dtype=mx.bfloat16, **overrides) -> Path:
+    """A tiny full-precision SmolLM2-shaped llama (tied embeddings), any dtype on disk."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    config = dict(LLAMA_BF16_CONFIG, **overrides)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
+    _jitter_norms(model)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    return _finish(out, config, tokenizer_from)

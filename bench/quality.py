@@ -1,0 +1,150 @@
+"""``mlxpipe bench quality``: what quantizing costs, as perplexity on a fixed text.
+
+The model (default: the embedded SmolLM2-135M-Instruct, dequantized once into a
+bf16 folder that serves as the full-precision source) is quantized the way a
+stage does it (``shards/quantize.py``) at each setting asked for, and scored
+on ``quality.txt`` (public-domain and plain prose, in the repository) with the
+model's own tokenizer: perplexity is exp of the mean negative log-likelihood
+of each token given the ones before it, in one forward pass (activations in
+float32, see ``widen``). ``auto`` is the
+mix ``--bits auto`` chooses when the memory holds three quarters of the way
+from the 3-bit to the 4-bit model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from mlxpipe.server.cost import load_model_cost
+from mlxpipe.server.options import table
+from mlxpipe.server.planner import NodeSpec, plan_bits
+from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.quantize import quantize_range
+from mlxpipe.shards.store import DEFAULT_MODEL, models_dir, pull_default, resolve_model
+
+logger = logging.getLogger(__name__)
+
+TEXT = Path(__file__).with_name("quality.txt")
+FULL_PRECISION_NAME = "SmolLM2-135M-Instruct-bf16"
+DEFAULT_SETTINGS = "bf16,8,6,4,mixed_3_6,3,auto"
+
+
+def full_precision_default() -> Path:
+    """The embedded model dequantized to bf16 (once): a real full-precision model to quantize.
+
+    Its weights are exactly the Q4_1 GGUF's values (8-bit for the embedding),
+    rounded to bf16; mlx-lm's ``dequantize_model`` and ``save`` do the work."""
+    out = models_dir() / FULL_PRECISION_NAME
+    if (out / "config.json").exists():
+        return out
+    from mlx_lm.utils import dequantize_model, load, save
+
+    src = pull_default(progress=False)
+    model, tokenizer, config = load(str(src), return_config=True, lazy=True)
+    model = dequantize_model(model)
+    model.update(tree_map(lambda v: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    config["torch_dtype"] = "bfloat16"
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    save(tmp, src, model, tokenizer, config)
+    tmp.rename(out)
+    return out
+
+
+def widen(model: nn.Module) -> None:
+    """Floating parameters (norms, scales and biases, unquantized weights) to float32, which
+    is exact: the quantized weights stay what they are, and the activations run in float32
+    (MLX's CPU quantized matmul is about ten times slower in bf16)."""
+    model.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+
+
+def perplexity(model: nn.Module, tokens: List[int]) -> float:
+    """exp of the mean negative log-likelihood of tokens[1:] given what precedes each."""
+    x = mx.array(tokens)[None]
+    logits = model(x[:, :-1]).astype(mx.float32)
+    nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+    return math.exp(nll.item())
+
+
+def auto_spec(path: Path, group_size: int, context: int = 256) -> QuantSpec:
+    """What ``--bits auto`` picks for a node that holds three quarters of the way from
+    the 3-bit to the 4-bit model (plus the KV cache of ``context`` tokens)."""
+    cost_of = lambda spec: load_model_cost(path, quant=spec)  # noqa: E731
+    three, four = (cost_of(QuantSpec(b, group_size)) for b in ("3", "4"))
+    kv = sum(l.kv_bytes_per_token for l in four.layers) * context
+    node = NodeSpec("node", (three.weight_bytes + 3 * four.weight_bytes) // 4 + kv, bandwidth_bytes_per_s=100e9)
+    return plan_bits(cost_of, [node], group_size=group_size, context=context).spec
+
+
+def measure(path: Path, settings: List[str], tokens: List[int], group_size: int) -> List[Dict]:
+    """One row per setting: its name, spec, mean bits, weight bytes, perplexity, seconds."""
+    from mlx_lm.utils import load_model
+
+    rows = []
+    for setting in settings:
+        t0 = time.perf_counter()
+        if setting in ("bf16", "full"):
+            spec, (model, _) = None, load_model(path)
+        else:
+            spec = auto_spec(path, group_size) if setting == "auto" else QuantSpec.parse(setting, group_size)
+            model, _ = quantize_range(path, 0, load_model_cost(path).num_layers, spec)
+        weight_bytes = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+        widen(model)
+        ppl = perplexity(model, tokens)
+        mean = load_model_cost(path, quant=spec).mean_bits if spec else 16.0
+        rows.append({"setting": setting, "quantization": spec.describe() if spec else "as stored",
+                     "mean_bits": mean, "weight_bytes": weight_bytes, "perplexity": ppl,
+                     "seconds": time.perf_counter() - t0})
+        del model
+        mx.clear_cache()
+    return rows
+
+
+async def bench_quality(args) -> dict:
+    path = full_precision_default() if args.model == DEFAULT_MODEL else resolve_model(args.model)
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    text = Path(args.text).read_text() if args.text else TEXT.read_text()
+    tokens = tokenizer.encode(text)[: args.max_tokens]
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    rows = measure(Path(path), settings, tokens, args.group_size)
+    base = next((r["perplexity"] for r in rows if r["setting"] in ("bf16", "full")), None)
+    out = [["setting", "quantization", "bits", "weights MB", "perplexity", "vs bf16"]]
+    for r in rows:
+        delta = f"{100 * (r['perplexity'] / base - 1):+.1f}%" if base else ""
+        out.append([r["setting"], r["quantization"], f"{r['mean_bits']:.2f}", f"{r['weight_bytes'] / 1e6:.1f}",
+                    f"{r['perplexity']:.3f}", delta])
+    print(f"perplexity of {Path(path).name} on {len(tokens)} tokens of "
+          f"{Path(args.text).name if args.text else TEXT.name}, group size {args.group_size}:")
+    print(table(out, right=range(2, 6)))
+    return {"model": str(path), "tokens": len(tokens), "group_size": args.group_size, "rows": rows}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    q = sub.add_parser("quality", help="perplexity of a model at full precision and quantized at several bits")
+    q.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a full-precision model folder (default: the embedded model dequantized to bf16)")
+    q.add_argument("--settings", default=DEFAULT_SETTINGS,
+                   help=f"comma-separated: bf16 (as stored), bits, mlx-lm recipes, auto (default {DEFAULT_SETTINGS})")
+    q.add_argument("--group-size", type=int, default=64)
+    q.add_argument("--text", default=None, help="a text file to score (default: bench/quality.txt)")
+    q.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens of the text")
+    q.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    q.set_defaults(measure=bench_quality)
