@@ -191,6 +191,15 @@ class HttpServer:
             time.sleep(0.3)
         raise RuntimeError(f"{self.name} never became ready")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process itself has used (not its stage processes):
+        for mlxpipe, the head's scheduling, frames, detokenizing and HTTP."""
+        if self.proc is None or not os.path.exists(f"/proc/{self.proc.pid}/stat"):
+            return float("nan")  # --url (not ours to measure), or no /proc (macOS)
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def close(self) -> None:
         self.proc.terminate()
         try:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ class LoadRound:
     stream_tps: List[float]
     aggregate_tps: float
     busy: List[float] = field(default_factory=list)  # per stage, over the decode window
+    server_cpu_per_1k: float = float("nan")  # CPU seconds of the server process per 1,000 tokens
 
 
 async def _stage_busy_sampler(http, url: str, samples: list, stop: asyncio.Event) -> None:
@@ -71,17 +73,21 @@ async def load_round(server: HttpServer, model: str, prompts: List[str], max_tok
     samples: list = []
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=len(prompts) + 4)
+    cpu0 = server.cpu_seconds()
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         sampler = asyncio.ensure_future(_stage_busy_sampler(http, server.url, samples, stop)) if sample_busy else None
         results = await asyncio.gather(*(one(http, p) for p in prompts))
         stop.set()
         if sampler:
             await sampler
+    # (the busy sampler's /health calls are in it: two a second, a small share)
+    cpu = server.cpu_seconds() - cpu0
     all_times = [ts for _, ts in results]
     window = decode_window(all_times)
     return LoadRound(server.name, len(prompts), [ts[0] - t0 for t0, ts in results if ts],
                      [decode_rate(ts) for ts in all_times], window_rate(all_times),
-                     _busy_between(samples, *window) if sample_busy and window else [])
+                     _busy_between(samples, *window) if sample_busy and window else [],
+                     1000 * cpu / (max_tokens * len(prompts)))
 
 
 async def bench_load(args) -> dict:
@@ -99,7 +105,7 @@ async def bench_load(args) -> dict:
                    "--stages", str(args.stages), "--max-tokens", str(args.max_tokens)]
             if args.pin:
                 cmd.append("--pin")
-            ours = HttpServer("mlxpipe", cmd)
+            ours = HttpServer("mlxpipe", cmd + shlex.split(args.serve_args))
             servers.append(ours)
         stages = len(httpx.get(f"{ours.url}/health", timeout=30).json()["stages"])  # what it runs (--url: any count)
         port = free_port()
@@ -141,7 +147,7 @@ async def bench_load(args) -> dict:
     lines = [f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens each, {args.runs} runs per level; "
              f"mlx-lm generate (1 process, 1 stream): {single_tps:.2f} decode tok/s",
              f"{'server':15}{'streams':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'stream tok/s':>14}"
-             f"{'aggregate tok/s':>17}{'vs mlx_lm.server':>18}   stage busy"]
+             f"{'aggregate tok/s':>17}{'vs mlx_lm.server':>18}{'CPU s/1k tok':>13}   stage busy"]
     for c in levels:
         base = median(agg("mlx_lm.server", c, "aggregate_tps"))
         for name in ("mlxpipe", "mlx_lm.server"):
@@ -150,12 +156,14 @@ async def bench_load(args) -> dict:
             aggregate = median(agg(name, c, "aggregate_tps"))
             busy_runs = [b for b in agg(name, c, "busy") if b]
             busy = [median(col) for col in zip(*busy_runs)] if busy_runs else []
+            cpu = median(agg(name, c, "server_cpu_per_1k"))
             row = {"server": name, "concurrency": c, "ttft_p50": percentile(ttft, 0.5),
                    "ttft_p95": percentile(ttft, 0.95), "stream_tps": median(stream), "aggregate_tps": aggregate,
-                   "ratio_vs_mlx_lm_server": aggregate / base, "stage_busy": busy}
+                   "ratio_vs_mlx_lm_server": aggregate / base, "server_cpu_s_per_1k_tokens": cpu,
+                   "stage_busy": busy}
             table.append(row)
             lines.append(f"{name:15}{c:8d}{row['ttft_p50']:10.2f}{row['ttft_p95']:10.2f}{row['stream_tps']:14.2f}"
-                         f"{aggregate:17.2f}{aggregate / base:18.2f}   "
+                         f"{aggregate:17.2f}{aggregate / base:18.2f}{cpu:13.1f}   "
                          + " ".join(f"{b:.0%}" for b in busy))
     lines.append(f"one stream vs mlx-lm generate: {median(agg('mlxpipe', levels[0], 'aggregate_tps')) / single_tps:.3f}"
                  if levels[0] == 1 else "")
@@ -204,5 +212,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--prompt-tokens", type=int, default=64)
     q.add_argument("--max-tokens", type=int, default=48)
     q.add_argument("--url", default=None, help="drive this running mlxpipe server instead of starting one")
+    q.add_argument("--serve-args", default="",
+                   help="more options for the mlxpipe serve it starts, e.g. '--no-speculate'")
     q.add_argument("--chart", default="bench-out/load.png", help="PNG chart to write ('' for none)")
     q.set_defaults(measure=bench_load)

@@ -311,7 +311,8 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     @app.get("/metrics")
     async def prometheus_metrics():
         health = await cluster.pipeline.health(timeout=2.0)
-        return Response(metrics.render(health, engine.scheduler.live, engine.stats.recoveries),
+        return Response(metrics.render(health, engine.scheduler.live, engine.stats.recoveries,
+                                         engine.scheduler.drafts),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -345,7 +346,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
             stages.append(info)
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
                 "state": engine.state, "stages": stages, "live_requests": engine.scheduler.live,
-                "recoveries": engine.stats.recoveries}
+                "recoveries": engine.stats.recoveries, "speculation": engine.scheduler.drafts.as_dict()}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)

@@ -75,6 +75,9 @@ class Metrics:
         self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
         self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
                                 registry=r)
+        self.drafted = Gauge("mlxpipe_draft_tokens_judged", "Drafted tokens (speculative decoding) the last stage judged",
+                             registry=r)
+        self.accepted = Gauge("mlxpipe_draft_tokens_accepted", "Drafted tokens the last stage accepted", registry=r)
         self.stages = _Stages()
         r.register(self.stages)
 
@@ -87,11 +90,14 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    def render(self, health, live: int, recoveries: int) -> bytes:
+    def render(self, health, live: int, recoveries: int, drafts=None) -> bytes:
         """The text exposition, with ``health`` (``Pipeline.health()``'s answer) and the
-        engine's live requests and recoveries as of now."""
+        engine's live requests, recoveries and draft counts (``DraftStats``) as of now."""
         self.live.set(live)
         self.recoveries.set(recoveries)
+        if drafts is not None:
+            self.drafted.set(drafts.judged)
+            self.accepted.set(drafts.accepted)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 

@@ -39,6 +39,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-block", type=int, default=ClusterConfig.block_tokens,
                    help=f"tokens per prefix-cache block (default {ClusterConfig.block_tokens}): prefixes are "
                         "reused in whole blocks")
+    p.add_argument("--no-speculate", dest="speculate", action="store_false",
+                   help="never verify drafted tokens (by default, while fewer sequences decode than there are "
+                        "stages, drafts looked up in the prompt and the text so far are verified several "
+                        "positions at a time; output is unchanged either way)")
+    p.add_argument("--spec-depth", type=int, default=ClusterConfig.spec_depth,
+                   help=f"drafted positions in flight per sequence, at most (default {ClusterConfig.spec_depth}; "
+                        "each sequence's depth follows its acceptance)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
@@ -72,6 +79,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         pin=args.pin,
         prefix_cache_bytes=_prefix_cache_bytes(args.prefix_cache_bytes),
         block_tokens=args.prefix_block,
+        speculate=args.speculate,
+        spec_depth=args.spec_depth,
         bits=_bits(args.bits),
         group_size=args.group_size,
     )

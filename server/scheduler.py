@@ -151,6 +151,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class DraftStats:
+    """Drafted tokens the last stage judged since start, and how many it accepted."""
+
+    judged: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"drafted_tokens": self.judged, "accepted_tokens": self.accepted,
+                "acceptance": round(self.accepted / self.judged, 4) if self.judged else None}
+
+
+@dataclass
 class TokenEvent:
     seq: Sequence
     token: int
@@ -161,8 +173,10 @@ class TokenEvent:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
-        if config.num_groups < 1 or config.chunk_size < 1 or config.max_prefill_inflight < 1:
-            raise ValueError("num_groups, chunk_size and max_prefill_inflight must be positive")
+        if min(config.num_groups, config.chunk_size, config.max_prefill_inflight, config.spec_depth,
+               config.spec_positions) < 1:
+            raise ValueError("num_groups, chunk_size, max_prefill_inflight, spec_depth and spec_positions "
+                             "must be positive")
         room = config.num_groups * config.max_batch
         if config.max_running is not None and config.max_running > room:
             raise ValueError(
@@ -177,6 +191,7 @@ class Scheduler:
         self.prefilling: List[Sequence] = []
         self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
         self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
+        self.drafts = DraftStats()
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self.prefix = PrefixIndex(config.block_tokens, config.prefix_blocks, 0) if config.prefix_blocks else None
@@ -323,7 +338,7 @@ class Scheduler:
         if self.prefix is None:
             return
         # Only confirmed positions: a verify frame's offset may lie past drafted ones.
-        upto = min(entry.offset, len(seq.tokens) - 1) // self.config.block_tokens
+        upto = min(entry.offset, len(seq.prompt) + len(seq.generated) - 1) // self.config.block_tokens
         if upto <= seq.stored:
             return
         keys = chain_hashes(seq.tokens, self.config.block_tokens, seq.hashes, upto)[seq.stored : upto]
@@ -471,8 +486,10 @@ class Scheduler:
                 continue
             guess = spec.guesses.pop(0)  # the input already sent at the next position
             spec.judged += 1
+            self.drafts.judged += 1
             if guess == t.token:
                 spec.matched += 1
+                self.drafts.accepted += 1
                 spec.streak += 1
                 if spec.streak >= spec.depth and spec.depth < self.config.spec_depth:
                     spec.depth, spec.streak = spec.depth + 1, 0

@@ -19,6 +19,8 @@ PROMPTS = [
     "Write a short poem about the sea and the mountains.",
     "List three prime numbers and explain what makes a number prime.",
 ]
+# A prompt whose answer copies from it: speculative decoding drafts the copy from the prompt.
+REPEAT_CODE = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import PROMPTS, run_async
+from conftest import PROMPTS, REPEAT_CODE, run_async
 
 from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.engine import collect
@@ -14,9 +14,10 @@ from mlxpipe.server.engine import collect
 NEW_TOKENS = 32
 
 
-async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None):
+async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None, alone=None):
     """Greedy tokens of ``prompts`` run together; with ``then(prompts, outs)``, a second
-    round of prompts built from the first (they start from the prefix cache)."""
+    round of prompts built from the first (they start from the prefix cache); with
+    ``alone``, a last prompt run by itself (one stream: it decodes speculatively)."""
     cfg = ClusterConfig(model=str(model_path), stages=stages, split=split, chunk_size=8)
     async with Cluster(cfg) as cluster:
         async def run(ps):
@@ -29,19 +30,27 @@ async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None):
         if then is not None:
             again = then(prompts, outs)
             second = (again, *await run(again))
+        third = None
+        if alone is not None:
+            (third,), _ = await run([alone])
+            third = (third, cluster.engine.scheduler.drafts)
         await cluster.engine.drain()
         health = await cluster.pipeline.health()
         ranges = [(st.start, st.end) for st in cluster.pipeline.stages]
-        return outs, health, ranges, second
+        return outs, health, ranges, second, third
 
 
-def _prompt_ids(model_path):
+def _chat(model_path, contents):
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model_path)
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in contents]
+
+
+def _prompt_ids(model_path):
     # Chat prompts: a few dozen tokens each, so prefill runs in several chunks and
     # later turns start from whole blocks of the prefix cache.
-    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    return _chat(model_path, PROMPTS)
 
 
 @pytest.mark.parametrize("model", ["default_model", "dsv3_model"])
@@ -57,8 +66,9 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
         p, o = max(zip(prompts, outs), key=lambda po: len(po[0]) + len(po[1]))
         return [p + o, p + o + prompts[2][-6:]]
 
-    outs, health, ranges, (again, again_outs, cached) = run_async(
-        _pipeline_tokens(path, stages, prompts, then=next_turns))
+    (repeat,) = _chat(path, [REPEAT_CODE])
+    outs, health, ranges, (again, again_outs, cached), (alone, drafts) = run_async(
+        _pipeline_tokens(path, stages, prompts, then=next_turns, alone=repeat))
     # Real stage processes, each holding its own contiguous, half-open range.
     assert len(health) == stages
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -71,10 +81,13 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
     for prompt, got, hit in zip(again, again_outs, cached):
         assert hit >= 16, f"a resent prefix was not reused ({hit} cached tokens of {len(prompt)})"
         assert got == reference(path, prompt, NEW_TOKENS), f"{stages} stages diverged after a prefix-cache hit"
+    assert alone == reference(path, repeat, NEW_TOKENS), f"{stages} stages diverged while speculating"
+    if model == "default_model":  # (the random model's answers copy nothing)
+        assert drafts.accepted > 0, f"the copied code was not drafted from the prompt: {drafts}"
 
 
 def test_uneven_split_equals_mlx_lm(default_model, reference):
     prompts = _prompt_ids(default_model)[:1]
-    outs, _, ranges, _ = run_async(_pipeline_tokens(default_model, 2, prompts, split="7,23"))
+    outs, _, ranges, _, _ = run_async(_pipeline_tokens(default_model, 2, prompts, split="7,23"))
     assert ranges == [(0, 7), (7, 30)]
     assert outs[0] == reference(default_model, prompts[0], NEW_TOKENS)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import REPEAT_CODE
 from inproc import InProcess
 
 from mlxpipe.proto import pipeline_pb2 as pb
@@ -87,9 +88,7 @@ def test_speculation_stops_when_the_pipeline_fills_and_rejoins_with_a_trim():
 
 
 def _code_prompt(tok):
-    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-    return tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n" + code}],
-                                   add_generation_prompt=True)
+    return tok.apply_chat_template([{"role": "user", "content": REPEAT_CODE}], add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("model,ranges,positions", [
