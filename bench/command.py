@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from mlxpipe.bench import balance, chat, load, prefill, quality, stream
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     result = asyncio.run(args.measure(args))
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0

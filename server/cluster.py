@@ -224,6 +224,7 @@ class Cluster:
                 spec_max_running=n,
                 spec_depth=cfg.spec_depth,
                 spec_positions=verify_positions(self.row_cost, n),
+                spec_frames=n,
                 num_groups=cfg.groups or n,
                 max_batch=cfg.max_batch,
                 chunk_size=cfg.chunk_size,

@@ -148,6 +148,8 @@ class SchedulerConfig:
     spec_max_running: int = 2      # ... at most this many (default: the stages)
     spec_positions: int = 1        # positions per VERIFY frame (1 where extra rows cost in proportion)
     spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
+    spec_frames: int = 2           # VERIFY frames in flight per sequence, at most (default: the stages; a frame
+                                   # more would only queue at stage 0, and be lost on a miss)
 
 
 @dataclass
@@ -174,9 +176,8 @@ class TokenEvent:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         if min(config.num_groups, config.chunk_size, config.max_prefill_inflight, config.spec_depth,
-               config.spec_positions) < 1:
-            raise ValueError("num_groups, chunk_size, max_prefill_inflight, spec_depth and spec_positions "
-                             "must be positive")
+               config.spec_positions, config.spec_frames) < 1:
+            raise ValueError("num_groups, chunk_size, max_prefill_inflight and the spec_ sizes must be positive")
         room = config.num_groups * config.max_batch
         if config.max_running is not None and config.max_running > room:
             raise ValueError(
@@ -448,7 +449,7 @@ class Scheduler:
             if spec.inflight == 0 and (self.decoding > cfg.spec_max_running or not self._draft(seq, 1)):
                 self._stop_speculating(seq)  # the pipeline fills up, or nothing to guess
                 continue
-            while spec.fed < spec.depth + 1:
+            while spec.fed < spec.depth + 1 and spec.inflight < cfg.spec_frames:
                 # Inputs for positions C + fed, ...: the last token, then guesses.
                 n = min(cfg.spec_positions, spec.depth + 1 - spec.fed)
                 if spec.fed + n - 1 > len(spec.guesses):

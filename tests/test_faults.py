@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from conftest import SECRET, run_async
+from conftest import REPEAT_CODE, SECRET, run_async
 from faultproxy import FaultProxy
 from server_proc import ServerProcess
 
@@ -112,6 +112,34 @@ def test_kill_9_stage_restarted_in_place(dsv3_model, reference):
     assert noticed < 5 and recoveries == 1
     assert after == before  # the same two addresses, one of them a new process
     assert all(h.state == "ready" and list(h.live_seqs) == [] for _, h, _ in health)
+
+
+def test_kill_9_while_verifying_drafts(default_model, reference):
+    """One stream copying code from its prompt decodes speculatively; stage 1 is
+    killed with drafts in flight: the replay gives the same tokens as mlx-lm."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": REPEAT_CODE}], add_generation_prompt=True)
+
+    async def main():
+        cfg = ClusterConfig(model=str(default_model), stages=2, split="even", supervision=FAST)
+        async with Cluster(cfg) as cluster:
+            drafts = cluster.engine.scheduler.drafts
+            stream = cluster.engine.submit(prompt, NEW_TOKENS)
+            got, judged, at = [], None, 0
+            async for t in stream:
+                got.append(t.id)
+                if judged is None and drafts.accepted >= 4 and cluster.engine.scheduler.solo:
+                    judged, at = drafts.judged, len(got)  # drafts are in flight now
+                    os.kill(cluster.local.procs[1].pid, signal.SIGKILL)
+            return got, judged, at, cluster.engine.stats.recoveries, drafts.judged
+
+    got, judged_at_fault, at, recoveries, judged = run_async(main(), timeout=240)
+    assert judged_at_fault is not None and at < len(got) - 8, "the fault must land while speculating"
+    assert recoveries == 1
+    assert got == reference(default_model, prompt, NEW_TOKENS)
+    assert judged > judged_at_fault, "the replayed sequence speculates again"
 
 
 def test_kill_9_under_a_cached_workload(dsv3_model, reference):

@@ -51,7 +51,7 @@ def _answer(s, frame, tokens):
 
 
 def test_drafts_are_verified_position_by_position_and_a_miss_is_trimmed():
-    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_positions=1, max_prefill_inflight=8))
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_positions=1, spec_frames=8, max_prefill_inflight=8))
     # The prompt has 50 51 52 53 9 ...; 50 is sampled: the drafts after it are 51 52 53 9.
     seq = _running(s, [50, 51, 52, 53, 9, 8, 7, 6, 5])
     frames = s.schedule()
@@ -72,8 +72,21 @@ def test_drafts_are_verified_position_by_position_and_a_miss_is_trimmed():
     assert [list(f.tokens) for f in nxt] == [[7], [6], [5]] and not nxt[1].seqs[0].trim
 
 
+def test_verify_frames_in_flight_stay_within_the_stages():
+    # Positions 1 per frame, 2 stages: a third frame would wait at stage 0 and be lost on a miss.
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_positions=1, spec_frames=2,
+                                  max_prefill_inflight=8))
+    _running(s, [50, 51, 52, 53, 9, 8, 7, 6, 5])
+    first = s.schedule()
+    assert [list(f.tokens) for f in first] == [[50], [51]]
+    assert [e.token for e in _answer(s, first[0], [51])] == [51]
+    nxt = s.schedule()  # one came back: one more goes out, the next draft
+    assert [list(f.tokens) for f in nxt] == [[52]] and nxt[0].seqs[0].offset == 11
+
+
 def test_speculation_stops_when_the_pipeline_fills_and_rejoins_with_a_trim():
-    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=2, spec_max_running=1, max_prefill_inflight=8))
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=2, spec_max_running=1, spec_frames=8,
+                                  max_prefill_inflight=8))
     _running(s, [50, 51, 52, 9])  # 50 sampled: drafts 51 52
     (f1, f2, f3) = s.schedule()
     _answer(s, f1, [51]), _answer(s, f2, [99]), _answer(s, f3, [1])  # a miss at the second position
@@ -103,7 +116,7 @@ def test_speculative_tokens_equal_plain_decoding(model, ranges, positions, reque
     path = request.getfixturevalue(model)
     tok = load_tokenizer(path)
     config = SchedulerConfig(chunk_size=64, speculate=True, spec_depth=8, spec_positions=positions,
-                             num_groups=len(ranges), spec_max_running=len(ranges))
+                             num_groups=len(ranges), spec_max_running=len(ranges), spec_frames=max(len(ranges), 2))
     pipe = InProcess(path, ranges, config, eos=tok.eos_token_ids)
     code = _code_prompt(tok)
     chat = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True)
