@@ -51,7 +51,7 @@ class ClusterConfig:
     stage_log_level: str = "WARNING"
     prefix_cache_bytes: Optional[int] = None  # per stage, for cached prefix blocks (None: half the KV budget; 0: off)
     block_tokens: int = 16          # positions per prefix-cache block
-    speculate: bool = True          # verify drafted tokens (prompt lookup) while few sequences decode
+    speculate: bool = True          # verify drafted tokens (prompt lookup) while few sequences are live
     spec_depth: int = 8             # drafted positions in flight per sequence, at most
     bits: Optional[str] = None      # quantize a full-precision model as stages load it: "4", a recipe, or "auto"
     group_size: int = DEFAULT_GROUP_SIZE  # weights per quantization scale and bias, with `bits`

@@ -26,12 +26,14 @@ Rules:
   the first frame of a round carries the blocks to drop (``evict``). Cached
   blocks count against the KV budget; live sequences win: admission evicts
   least recently used blocks before it would refuse.
-- Speculative decoding (when ``speculate``): while few sequences decode (at
-  most ``spec_max_running``, so the groups alone would leave stages idle), a
+- Speculative decoding (when ``speculate``): while few sequences are live (at
+  most ``spec_max_running``, waiting and prefilling ones included, so the
+  groups alone would leave stages idle and no prompt waits behind drafts), a
   sequence whose tokens suggest what comes next (``draft.PromptLookup``)
   leaves its group and sends VERIFY frames instead: its last token and the
   drafted tokens after it, ``spec_positions`` per frame, up to ``spec_depth``
-  positions beyond its confirmed tokens in flight. The last stage samples
+  positions beyond its confirmed tokens in flight, in at most ``spec_frames``
+  frames. The last stage samples
   after every position exactly as a decode step would (same history, same
   random key), so the head takes a position's sample as the next token only
   while every draft before it matched what was sampled; at the first mismatch
@@ -144,7 +146,7 @@ class SchedulerConfig:
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
     block_tokens: int = 16         # positions per prefix-cache block
     prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
-    speculate: bool = False        # verify drafted tokens (prompt lookup) while few sequences decode
+    speculate: bool = False        # verify drafted tokens (prompt lookup) while few sequences are live
     spec_max_running: int = 2      # ... at most this many (default: the stages)
     spec_positions: int = 1        # positions per VERIFY frame (1 where extra rows cost in proportion)
     spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
@@ -410,7 +412,7 @@ class Scheduler:
     def _start_speculating(self, seq: Sequence) -> bool:
         """Whether a grouped sequence leaves its group to verify drafts now."""
         cfg = self.config
-        if not cfg.speculate or self.decoding > cfg.spec_max_running:
+        if not cfg.speculate or self.live > cfg.spec_max_running:
             return False
         spec = seq.spec = seq.spec or Spec(depth=cfg.spec_depth)
         if spec.cooldown:
@@ -446,7 +448,7 @@ class Scheduler:
         for sid in list(self.solo):
             seq = self.seqs[sid]
             spec = seq.spec
-            if spec.inflight == 0 and (self.decoding > cfg.spec_max_running or not self._draft(seq, 1)):
+            if spec.inflight == 0 and (self.live > cfg.spec_max_running or not self._draft(seq, 1)):
                 self._stop_speculating(seq)  # the pipeline fills up, or nothing to guess
                 continue
             while spec.fed < spec.depth + 1 and spec.inflight < cfg.spec_frames:
