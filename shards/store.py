@@ -238,7 +238,7 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
         try:
             found = fetch_repo(name)
         except ModelNotFound as err:
-            raise ModelNotFound(f"model {name!r} not found: looked for {tried[0]}, and {err}") from err
+            raise ModelNotFound(f"model {name!r} not found; looked for {tried[0]}, and {err}") from err
         if not (found / "config.json").exists():
             raise ModelNotFound(f"Hugging Face repo {name!r} has no config.json: not a model mlx-lm can load")
         return found
