@@ -183,11 +183,17 @@ def fetch_repo(repo_id: str) -> Path:
     answered when the hub cannot be reached."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import tqdm
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    class TerminalBars(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("disable", None)  # tqdm's "only on a terminal" (the files bar would always show)
+            super().__init__(*args, **kwargs)
 
     hub, cache = constants.ENDPOINT, constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=TerminalBars))
     except GatedRepoError as err:
         raise ModelNotFound(f"Hugging Face repo {repo_id!r} is gated: accept its terms on {hub} "
                             f"and set HF_TOKEN") from err
