@@ -178,7 +178,8 @@ def fetch_repo(repo_id: str) -> Path:
     """A Hugging Face repo's model files (the patterns mlx-lm fetches), downloaded into the
     Hugging Face cache unless they are there already; raises ModelNotFound with the reason.
 
-    huggingface_hub does the work: progress bars on a terminal, partial files resumed,
+    huggingface_hub does the work: progress bars on a terminal, a file whose connection
+    drops resumed with a Range request, files already complete never fetched again,
     ``HF_ENDPOINT``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` honoured, and the cached snapshot
     answered when the hub cannot be reached."""
     from huggingface_hub import constants, snapshot_download
@@ -207,7 +208,7 @@ def fetch_repo(repo_id: str) -> Path:
                             f"and {why}") from err
     except Exception as err:  # noqa: BLE001 - the hub's other HTTP errors, a connection lost mid-file
         raise ModelNotFound(f"downloading Hugging Face repo {repo_id!r} from {hub} failed "
-                            f"({_reason(err)}); run the command again to resume") from err
+                            f"({_reason(err)}); run the command again (the files already complete are kept)") from err
 
 
 def _reason(err: BaseException) -> str:
