@@ -23,6 +23,7 @@ from mlxpipe.shards.weights import model_units, unit_file, units_for_range
 REPO = "fake-org/tiny"
 BIG = "fake-org/big"
 PROMPT = [5, 77, 901, 33, 12]
+CHAT = "Hello"
 TOKENS = 12
 
 
@@ -39,11 +40,14 @@ def hub(dsv3_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want(dsv3_model):
-    """Single-process mlx-lm's greedy text for PROMPT on the repo's folder."""
+    """Single-process mlx-lm's greedy text on the repo's folder: for PROMPT, and for CHAT
+    as a chat (what `mlxpipe generate CHAT` prompts)."""
     from mlx_lm import generate, load
 
     model, tok = load(str(dsv3_model))
-    return generate(model, tok, prompt=PROMPT, max_tokens=TOKENS)
+    chat = tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True)
+    return {prompt: generate(model, tok, prompt=ids, max_tokens=TOKENS)
+            for prompt, ids in ((tuple(PROMPT), PROMPT), (CHAT, chat))}
 
 
 def _env(endpoint: str, hf_home: Path, **extra) -> dict:
@@ -113,7 +117,7 @@ def test_serve_by_repo_id_downloads_and_empty_nodes_get_exactly_their_layers(hub
         server = ServerProcess("--model", REPO, "--nodes", ",".join(a for _, a in nodes), "--split", "even",
                                env=env)
         out = _complete(server)
-        assert out["choices"][0]["text"] == want and out["model"] == REPO
+        assert out["choices"][0]["text"] == want[tuple(PROMPT)] and out["model"] == REPO
         assert httpx.get(f"{server.base_url}/models/{REPO}").json()["id"] == REPO
 
         snapshot = next((tmp_path / "head-hf" / "hub").glob("models--fake-org--tiny/snapshots/*"))
@@ -130,10 +134,14 @@ def test_serve_by_repo_id_downloads_and_empty_nodes_get_exactly_their_layers(hub
             proc.wait()
 
 
-def test_serve_from_the_cache_when_the_hub_is_gone(hub, want, tmp_path):
+def test_serve_and_generate_from_the_cache_when_the_hub_is_gone(hub, want, tmp_path):
     assert _pull(_env(hub.url, tmp_path)).returncode == 0
-    server = ServerProcess("--model", REPO, "--stages", "2", "--split", "even", env=_env(_closed_port(), tmp_path))
+    env = _env(_closed_port(), tmp_path)
+    server = ServerProcess("--model", REPO, "--stages", "2", "--split", "even", env=env)
     try:
-        assert _complete(server)["choices"][0]["text"] == want
+        assert _complete(server)["choices"][0]["text"] == want[tuple(PROMPT)]
     finally:
         server.stop()
+    out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "generate", "--model", REPO, "--split", "even",
+                          "--max-tokens", str(TOKENS), CHAT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout == want[CHAT] + "\n", out.stderr
