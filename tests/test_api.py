@@ -62,6 +62,18 @@ def test_models_and_health(server, client):
     assert all(s["state"] == "ready" for s in health["stages"])
 
 
+def test_a_model_by_id_and_an_unknown_one(server, client):
+    name = server.banner[0].split()[2]
+    m = client.models.retrieve(name)
+    assert (m.id, m.object, m.owned_by) == (name, "model", "mlxpipe")
+    assert m == client.models.list().data[0]
+    unknown = httpx.get(f"{server.base_url}/models/org/no-such-model")  # ids may hold a slash
+    chat = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                      json={"model": "org/no-such-model", "messages": MESSAGES})
+    assert unknown.status_code == chat.status_code == 404
+    assert unknown.json() == chat.json() and chat.json()["error"]["code"] == "model_not_found"
+
+
 def test_chat_greedy_equals_mlx_lm(client, mlx_lm_chat):
     want, prompt_len = mlx_lm_chat(MESSAGES, 24)
     r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=24)

@@ -1,4 +1,5 @@
-"""The page at `/`, driven in headless Chromium against a real server with two stages.
+"""The page at `/`, driven in headless Chromium against a real server with two stages;
+and a page on another origin calling the API with fetch, as a browser app would.
 
 Needs Debian's Chromium (`apt-get install -y chromium`) and the Python `playwright`
 package (`pip install playwright`); `playwright install` is not needed, the system
@@ -7,10 +8,13 @@ browser is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import threading
 import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -117,3 +121,65 @@ def test_page_chats_and_shows_the_cluster(page, server):   # page first: no brow
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
+
+
+# What the OpenAI JS SDK sends besides Authorization and Content-Type.
+STAINLESS = {"x-stainless-os": "Linux", "x-stainless-lang": "js", "x-stainless-package-version": "5.0.0",
+             "x-stainless-runtime": "browser:chrome", "x-stainless-runtime-version": "140.0.0",
+             "x-stainless-arch": "x64", "x-stainless-retry-count": "0", "x-stainless-timeout": "600"}
+API_KEY = "browser-test-key"
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def origins(tmp_path_factory):
+    """Two web origins serving a blank page: the first one the API allows, the second not."""
+    root = tmp_path_factory.mktemp("pages")
+    (root / "index.html").write_text("<!doctype html><title>an app</title>")
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+               for _ in range(2)]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{srv.server_address[1]}" for srv in servers]
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def cors_server(dsv3_model, origins, tmp_path_factory):
+    key = tmp_path_factory.mktemp("key") / "key"
+    key.write_text(API_KEY)
+    srv = ServerProcess("--model", str(dsv3_model), "--stages", "2", "--split", "even", "--cors-origin", origins[0],
+                        "--api-key-file", str(key), headers={"Authorization": f"Bearer {API_KEY}"})
+    yield srv
+    srv.stop()
+
+
+FETCH = """async ([url, headers]) => {
+    try {
+        const r = await fetch(url, {method: "POST", headers, body: JSON.stringify(
+            {model: "default", messages: [{role: "user", content: "Hello"}], max_tokens: 8, temperature: 0})});
+        return {status: r.status, body: await r.json()};
+    } catch (e) {
+        return {error: String(e)};
+    }
+}"""
+
+
+def test_a_page_on_an_allowed_origin_calls_the_api_with_sdk_headers(page, origins, cors_server):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}", **STAINLESS}
+    url = f"{cors_server.base_url}/chat/completions"
+    page.goto(f"{origins[0]}/")
+    out = page.evaluate(FETCH, [url, headers])
+    assert out.get("status") == 200, out
+    assert out["body"]["choices"][0]["message"]["content"] and out["body"]["usage"]["completion_tokens"] > 0
+
+    # Another origin: the browser's preflight is refused, and the request is never sent.
+    page.goto(f"{origins[1]}/")
+    out = page.evaluate(FETCH, [url, headers])
+    assert "error" in out and "Failed to fetch" in out["error"], out
