@@ -405,3 +405,58 @@ def test_guarded_server_serves_with_the_key_and_sends_no_cors_headers(guarded):
     assert "access-control-allow-origin" not in r.headers
     assert httpx.get(f"{guarded.root}/health").status_code == 401
     assert httpx.get(f"{guarded.root}/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+# -- what a stranger's messages cost a node -------------------------------------------------------
+
+
+def _rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _big_load_request(size=250 * 1000 * 1000):
+    """A well-formed LoadRequest whose model name (field 1) is ``size`` bytes."""
+    varint, n = bytearray(), size
+    while True:
+        varint.append((n & 0x7F) | (0x80 if n >> 7 else 0))
+        n >>= 7
+        if not n:
+            break
+    return b"\x0a" + bytes(varint) + b"x" * size
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the node's RSS from /proc")
+def test_refused_calls_do_not_grow_a_nodes_memory(tmp_path):
+    """gRPC used to read a whole (up to 256 MiB) message before the secret check
+    refused it, and the refusal kept it alive in a reference cycle: 24 such calls
+    took a node from 40 MB to 4.5 GB."""
+    proc, address = _node(tmp_path, "--listen", "127.0.0.1:0")
+    try:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        load = channel.unary_unary("/mlxpipe.v1.Stage/Load", request_serializer=lambda b: b,
+                                   response_deserializer=pb.LoadReply.FromString)
+        with pytest.raises(grpc.RpcError):
+            load(pb.LoadRequest(model="m").SerializeToString(), timeout=10)  # warm the refusal path
+        baseline = _rss_mb(proc.pid)
+        body = _big_load_request()
+        for _ in range(24):
+            with pytest.raises(grpc.RpcError) as info:
+                load(body, timeout=60)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "cluster secret" in info.value.details()
+        grown = _rss_mb(proc.pid) - baseline
+        assert grown < 100, f"the node grew by {grown:.0f} MB"
+        assert stage_stub(address).Health(pb.HealthRequest(), timeout=10).state == "empty"
+        channel.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_message_bigger_than_its_method_takes_is_refused(node):
+    """Even with the secret: a Load request is a few fields, not megabytes."""
+    with pytest.raises(grpc.RpcError) as info:
+        stage_stub(node).Load(pb.LoadRequest(model="x" * (1 << 20)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the" in info.value.details()
