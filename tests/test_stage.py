@@ -83,6 +83,20 @@ BAD_FRAMES = [
         seq_id=1, num_tokens=1, sample=True, sampling=pb.SamplingParams(temperature=-1))],
         tokens=[1], hidden=_hidden(1, 1)),
      grpc.StatusCode.INVALID_ARGUMENT, "temperature must be in [0, 2]"),
+    ("NaN sampling value", pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(
+        seq_id=1, num_tokens=1, sample=True, sampling=pb.SamplingParams(temperature=1, top_p=float("nan")))],
+        tokens=[1], hidden=_hidden(1, 1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in"),
+    ("infinite logit bias", pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(
+        seq_id=1, num_tokens=1, sample=True, sampling=pb.SamplingParams(logit_bias={3: float("inf")}))],
+        tokens=[1], hidden=_hidden(1, 1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "logit_bias values must be in"),
+    ("NaN activations", _prefill(1, 3, hidden=_hidden(1, 3, data=np.full((1, 3, HIDDEN), np.nan, np.float32)
+                                                     .tobytes())),
+     grpc.StatusCode.INVALID_ARGUMENT, "not finite"),
+    ("infinite bfloat16 activations", _prefill(1, 2, hidden=_hidden(1, 2, dtype="bfloat16", data=np.full(
+        (1, 2, HIDDEN), 0x7F80, np.uint16).tobytes())),
+     grpc.StatusCode.INVALID_ARGUMENT, "not finite"),
 ]
 
 
