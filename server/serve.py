@@ -10,8 +10,10 @@ from pathlib import Path
 
 import uvicorn
 
+from mlxpipe.proto.rpc import raise_fd_limit
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
 from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.options import api_key
 from mlxpipe.shards.store import is_repo_id
@@ -42,9 +44,14 @@ async def serve(config: ClusterConfig, host: str, port: int, options: dict) -> N
         api = ApiOptions(model_id=model_id(config.model, cluster.model_path), aliases=(config.model,),
                          **options)
         app = create_app(cluster, api, metrics)
+        # http: pinned (not "auto", which picks httptools when installed): uvicorn has no
+        # deadline for a request's headers; GuardedH11Protocol adds one, and a cap.
         server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                        lifespan="off", timeout_graceful_shutdown=5))
+                                        lifespan="off", timeout_graceful_shutdown=5,
+                                        http=GuardedH11Protocol,
+                                        backlog=size_for_fd_limit(raise_fd_limit())))
         loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         task = asyncio.ensure_future(server.serve())

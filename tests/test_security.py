@@ -460,3 +460,53 @@ def test_a_message_bigger_than_its_method_takes_is_refused(node):
         stage_stub(node).Load(pb.LoadRequest(model="x" * (1 << 20)), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than the" in info.value.details()
+
+
+# -- slow clients -------------------------------------------------------------------------------------
+
+
+def _half_requests(srv, n):
+    """``n`` connections that send half a request line and then nothing."""
+    import socket
+
+    host, port = srv.root.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        socks.append(s)
+    return socks
+
+
+def _closed(sock, wait):
+    sock.settimeout(wait)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def test_slow_headers_are_cut_off_and_capped(guarded):
+    """Connections that never finish their headers used to be kept for ever:
+    ~2,000 of them exhausted the file descriptors and locked the API out. Now
+    each has HEADER_TIMEOUT_S, and past MAX_READING of them the oldest go."""
+    from mlxpipe.server import http_guard
+
+    import time
+
+    first = _half_requests(guarded, 300)
+    time.sleep(http_guard.MIN_AGE_S + 0.5)
+    second = _half_requests(guarded, http_guard.MAX_READING)  # 300 of the first must make room
+    try:
+        t = time.monotonic()
+        r = httpx.get(f"{guarded.root}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t < 5
+        assert sum(_closed(s, 0.01) for s in first) >= 300 - 20  # evicted (a few may still be in flight)
+        assert not any(_closed(s, 0.01) for s in second[-10:])
+        left = http_guard.HEADER_TIMEOUT_S + 2 - (time.monotonic() - t)
+        assert _closed(second[-1], left), "the header deadline did not close a slow connection"
+    finally:
+        for s in first + second:
+            s.close()
