@@ -28,14 +28,14 @@ from mlxpipe.server.pipeline import LocalStages
 HIDDEN = 576
 
 
-def _node(models_dir, *args, secret=SECRET):
+def _node(models_dir, *args, secret=SECRET, cwd=None):
     env = dict(os.environ)
     env.pop("MLXPIPE_SECRET", None)
     if secret:
         env["MLXPIPE_SECRET"] = secret
     proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--models-dir", str(models_dir),
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, cwd=cwd)
     line = proc.stdout.readline()
     return proc, (line.split()[-1] if "listening on" in line else None)
 
@@ -94,6 +94,31 @@ def test_a_node_beyond_loopback_demands_a_secret(tmp_path):
     proc, address = _node(tmp_path, "--listen", "0.0.0.0:0", secret=None)
     assert address is None and proc.wait(timeout=30) != 0
     assert "without a cluster secret" in proc.stderr.read()
+
+
+def test_model_names_stay_inside_the_models_directory(tmp_path, default_model):
+    """A name shaped like a repo id used to resolve relative to the node's working
+    directory; and the errors told a caller which paths exist."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "smol2").symlink_to(default_model)
+    (tmp_path / "models" / "escape").symlink_to(tmp_path / "outside")
+    proc, address = _node(tmp_path / "models", "--listen", "127.0.0.1:0", cwd=tmp_path)
+    try:
+        stub = stage_stub(address)
+        names = ["outside/smol2", "escape/smol2", str(default_model), "/etc", "/no/such/dir", "../outside/smol2",
+                 "nobody/nothing", "a\x00b"]
+        details = set()
+        for name in names:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Load(pb.LoadRequest(model=name, start=0, end=4), timeout=30)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, name
+            details.add(info.value.details().replace(repr(name), "NAME"))
+        assert len(details) == 1, details  # one message whatever exists
+        assert "not found in this node's models directory" in details.pop()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- TLS ---------------------------------------------------------------------------------
