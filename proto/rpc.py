@@ -71,8 +71,29 @@ SECRET_ENV = "MLXPIPE_SECRET"
 UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
 
 
-def _read(path: Optional[str]) -> Optional[bytes]:
-    return Path(path).expanduser().read_bytes() if path else None
+def read_file(path: str, what: str) -> bytes:
+    """A credential file's bytes, or a ValueError whose one line says what is
+    wrong with ``what`` (an option's name). An empty file is an error: taken as
+    "no secret" it would silently run a node, or an API, open."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise ValueError(f"{what} {path}: {err.strerror or err}") from None
+    if not data.strip():
+        raise ValueError(f"{what} {path} is empty")
+    return data
+
+
+def read_secret(path: str, what: str) -> str:
+    """A secret or key file's text, stripped (see read_file)."""
+    try:
+        return read_file(path, what).decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not text") from None
+
+
+def _read(path: Optional[str], what: str) -> Optional[bytes]:
+    return read_file(path, what) if path else None
 
 
 @dataclass
@@ -90,14 +111,14 @@ class Security:
                      key: Optional[str] = None) -> "Security":
         """From command-line options; the secret may also come from $MLXPIPE_SECRET."""
         if secret_file:
-            secret = Path(secret_file).expanduser().read_text().strip()
+            secret = read_secret(secret_file, "--secret-file")
         secret = secret or os.environ.get(SECRET_ENV) or None
         if secret is not None and len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 characters "
                              "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
         if bool(cert) != bool(key):
             raise ValueError("give --tls-cert and --tls-key together")
-        return cls(secret, _read(ca), _read(cert), _read(key))
+        return cls(secret, _read(ca, "--tls-ca"), _read(cert, "--tls-cert"), _read(key, "--tls-key"))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Security":

@@ -174,7 +174,10 @@ def run(args) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
     add_arguments(parser)
-    sys.exit(run(parser.parse_args(argv)))
+    try:
+        sys.exit(run(parser.parse_args(argv)))
+    except ValueError as err:  # a bad option or credential file: one line, no traceback
+        parser.exit(2, f"mlxpipe node: error: {err}\n")
 
 
 if __name__ == "__main__":
