@@ -1,6 +1,7 @@
 """The page at `/`, driven in headless Chromium against a real server with two stages.
 
-Needs Debian's Chromium (`apt-get install -y chromium`) and the Python `playwright`
+Needs Debian's Chromium (`apt-get install -y --no-install-recommends chromium`; on macOS
+MLXPIPE_CHROMIUM pointing at Chromium or Chrome, else it skips) and the Python `playwright`
 package (`pip install playwright`); `playwright install` is not needed, the system
 browser is used.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +35,9 @@ def server(default_model):
 @pytest.fixture(scope="module")
 def page():
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
+        if sys.platform == "darwin":  # no system Chromium to expect there
+            pytest.skip(f"no Chromium at {CHROMIUM}: on macOS, set MLXPIPE_CHROMIUM to a Chromium or Chrome "
+                        "binary (e.g. /Applications/Google Chrome.app/Contents/MacOS/Google Chrome)")
         pytest.fail(f"Chromium not found at {CHROMIUM}: install it with `sudo apt-get install -y chromium` "
                     "(Debian/Ubuntu), or point MLXPIPE_CHROMIUM at a Chromium binary", pytrace=False)
     try:
