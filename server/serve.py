@@ -47,6 +47,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen()  # taken from now on (uvicorn sets its own backlog later)
     except (OSError, OverflowError) as err:
         raise ValueError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}") from None
     return sock
