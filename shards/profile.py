@@ -130,7 +130,7 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
     typical = max(kinds.values(), key=len)
     inner = [i for i in typical if 0 < i < n - 1] or typical
     middle = inner[len(inner) // 2]  # timed above, at `batch` rows
-    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats)
+    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats, quant)
     row_cost = (timed[middle] / one_row - 1) / (batch - 1) if batch > 1 and one_row > 0 else 1.0
     result = {
         "layer_seconds": layer_seconds,
