@@ -39,7 +39,7 @@ def test_help_lists_every_command(capsys):
     assert out.returncode == 0, out.stderr
     listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ") and line.split()}
     commands = _commands()
-    assert len(commands) >= 11 and listed >= set(commands), set(commands) - listed
+    assert len(commands) >= 10 and listed >= set(commands), set(commands) - listed
     for cmd in commands:  # each command's own help (in this process: 11 interpreters would take 20 s)
         with pytest.raises(SystemExit) as info:
             main([cmd, "--help"])
@@ -139,3 +139,38 @@ def test_the_suite_runs_in_a_home_of_its_own(default_model):
     assert Path(os.environ["MLXPIPE_HOME"]) == home and home.is_relative_to(tempfile.gettempdir())
     assert home != Path(os.environ["MLXPIPE_SHARED_HOME"])
     assert default_model.parent.parent == home and not default_model.is_symlink()
+
+
+def test_certs_makes_a_ca_and_certificates_that_verify(tmp_path):
+    out = mlxpipe("certs", str(tmp_path / "pki"), "--node", "n1=127.0.0.1,localhost", "--client", "head", timeout=60)
+    assert out.returncode == 0, out.stderr
+    pki = tmp_path / "pki"
+    for name in ("ca.pem", "n1.pem", "n1-key.pem", "head.pem", "head-key.pem"):
+        assert (pki / name).stat().st_size > 0, name
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    for cert in ("n1.pem", "head.pem"):  # signed by the CA (raises if not)
+        x509.load_pem_x509_certificate((pki / cert).read_bytes()).verify_directly_issued_by(ca)
+    assert mlxpipe("certs", str(tmp_path / "none")).returncode == 2  # nothing named: a one-line error
+
+
+def test_pull_prints_the_default_models_folder(default_model):
+    out = mlxpipe("pull", "--quiet", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(default_model)
+
+
+def test_bench_soak_kills_a_stage_and_every_answer_holds(dsv3_model, tmp_path):
+    """A short `mlxpipe bench soak`: answers equal the undisturbed run's, no 5xx."""
+    import json
+
+    report = tmp_path / "soak.json"
+    out = mlxpipe("bench", "soak", "--model", str(dsv3_model), "--duration", "10", "--clients", "3",
+                  "--kill-every", "4", "--kill-stages", "0", "--prompts", "4", "--max-tokens", "8",
+                  "--disconnect", "0.3", "--json", str(report), timeout=240)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(report.read_text())
+    assert r["finished"] > 0 and r["mismatched"] == 0 and r["server_errors"] == 0 and r["error_events"] == 0
+    assert [stage for _, stage in r["kills"]] == [0, 0]
+    assert all(v is not None for v in r["rss_end"].values()), r["rss_end"]
