@@ -510,7 +510,7 @@ def test_a_pipeline_lost_mid_stream_ends_with_an_error_event_and_health_503(dsv3
                 os.kill(cluster.local.procs[0].pid, signal.SIGKILL)
                 results = await asyncio.gather(*tasks)
                 health = await http.get(f"{root}/health")
-                metrics = (await http.get(f"{root}/metrics")).status_code
+                metrics = await http.get(f"{root}/metrics")
             server.should_exit = True
             await serving
             return results, health, metrics
@@ -521,4 +521,5 @@ def test_a_pipeline_lost_mid_stream_ends_with_an_error_event_and_health_503(dsv3
         last = json.loads(events[-1]) if events[-1] != "[DONE]" else json.loads(events[-2])
         assert last["error"]["code"] == "pipeline_unavailable" and last["error"]["message"], last
     assert health.status_code == 503 and health.json()["reason"], health.text
-    assert metrics == 200  # stages down, figures still there
+    assert metrics.status_code == 200  # stages down, figures still there; the 503 counted
+    assert 'mlxpipe_http_requests_total{route="/health",status="503"} 1.0' in metrics.text, metrics.text
