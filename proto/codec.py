@@ -2,7 +2,10 @@
 
 A tensor travels as shape + dtype name + raw little-endian bytes in C order.
 Decoding checks everything before touching the bytes: the dtype is one we
-allow, the shape is sane, and shape x itemsize equals the byte count.
+allow, the shape is sane, and shape x itemsize equals the byte count; and
+after decoding, that every value is finite (a NaN or infinity in the
+activations would turn every later layer's output, and the sampled token,
+into noise without any error).
 """
 
 from __future__ import annotations
@@ -68,4 +71,6 @@ def decode(t: pb.Tensor, *, expect_shape: Sequence[int] | None = None) -> mx.arr
     arr = mx.array(np.frombuffer(t.data, dtype=npd).reshape(shape))
     if mxd == mx.bfloat16:
         arr = arr.view(mx.bfloat16)
+    if not mx.all(mx.isfinite(arr)).item():
+        raise WireError("tensor values are not finite (NaN or infinity)")
     return arr

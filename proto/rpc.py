@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import inspect
 import os
+import resource
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -56,6 +59,10 @@ SERVER_OPTIONS = _MESSAGES + [
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A connection must finish its handshake (TCP to the client's HTTP/2 SETTINGS,
+    # TLS included) within 10 s, not grpc's default 120 s: a stranger's silent
+    # sockets each hold a file descriptor only that long.
+    ("grpc.server_handshake_timeout_ms", 10_000),
 ]
 
 REPLAN_WAIT_S = 300.0  # how long a Join waits for the re-plan it causes: the node's deadline, the head's wait
@@ -64,8 +71,29 @@ SECRET_ENV = "MLXPIPE_SECRET"
 UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
 
 
-def _read(path: Optional[str]) -> Optional[bytes]:
-    return Path(path).expanduser().read_bytes() if path else None
+def read_file(path: str, what: str) -> bytes:
+    """A credential file's bytes, or a ValueError whose one line says what is
+    wrong with ``what`` (an option's name). An empty file is an error: taken as
+    "no secret" it would silently run a node, or an API, open."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise ValueError(f"{what} {path}: {err.strerror or err}") from None
+    if not data.strip():
+        raise ValueError(f"{what} {path} is empty")
+    return data
+
+
+def read_secret(path: str, what: str) -> str:
+    """A secret or key file's text, stripped (see read_file)."""
+    try:
+        return read_file(path, what).decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not text") from None
+
+
+def _read(path: Optional[str], what: str) -> Optional[bytes]:
+    return read_file(path, what) if path else None
 
 
 @dataclass
@@ -83,14 +111,14 @@ class Security:
                      key: Optional[str] = None) -> "Security":
         """From command-line options; the secret may also come from $MLXPIPE_SECRET."""
         if secret_file:
-            secret = Path(secret_file).expanduser().read_text().strip()
+            secret = read_secret(secret_file, "--secret-file")
         secret = secret or os.environ.get(SECRET_ENV) or None
         if secret is not None and len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 characters "
                              "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
         if bool(cert) != bool(key):
             raise ValueError("give --tls-cert and --tls-key together")
-        return cls(secret, _read(ca), _read(cert), _read(key))
+        return cls(secret, _read(ca, "--tls-ca"), _read(cert, "--tls-cert"), _read(key, "--tls-key"))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Security":
@@ -158,8 +186,23 @@ class _Malformed:
         self.message = f"malformed {kind} message: {err}"
 
 
-def _parser(message_type):
+# What one request message of each method may weigh, checked before parsing.
+# (gRPC has only the server-wide limit above, and has read the message by then:
+# this keeps a peer that holds the secret from making a node parse what no head
+# sends. Strangers' messages are never read at all: see _SecretCheck.)
+_REQUEST_BYTES = {
+    "Forward": MAX_MESSAGE_BYTES,         # frames: rows x tokens x hidden x 4 bytes, within the stage's limits
+    "Receive": (4 << 20) + (64 << 10),    # a weights chunk (weights.CHUNK_BYTES) and its names and checksum
+    "Have": 64 << 20,                     # safetensors headers of a stage's layers, config files
+}
+_OTHER_REQUEST_BYTES = 64 << 10           # Load, Profile, Free, Health, Results, Join: a few fields
+
+
+def _parser(message_type, limit: int = MAX_MESSAGE_BYTES):
     def parse(data: bytes):
+        if len(data) > limit:
+            return _Malformed(message_type.__name__,
+                              ValueError(f"{len(data)} bytes, more than the {limit} this call takes"))
         try:
             return message_type.FromString(data)
         except (DecodeError, RuntimeWarning, ValueError) as err:
@@ -179,6 +222,24 @@ async def refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
+UNAUTHENTICATED_DETAILS = "this node needs the cluster secret (authorization: Bearer ...)"
+
+
+async def _deny(request_iterator, context):
+    """Refuse a call without reading its request: a stream handler that never
+    iterates ``request_iterator`` makes grpc send the status (trailers only) and
+    reset the stream, so a stranger's message body is never assembled, copied
+    into Python or parsed. No ``context.abort``: no AbortError, whose traceback
+    would tie the request to the call's state in a reference cycle."""
+    context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+    context.set_details(UNAUTHENTICATED_DETAILS)
+
+
+# The wire is the same for all four kinds of call: one stream-stream handler
+# answers every refused method, unary or streaming.
+_DENY = grpc.stream_stream_rpc_method_handler(_deny)
+
+
 class _SecretCheck(grpc.aio.ServerInterceptor):
     """Refuse every call without the cluster secret, except the bare liveness check."""
 
@@ -191,17 +252,7 @@ class _SecretCheck(grpc.aio.ServerInterceptor):
             return handler
         if self.security.accepts(details.invocation_metadata):
             return handler
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "this node needs the cluster secret (authorization: Bearer ...)")
-
-        async def deny_streaming(request, context):
-            await deny(request, context)
-            yield  # pragma: no cover - an async generator for response streams
-
-        fn = deny_streaming if handler.response_streaming else deny
-        return _HANDLER_KIND[(handler.request_streaming, handler.response_streaming)](fn)
+        return _DENY
 
 
 # (request streaming, response streaming) -> grpc's handler constructor
@@ -211,6 +262,72 @@ _HANDLER_KIND = {(False, False): grpc.unary_unary_rpc_method_handler,
                  (True, True): grpc.stream_stream_rpc_method_handler}
 
 
+def _forget_frames(err: BaseException) -> None:
+    """Drop the locals of the frames an exception passed through (and those of
+    the exceptions it chains to). context.abort stores its AbortError on the
+    call's state, whose traceback holds the handler's frame, whose ``context``
+    holds that state: a reference cycle that keeps the request, and whatever
+    else the handler had (a Forward stream's queue of frames), until the garbage
+    collector runs."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
+
+
+def _releasing(method):
+    """``method`` (a servicer's handler), letting go of what it held when it fails."""
+    if not (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)):
+        return method  # grpc runs plain functions in its thread pool
+    if inspect.isasyncgenfunction(method):
+        async def stream(request, context):
+            try:
+                async for item in method(request, context):
+                    yield item
+            except BaseException as err:
+                del request
+                _forget_frames(err)
+                raise
+
+        return stream
+
+    async def call(request, context):
+        try:
+            return await method(request, context)
+        except BaseException as err:
+            del request
+            _forget_frames(err)
+            raise
+
+    return call
+
+
+def _unread(method, request_type):
+    """A unary method run with an empty request, its body never read."""
+    async def call(request_iterator, context):
+        return await method(request_type(), context)
+
+    return call
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise this process's soft RLIMIT_NOFILE toward ``want`` (macOS shells
+    start at 256, Linux at 1024): every connection, a stranger's half-open one
+    too, holds a descriptor. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    for value in (target, 10240, 4096):  # macOS refuses more than kern.maxfilesperproc
+        if value <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (value, hard))
+            return value
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
 def _server(service: str, servicer, security: Security) -> grpc.aio.Server:
     """A gRPC server for ``servicer``'s implementation of ``service`` (from
     pipeline.proto) that checks the cluster secret. Each method parses its
@@ -218,9 +335,18 @@ def _server(service: str, servicer, security: Security) -> grpc.aio.Server:
     rather than an internal error."""
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name[service].methods:
+        reply = getattr(pb, m.output_type.name).SerializeToString
+        if f"/mlxpipe.v1.{service}/{m.name}" in UNAUTHENTICATED_METHODS:
+            # Anyone may call these: they take an empty request, so never read
+            # one (a stream handler that ignores its iterator), whatever a
+            # stranger sends as its body.
+            handlers[m.name] = grpc.stream_unary_rpc_method_handler(
+                _unread(getattr(servicer, m.name), getattr(pb, m.input_type.name)), None, reply)
+            continue
         kind = _HANDLER_KIND[(m.client_streaming, m.server_streaming)]
-        handlers[m.name] = kind(getattr(servicer, m.name), _parser(getattr(pb, m.input_type.name)),
-                                getattr(pb, m.output_type.name).SerializeToString)
+        limit = _REQUEST_BYTES.get(m.name, _OTHER_REQUEST_BYTES)
+        handlers[m.name] = kind(_releasing(getattr(servicer, m.name)),
+                                _parser(getattr(pb, m.input_type.name), limit), reply)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(f"mlxpipe.v1.{service}", handlers),))
     return server

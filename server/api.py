@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -110,10 +111,19 @@ def error_body(message: str, type_: str = "invalid_request_error", param: Option
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a message may echo what the
+    client sent, and a lone surrogate ("\\ud800") cannot be encoded as UTF-8,
+    but it can be written back as the same escape."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None,
                    headers: Optional[Dict[str, str]] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+    return AsciiJSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(err: RequestValidationError, content_type: str) -> Tuple[str, Optional[str]]:
@@ -121,6 +131,8 @@ def _validation_message(err: RequestValidationError, content_type: str) -> Tuple
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if not loc and first.get("type") == "missing":
+        return "the request body is empty: send a JSON object", None
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         if "json" not in content_type:
             return "send the request body as JSON, with the header Content-Type: application/json", None
@@ -130,38 +142,87 @@ def _validation_message(err: RequestValidationError, content_type: str) -> Tuple
     return (f"{param}: {msg}" if param else msg), param
 
 
-def _add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics) -> None:
-    """Middleware added last runs first. From the outside in: counting (so 401s,
-    413s and preflights count too), CORS (it answers preflights before the key
-    is asked for, and puts its headers on refusals), the API key, the body limit."""
+class Outcomes:
+    """ASGI middleware, the outermost of ours: counts every response by route and
+    status, and answers what a route let escape. (A middleware built on
+    ``call_next`` sees no response for an exception, so 5xx went uncounted.)
+    While the pipeline is recovering, routes fail because its channels close
+    under them: that is a 503 with the reason, as for a request that waits too
+    long for the recovery; anything else is a bug, logged, and a 500."""
+
+    def __init__(self, app, metrics: Metrics, engine, retry_after_s: int):
+        self.app, self.metrics, self.engine, self.retry_after_s = app, metrics, engine, retry_after_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            if status is not None:  # mid-response (a stream): too late to answer; count what was sent
+                self._count(scope, status)
+                raise
+            await self._failure()(scope, receive, watched)
+        self._count(scope, status)
+
+    def _failure(self) -> JSONResponse:
+        if self.engine.state != "ready":
+            return error_response(503, f"pipeline {self.engine.state}: {self.engine.failure}", type_="server_error",
+                                  code="pipeline_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+        logger.exception("unhandled error")
+        return error_response(500, "internal error", type_="server_error")
+
+    def _count(self, scope, status: Optional[int]) -> None:
+        route = scope.get("route")  # set by the router on the shared scope
+        self.metrics.requests.labels(route.path if route is not None else "unmatched", str(status or 500)).inc()
+
+
+class ApiKey:
+    """ASGI middleware: /v1/*, /health, /metrics and /nodes need the API key, when one is set."""
+
+    PROTECTED = ("/health", "/metrics", "/nodes")
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path in self.PROTECTED):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.want):
+                response = error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
+                                          code="invalid_api_key")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) -> None:
+    """Middleware added last runs first. From the outside in: outcomes (so 401s,
+    413s, preflights and failures count too), CORS (it answers preflights before
+    the key is asked for, and puts its headers on refusals), the API key, the
+    body limit. All plain ASGI: none buffers or re-wraps a response."""
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next):
-        protected = request.url.path.startswith("/v1/") or request.url.path in ("/health", "/metrics", "/nodes")
-        if options.api_key and protected:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
-                return error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
-                                      code="invalid_api_key")
-        return await call_next(request)
-
+    if options.api_key:
+        app.add_middleware(ApiKey, key=options.api_key)
     if options.cors_origins:
         # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
         # and the origin is what CORS guards. Retry-After is read by SDKs that back off.
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(route.path if route is not None else "unmatched", str(response.status_code)).inc()
-        return response
+    app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape; bad input never gets a 5xx."""
+    """Every error in OpenAI's shape; bad input never gets a 5xx (and what no
+    handler here takes, Outcomes answers)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -178,11 +239,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and "parsing the body" in detail:
             detail = "the request body could not be read as JSON (malformed, or nested too deeply)"
         return error_response(exc.status_code, detail, code=None)
-
-    @app.exception_handler(Exception)
-    async def _bug(request, exc: Exception):
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
 
 class _Completions:
@@ -297,7 +353,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     engine = cluster.engine
     static = Path(__file__).parent / "static"
     app.mount("/static", StaticFiles(directory=static), name="static")
-    _add_middleware(app, options, metrics)
+    _add_middleware(app, options, metrics, engine)
     _add_error_handlers(app)
     completions = _Completions(cluster, options)
 

@@ -434,6 +434,8 @@ class Pipeline:
                 return self.stages[i], reply, ""
             except grpc.aio.AioRpcError as err:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
+            except grpc.aio.UsageError as err:  # closed under us: a recovery replaced this pipeline
+                return self.stages[i], None, f"{err} (the pipeline is being rebuilt)"
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 

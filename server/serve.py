@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from pathlib import Path
 
 import uvicorn
 
+from mlxpipe.proto.rpc import raise_fd_limit
 from mlxpipe.server.api import ApiOptions, create_app
 from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
 from mlxpipe.server.metrics import Metrics
-from mlxpipe.server.options import api_key
+from mlxpipe.server.options import api_key, count, port
 from mlxpipe.shards.store import is_repo_id
 
 logger = logging.getLogger(__name__)
@@ -35,27 +38,47 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(config: ClusterConfig, host: str, port: int, options: dict) -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The API's socket, bound before anything loads: a port in use is a one-line
+    error at once, not after the whole model has loaded (and not a race with
+    whoever takes the port meanwhile)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()  # taken from now on (uvicorn sets its own backlog later)
+    except (OSError, OverflowError) as err:
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}") from None
+    return sock
+
+
+async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> None:
     metrics = Metrics()
     cluster = await Cluster(config, observer=metrics).start()
     try:
         api = ApiOptions(model_id=model_id(config.model, cluster.model_path), aliases=(config.model,),
                          **options)
         app = create_app(cluster, api, metrics)
+        # http: pinned (not "auto", which picks httptools when installed): uvicorn has no
+        # deadline for a request's headers; GuardedH11Protocol adds one, and a cap.
+        host, port = sock.getsockname()[:2]
         server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                        lifespan="off", timeout_graceful_shutdown=5))
+                                        lifespan="off", timeout_graceful_shutdown=5,
+                                        http=GuardedH11Protocol,
+                                        backlog=size_for_fd_limit(raise_fd_limit())))
         loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
                 await task  # raises why it could not start
                 raise SystemExit(f"could not listen on {host}:{port}")
             await asyncio.sleep(0.05)
-        bound = server.servers[0].sockets[0].getsockname()[1]
         # What a user (or a test) reads to know where to connect.
-        print(f"mlxpipe serving {api.model_id} on http://{host}:{bound}/v1", flush=True)
+        print(f"mlxpipe serving {api.model_id} on http://{host}:{port}/v1", flush=True)
         for line in cluster.describe()[1:]:
             print(f"  {line}", flush=True)
         await task
@@ -65,8 +88,8 @@ async def serve(config: ClusterConfig, host: str, port: int, options: dict) -> N
 
 def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-tokens", type=count, default=512,
                    help="tokens to generate when a request does not say (default 512)")
     p.add_argument("--temp", type=float, default=1.0,
                    help="temperature when a request does not say (default 1.0, as OpenAI)")
@@ -75,14 +98,14 @@ def add_arguments(p) -> None:
                         "(or set $MLXPIPE_API_KEY); default: no key")
     p.add_argument("--cors-origin", action="append", default=[],
                    help="an origin browsers may call the API from (repeat; default: none)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
+    p.add_argument("--max-body-bytes", type=count, default=4 << 20, help="largest request body (default 4 MiB)")
+    p.add_argument("--max-prompt-tokens", type=count, default=None,
                    help="longest prompt a request may send (default: the model's context)")
     p.add_argument("--join-listen", default=None, metavar="HOST:PORT",
                    help="let nodes join here (`mlxpipe node --join HOST:PORT`), with the cluster secret")
     p.add_argument("--wait-nodes", type=int, default=0,
                    help="with --join-listen: nodes to wait for (listed and joined) before serving (default 1)")
-    p.add_argument("--max-tokens-limit", type=int, default=None,
+    p.add_argument("--max-tokens-limit", type=count, default=None,
                    help="largest max_tokens a request may ask for (default: the model's context)")
 
 
@@ -91,8 +114,9 @@ def run(args, config: ClusterConfig) -> int:
     options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp, "api_key": key,
                "cors_origins": tuple(args.cors_origin), "max_body_bytes": args.max_body_bytes,
                "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
+    sock = listening_socket(args.host, args.port)
     try:
-        asyncio.run(serve(config, args.host, args.port, options))
+        asyncio.run(serve(config, sock, options))
     except KeyboardInterrupt:
         pass
     return 0

@@ -24,7 +24,8 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, stage_server
+from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
+                               stage_server)
 from mlxpipe.shards.profile import memory_bandwidth, offered_memory
 from mlxpipe.shards.servicer import StageServicer
 from mlxpipe.shards.units import parse_size
@@ -91,6 +92,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 join: Optional[str] = None, advertise: Optional[str] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
+    raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
     # A node in a terminal shows progress; stages a head started stay quiet.
     servicer = StageServicer(security, memory_bytes, models_dir,
                              progress=sys.stderr.isatty() and not exit_with_parent)
@@ -172,7 +174,10 @@ def run(args) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="mlxpipe node", description="Run one pipeline stage worker.")
     add_arguments(parser)
-    sys.exit(run(parser.parse_args(argv)))
+    try:
+        sys.exit(run(parser.parse_args(argv)))
+    except ValueError as err:  # a bad option or credential file: one line, no traceback
+        parser.exit(2, f"mlxpipe node: error: {err}\n")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ A sequence's parameters arrive once, with its first frame; from then on
 ``SeqSampler`` keeps what the penalties need (the tokens seen so far) and picks
 one token per ``sample`` request, in the order mlx-lm's ``generate_step`` does:
 logits processors, log-softmax, filters (top-p, min-p, top-k), then a draw at
-the temperature, or the argmax when the temperature is 0.
+the temperature, or the argmax when the temperature is 0 (below GREEDY_BELOW).
 
 Random draws use a key derived from the sequence's seed and the token's
 position, not a running generator: the same seed gives the same text, and a
@@ -26,6 +26,12 @@ from mlxpipe.proto import pipeline_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
+# Temperatures below this draw the argmax. At T = 1e-5 a log-probability gap of
+# 2e-4 is already 20 nats after scaling, more than the spread of the Gumbel noise
+# a draw adds, so lower temperatures pick the same token bar near-exact ties; and
+# 1/T must stay finite in the logits' dtype (float16 overflows from T < 1.5e-5,
+# float32 from T < 3e-39). vLLM uses the same floor (_SAMPLING_EPS = 1e-5).
+GREEDY_BELOW = 1e-5
 INT32 = 1 << 31  # token ids and top_k travel as int32
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -112,7 +118,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def to_wire(self) -> pb.SamplingParams:
         p = pb.SamplingParams(
@@ -173,7 +179,7 @@ class SeqSampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with no processors: rows like this are picked together, in one argmax."""
-        return self.params.temperature == 0 and not self.processors
+        return self.params.greedy and not self.processors
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Tokens that entered the model for this sequence (prompt and fed-back tokens)."""
@@ -197,9 +203,9 @@ class SeqSampler:
     def draw(self, logprobs: mx.array, position: int) -> mx.array:
         """One token id from log-probabilities [1, V]."""
         p = self.params
-        if p.temperature == 0:
+        if p.greedy:
             return mx.argmax(logprobs, axis=-1)
-        x = logprobs
+        x = logprobs.astype(mx.float32)  # scaled by up to 1/GREEDY_BELOW: past float16's range
         for f in self.filters:
             x = f(x)
         seed = (self.seed + (position + 1) * _GOLDEN) % (1 << 64)

@@ -34,7 +34,7 @@ from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, 
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
-from mlxpipe.shards.store import (BrokenModel, ModelNotFound, ModelPathRefused, fingerprint, resolve_model,
+from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
 from mlxpipe.shards.store import models_dir as default_models_dir
 from mlxpipe.shards.weight_service import WeightService
@@ -55,8 +55,7 @@ def _rss_bytes() -> int:
 
 def _model_status(err: ValueError) -> grpc.StatusCode:
     """The status for a model a node cannot profile or load, by why."""
-    for kind, code in ((ModelPathRefused, grpc.StatusCode.PERMISSION_DENIED),
-                       (ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    for kind, code in ((ModelNotFound, grpc.StatusCode.NOT_FOUND),
                        (BrokenModel, grpc.StatusCode.FAILED_PRECONDITION)):
         if isinstance(err, kind):
             return code

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ class ModelNotFound(ValueError):
 
 class BrokenModel(ValueError):
     """A model folder that cannot be loaded: bad config, missing, misshapen or damaged tensors."""
-
-
-class ModelPathRefused(ModelNotFound):
-    """A model path from a remote caller that leads outside the models directory."""
 
 
 def mlxpipe_home() -> Path:
@@ -160,18 +156,53 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name))
 
 
-def _confine(name: str, within: Path) -> Optional[Path]:
-    """``name`` as a folder inside ``within``, None if it names no folder there;
-    raises ModelPathRefused when it leads outside."""
+def _inside(name: str, within: Path) -> Optional[Path]:
+    """``name`` as a folder inside ``within`` (after following symlinks and
+    ".."), or None: outside, absent, not a folder, not a path at all."""
     root = within.expanduser().resolve()
     path = Path(name)
-    candidate = (path if path.is_absolute() else root / path).resolve()  # follows symlinks and ".."
-    if not candidate.is_relative_to(root):
-        raise ModelPathRefused(
-            f"model path {name!r} leads outside this node's models directory {root}; "
-            f"put the model there (or start the node with --models-dir) and name it relative to it"
-        )
-    return candidate if candidate.is_dir() else None
+    try:
+        candidate = (path if path.is_absolute() else root / path).resolve()
+        return candidate if candidate.is_relative_to(root) and candidate.is_dir() else None
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop, a name too long
+        return None
+
+
+def _model_folder(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        raise ModelNotFound(f"{path.resolve()} is a folder but not an mlx-lm model folder (no config.json)")
+    return path.resolve()
+
+
+def _hf_cached(name: str) -> Tuple[Optional[Path], str]:
+    """A repo id's folder in the local Hugging Face cache (never the network),
+    or None and what was looked for."""
+    from huggingface_hub import constants
+    from mlx_lm.utils import hf_repo_to_path
+
+    try:
+        found = hf_repo_to_path(name)
+        if (found / "config.json").exists():
+            return found, ""
+        return None, f"Hugging Face repo {name!r} in {constants.HF_HUB_CACHE} (found, but without config.json)"
+    except Exception:  # noqa: BLE001 - any miss in the cache means "not here"
+        return None, f"Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE}"
+
+
+def _resolve_within(name: str, within: Path) -> Path:
+    """A remote caller's model name: a folder inside ``within`` or a repo id in
+    the local Hugging Face cache, nothing else (never relative to the working
+    directory). Every miss gets the same message, so a caller cannot learn
+    which paths exist on this machine."""
+    inside = _inside(name, within)
+    if inside is not None:
+        return _model_folder(inside)
+    if is_repo_id(name):
+        found, _ = _hf_cached(name)
+        if found is not None:
+            return found
+    raise ModelNotFound(f"model {name!r} not found in this node's models directory {within} "
+                        f"or its Hugging Face cache")
 
 
 def fetch_repo(repo_id: str) -> Path:
@@ -221,47 +252,26 @@ def resolve_model(name: Optional[str], within: Optional[Path] = None) -> Path:
     """The model folder for ``--model``: "default", a folder, or a Hugging Face repo id,
     downloaded into the Hugging Face cache when it is not there (``fetch_repo``).
 
-    ``within`` (a node serving a remote head): folders must lie inside it, and
-    any path that leads out is refused; Hugging Face repo ids resolve from the
-    local HF cache only, never the network (the head sends a node that lacks
-    the model the weights of its layers)."""
+    ``within`` (a node serving a remote head): only folders inside it and repo
+    ids in the local HF cache (see _resolve_within)."""
     if name in (None, "", DEFAULT_MODEL):
         return pull_default()
     if within is not None:
-        inside = _confine(name, within)
-        if inside is not None:
-            name = str(inside)
-        elif not is_repo_id(name):
-            raise ModelNotFound(f"model {name!r} not found in this node's models directory {within}")
+        return _resolve_within(name, within)
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFound(
-                f"{path.resolve()} is a folder but not an mlx-lm model folder (no config.json)"
-            )
-        return path.resolve()
-    tried = [f"a model folder at {path.resolve()}"]
-    if is_repo_id(name) and within is None:
+        return _model_folder(path)
+    tried = f"a model folder at {path.resolve()}"
+    if is_repo_id(name):
         try:
             found = fetch_repo(name)
         except ModelNotFound as err:
-            raise ModelNotFound(f"model {name!r} not found; looked for {tried[0]}, and {err}") from err
+            raise ModelNotFound(f"model {name!r} not found; looked for {tried}, and {err}") from err
         if not (found / "config.json").exists():
             raise ModelNotFound(f"Hugging Face repo {name!r} has no config.json: not a model mlx-lm can load")
         return found
-    if is_repo_id(name):
-        from huggingface_hub import constants
-        from mlx_lm.utils import hf_repo_to_path
-
-        try:
-            found = hf_repo_to_path(name)  # the local cache only, never the network
-            if (found / "config.json").exists():
-                return found
-            tried.append(f"Hugging Face repo {name!r} in {constants.HF_HUB_CACHE} (found, but without config.json)")
-        except Exception:  # noqa: BLE001 - any miss in the cache means "not here"
-            tried.append(f"Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE}")
     raise ModelNotFound(
-        f"model {name!r} not found; looked for " + " and for ".join(tried)
+        f"model {name!r} not found; looked for {tried}"
         + f". Use a folder written by mlx_lm.convert, a Hugging Face repo id, "
         f"or {DEFAULT_MODEL!r} for the embedded {DEFAULT_MODEL_NAME}."
     )

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,60 @@ import grpc
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# No hub is reachable from tests: a name shaped like a repo id fails at once
+# (set before huggingface_hub reads it; tests that download start their own
+# fake hub and point HF_ENDPOINT at it).
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+
+
+def _private_home() -> Path:
+    """Run the whole session (and every process it starts) in a fresh
+    $MLXPIPE_HOME: profiles, received weights and quantized units from one run
+    must never change another's plans, nor land in the user's own cache. Only
+    the embedded default model is shared, read-only, from the user's cache
+    (pulled there once): its files are linked into the fresh home's folder."""
+    import tempfile
+
+    from mlxpipe.shards.store import mlxpipe_home
+
+    shared = mlxpipe_home()
+    home = Path(tempfile.mkdtemp(prefix="mlxpipe-test-home-"))
+    os.environ["MLXPIPE_HOME"] = str(home)
+    os.environ["MLXPIPE_SHARED_HOME"] = str(shared)
+    return home
+
+
+TEST_HOME = _private_home()
+
+
+def _link_default_model() -> Path:
+    """The default model in the test home: a real folder (node paths must stay
+    inside their models directory), its files links to the shared copy."""
+    from mlxpipe.shards.store import default_model_dir, pull_default
+
+    mine = default_model_dir()
+    shared = Path(os.environ["MLXPIPE_SHARED_HOME"]) / mine.relative_to(TEST_HOME)
+    if not (shared / "model.safetensors").exists():
+        os.environ["MLXPIPE_HOME"] = str(shared.parent.parent)
+        try:
+            pull_default(progress=False)
+        finally:
+            os.environ["MLXPIPE_HOME"] = str(TEST_HOME)
+    mine.mkdir(parents=True, exist_ok=True)
+    for f in shared.iterdir():
+        if not (mine / f.name).exists():
+            (mine / f.name).symlink_to(f)
+    return mine
+
+
+if (Path(os.environ["MLXPIPE_SHARED_HOME"]) / "models").exists():
+    _link_default_model()  # now, for commands in tests that name "default" without the fixture
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 PROMPTS = [
     "Why is the sky blue?",
@@ -25,9 +80,7 @@ REPEAT_CODE = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\nde
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from mlxpipe.shards.store import pull_default
-
-    return pull_default(progress=False)
+    return _link_default_model()
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +163,6 @@ def reference():
 def node_process(home: Path, *args, secret=None):
     """A `mlxpipe node` process on a free loopback port with its own $MLXPIPE_HOME:
     (process, address or None if it did not start)."""
-    import os
     import subprocess
 
     env = dict(os.environ, MLXPIPE_HOME=str(home), MLXPIPE_SECRET=secret or SECRET)

@@ -180,6 +180,14 @@ def test_n_choices(client):
     assert r.usage.completion_tokens == 12
 
 
+def test_n_choices_with_temperature_differ_and_repeat_with_the_seed(client):
+    kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0,
+              max_tokens=8, n=3, seed=5)
+    first = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    assert len(set(first)) > 1  # each choice draws its own tokens
+    assert [c.message.content for c in client.chat.completions.create(**kw).choices] == first
+
+
 def _live(server):
     return [s["live_sequences"] for s in httpx.get(f"{server.root}/health").json()["stages"]]
 

@@ -1,7 +1,8 @@
 """The page at `/`, driven in headless Chromium against a real server with two stages;
 and a page on another origin calling the API with fetch, as a browser app would.
 
-Needs Debian's Chromium (`apt-get install -y chromium`) and the Python `playwright`
+Needs Debian's Chromium (`apt-get install -y --no-install-recommends chromium`; on macOS
+MLXPIPE_CHROMIUM pointing at Chromium or Chrome, else it skips) and the Python `playwright`
 package (`pip install playwright`); `playwright install` is not needed, the system
 browser is used.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import threading
+import sys
 import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,6 +39,9 @@ def server(default_model):
 @pytest.fixture(scope="module")
 def page():
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
+        if sys.platform == "darwin":  # no system Chromium to expect there
+            pytest.skip(f"no Chromium at {CHROMIUM}: on macOS, set MLXPIPE_CHROMIUM to a Chromium or Chrome "
+                        "binary (e.g. /Applications/Google Chrome.app/Contents/MacOS/Google Chrome)")
         pytest.fail(f"Chromium not found at {CHROMIUM}: install it with `sudo apt-get install -y chromium` "
                     "(Debian/Ubuntu), or point MLXPIPE_CHROMIUM at a Chromium binary", pytrace=False)
     try:

@@ -25,10 +25,67 @@ def mlx_lm_text(default_model):
     return generate(model, tok, prompt=prompt, max_tokens=MAX_TOKENS)
 
 
-def test_help_lists_every_command():
-    out = mlxpipe("--help").stdout
-    for cmd in ("pull", "node", "generate", "bench"):
-        assert cmd in out
+def _commands():
+    from mlxpipe.server.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    return sorted(sub.choices)
+
+
+def test_help_lists_every_command(capsys):
+    from mlxpipe.server.cli import main
+
+    out = mlxpipe("--help")
+    assert out.returncode == 0, out.stderr
+    listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ") and line.split()}
+    commands = _commands()
+    assert len(commands) >= 10 and listed >= set(commands), set(commands) - listed
+    for cmd in commands:  # each command's own help (in this process: 11 interpreters would take 20 s)
+        with pytest.raises(SystemExit) as info:
+            main([cmd, "--help"])
+        assert info.value.code == 0, cmd
+        assert capsys.readouterr().out.startswith(f"usage: mlxpipe {cmd}"), cmd
+
+
+@pytest.fixture
+def busy_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
+
+
+def _files(tmp_path):
+    (tmp_path / "empty").write_text("\n")
+    return {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "missing")}
+
+
+BAD_ARGUMENTS = [
+    (["serve", "--stages", "0"], "argument --stages: must be at least 1"),
+    (["generate", "--stages", "-1", "hi"], "argument --stages: must be at least 1"),
+    (["serve", "--port", "99999"], "argument --port: a port is 0 to 65535"),
+    (["serve", "--max-batch", "0"], "argument --max-batch: must be at least 1"),
+    # The port is taken before the model is looked for, let alone loaded.
+    (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
+    (["serve", "--api-key-file", "EMPTY"], "--api-key-file EMPTY is empty"),
+    (["serve", "--api-key-file", "MISSING"], "--api-key-file MISSING: No such file"),
+    (["serve", "--secret-file", "EMPTY", "--nodes", "127.0.0.1:1"], "--secret-file EMPTY is empty"),
+    (["node", "--secret-file", "EMPTY"], "--secret-file EMPTY is empty"),
+    (["node", "--secret-file", "MISSING"], "--secret-file MISSING: No such file"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_one_line_errors_before_anything_loads(args, message, tmp_path, busy_port):
+    names = _files(tmp_path) | {"BUSY": busy_port}
+    fill = lambda text: next((text.replace(k, v) for k, v in names.items() if k in text), text)  # noqa: E731
+    out = mlxpipe(*map(fill, args), timeout=60)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and fill(message) in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_generate_prints_what_mlx_lm_prints(default_model, mlx_lm_text):
@@ -67,3 +124,53 @@ def test_unknown_model_is_a_clear_error():
     assert out.returncode != 0
     assert "model 'nobody/nothing-here' not found; looked for" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_suite_runs_in_a_home_of_its_own(default_model):
+    """Profiles and received weights from earlier runs used to change planned
+    splits: the suite wrote into the user's ~/.cache/mlxpipe."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from mlxpipe.shards.store import mlxpipe_home
+
+    home = mlxpipe_home()
+    assert Path(os.environ["MLXPIPE_HOME"]) == home and home.is_relative_to(tempfile.gettempdir())
+    assert home != Path(os.environ["MLXPIPE_SHARED_HOME"])
+    assert default_model.parent.parent == home and not default_model.is_symlink()
+
+
+def test_certs_makes_a_ca_and_certificates_that_verify(tmp_path):
+    out = mlxpipe("certs", str(tmp_path / "pki"), "--node", "n1=127.0.0.1,localhost", "--client", "head", timeout=60)
+    assert out.returncode == 0, out.stderr
+    pki = tmp_path / "pki"
+    for name in ("ca.pem", "n1.pem", "n1-key.pem", "head.pem", "head-key.pem"):
+        assert (pki / name).stat().st_size > 0, name
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    for cert in ("n1.pem", "head.pem"):  # signed by the CA (raises if not)
+        x509.load_pem_x509_certificate((pki / cert).read_bytes()).verify_directly_issued_by(ca)
+    assert mlxpipe("certs", str(tmp_path / "none")).returncode == 2  # nothing named: a one-line error
+
+
+def test_pull_prints_the_default_models_folder(default_model):
+    out = mlxpipe("pull", "--quiet", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(default_model)
+
+
+def test_bench_soak_kills_a_stage_and_every_answer_holds(dsv3_model, tmp_path):
+    """A short `mlxpipe bench soak`: answers equal the undisturbed run's, no 5xx."""
+    import json
+
+    report = tmp_path / "soak.json"
+    out = mlxpipe("bench", "soak", "--model", str(dsv3_model), "--duration", "10", "--clients", "3",
+                  "--kill-every", "4", "--kill-stages", "0", "--prompts", "4", "--max-tokens", "8",
+                  "--disconnect", "0.3", "--json", str(report), timeout=240)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(report.read_text())
+    assert r["finished"] > 0 and r["mismatched"] == 0 and r["server_errors"] == 0 and r["error_events"] == 0
+    assert [stage for _, stage in r["kills"]] == [0, 0]
+    assert all(v is not None for v in r["rss_end"].values()), r["rss_end"]

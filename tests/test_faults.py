@@ -7,6 +7,7 @@ answers against single-process mlx-lm on the same weights.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -410,3 +411,143 @@ def test_64_concurrent_clients_finish_or_get_backpressure(dsv3_model):
         assert stage_memory() == baseline == [(0, 0), (0, 0)]
     finally:
         srv.stop()
+
+
+# -- kill -9 through the HTTP API ----------------------------------------------------------
+
+HTTP_TOKENS = 24
+PREFILL_TOKENS = 1200  # in chunks of 16: a prefill that lasts long enough to be hit
+
+
+@pytest.fixture(scope="module")
+def three_stage_server(dsv3_model):
+    # No prefix cache: each round's prompts must be prefilled in full, or the
+    # kill "during prefill" would land after it.
+    srv = ServerProcess("--model", str(dsv3_model), "--stages", "3", "--split", "even", "--chunk-size", "16",
+                        "--prefix-cache-bytes", "0")
+    yield srv
+    srv.stop()
+
+
+def _long_prompts(n=STREAMS):
+    return [[(31 * i + 7 * j) % 4000 + 50 for j in range(PREFILL_TOKENS)] for i in range(n)]
+
+
+async def _http_round(srv, kill=None):
+    """8 streaming completions; ``kill`` = (stage, "prefill" | "decode"): SIGKILL that
+    stage process then. Returns (texts, statuses, error events, /health and /metrics
+    statuses seen meanwhile, whether any stream had a token at the kill)."""
+    from mlxpipe.bench.soak import stage_pids
+
+    progress = [0] * STREAMS
+    seen = []
+    stop = asyncio.Event()
+
+    async def one(http, i, prompt):
+        body = {"model": "default", "prompt": prompt, "max_tokens": HTTP_TOKENS, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{srv.base_url}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return resp.status_code, None, False
+            text = []
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return 200, None, True
+                    text.append(event["choices"][0]["text"])
+                    progress[i] += 1
+            return 200, "".join(text), False
+
+    async def monitor(http):
+        while not stop.is_set():
+            for route in ("/health", "/metrics"):
+                seen.append((await http.get(f"{srv.root}{route}")).status_code)
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=STREAMS + 4)) as http:
+        watcher = asyncio.ensure_future(monitor(http))
+        tasks = [asyncio.ensure_future(one(http, i, p)) for i, p in enumerate(_long_prompts())]
+        had_token = None
+        if kill is not None:
+            stage, when = kill
+            if when == "prefill":  # as soon as all 8 are in: their prompts take seconds in chunks of 16
+                while (await http.get(f"{srv.root}/health")).json()["live_requests"] < STREAMS:
+                    await asyncio.sleep(0.01)
+            else:
+                await _until(lambda: min(progress) >= 3, 60, "every stream to start")
+            health = (await http.get(f"{srv.root}/health")).json()
+            had_token = any(progress)
+            os.kill(stage_pids(srv.proc.pid, [s["address"] for s in health["stages"]])[stage], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await watcher
+        metrics = (await http.get(f"{srv.root}/metrics")).text
+    return results, seen, had_token, metrics
+
+
+@pytest.mark.parametrize("stage,when", [(0, "prefill"), (1, "decode"), (0, "decode"), (1, "prefill")])
+def test_kill_9_through_the_http_api(three_stage_server, stage, when):
+    """Stage 0 and the middle one of three, killed during prefill and during decode,
+    under 8 streaming HTTP clients: every answer equals the undisturbed one, and
+    nothing answers 5xx but /health's documented 503 during the pause."""
+    undisturbed = getattr(three_stage_server, "undisturbed", None)
+    if undisturbed is None:
+        results, _, _, _ = run_async(_http_round(three_stage_server), timeout=300)
+        assert all(status == 200 and text for status, text, _ in results)
+        undisturbed = three_stage_server.undisturbed = [text for _, text, _ in results]
+    results, seen, had_token, metrics = run_async(_http_round(three_stage_server, (stage, when)), timeout=300)
+    assert had_token == (when == "decode"), "the kill did not land in the phase it names"
+    assert [r[0] for r in results] == [200] * STREAMS and not any(r[2] for r in results)
+    assert [text for _, text, _ in results] == undisturbed, "output differs from an undisturbed run"
+    assert set(seen) <= {200, 503}, sorted(set(seen))
+    assert 'status="500"' not in metrics
+
+
+def test_a_pipeline_lost_mid_stream_ends_with_an_error_event_and_health_503(dsv3_model):
+    """The one stage killed and not restarted: no stage is left, so the streams end
+    with OpenAI's error event and /health answers 503 with the reason (the app
+    over uvicorn, in this process)."""
+    import uvicorn
+
+    from mlxpipe.server.api import ApiOptions, create_app
+
+    async def main():
+        cfg = ClusterConfig(model=str(dsv3_model), stages=1, restart=False, supervision=FAST)
+        async with Cluster(cfg) as cluster:
+            server = uvicorn.Server(uvicorn.Config(create_app(cluster, ApiOptions(model_id="m")), host="127.0.0.1",
+                                                   port=0, log_level="warning", lifespan="off"))
+            serving = asyncio.ensure_future(server.serve())
+            await _until(lambda: server.started, 30, "uvicorn")
+            root = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+            got = [0, 0]
+
+            async def stream(http, i):
+                body = {"model": "m", "prompt": _prompts()[i], "max_tokens": 200, "temperature": 0, "stream": True}
+                async with http.stream("POST", f"{root}/v1/completions", json=body) as resp:
+                    events = []
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            got[i] += 1
+                    return resp.status_code, events
+
+            async with httpx.AsyncClient(timeout=120) as http:
+                tasks = [asyncio.ensure_future(stream(http, i)) for i in range(2)]
+                await _until(lambda: min(got) >= 3, 60, "both streams to start")
+                os.kill(cluster.local.procs[0].pid, signal.SIGKILL)
+                results = await asyncio.gather(*tasks)
+                health = await http.get(f"{root}/health")
+                metrics = await http.get(f"{root}/metrics")
+            server.should_exit = True
+            await serving
+            return results, health, metrics
+
+    results, health, metrics = run_async(main(), timeout=240)
+    for status, events in results:
+        assert status == 200
+        last = json.loads(events[-1]) if events[-1] != "[DONE]" else json.loads(events[-2])
+        assert last["error"]["code"] == "pipeline_unavailable" and last["error"]["message"], last
+    assert health.status_code == 503 and health.json()["reason"], health.text
+    assert metrics.status_code == 200  # stages down, figures still there; the 503 counted
+    assert 'mlxpipe_http_requests_total{route="/health",status="503"} 1.0' in metrics.text, metrics.text

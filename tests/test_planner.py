@@ -199,6 +199,15 @@ def test_parse_units():
     assert expand_list("3x192GB, a=64GB,") == ["192GB"] * 3 + ["a=64GB"]
 
 
+def _shortfall(cost: ModelCost, memory: float, context: int) -> float:
+    """Bytes missing for every layer's weights, embedding and head, and one
+    stream's KV cache, summed from the cost model's parts (not the planner's)."""
+    weights = sum(l.weight_bytes for l in cost.layers) + cost.embed_bytes + cost.head_bytes
+    weights -= cost.embed_bytes if cost.tied else 0  # one matrix for both
+    kv = sum(l.kv_bytes_per_token for l in cost.layers) * context
+    return weights + kv - memory
+
+
 def _args(*argv):
     p = argparse.ArgumentParser()
     plan_command.add_arguments(p)
@@ -224,7 +233,8 @@ def test_cli_table_and_infeasible(capsys):
     assert "800 GB/s assumed" in out and "[0, " in out and "tokens/s" in out
     rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "144GB,144GB", "--bits", "3"))
     assert rc == 2
-    assert "6.3 GB short" in capsys.readouterr().err
+    short = _shortfall(load_model_cost(CONFIGS / "deepseek_v3.json", bits=3), 2 * 144 * GB, context=8192)
+    assert f"{short / 1e9:.1f} GB short" in capsys.readouterr().err
     rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "2x144GB", "--bits", "3",
                                 "--json"))
     assert rc == 2 and "short" in json.loads(capsys.readouterr().out)["error"]
@@ -260,7 +270,8 @@ def test_auto_bits_fit_deepseek_v3_on_two_178GB_above_3_bits():
     # Every layer's bytes and the stage sums are those of its own rung.
     for i, l in enumerate(choice.cost.layers):
         assert l.weight_bytes == _dsv3_cost(QuantSpec(choice.spec.layer(i))).layers[i].weight_bytes
-    assert "22.2 GB short" in choice.trade() and "4-bit" in choice.trade()
+    short = _shortfall(_dsv3_cost(QuantSpec("4")), 2 * 178 * GB, context=8192)
+    assert f"{short / 1e9:.1f} GB short" in choice.trade() and "4-bit" in choice.trade()
 
 
 def test_auto_bits_ends_of_the_ladder():

@@ -60,6 +60,9 @@ def test_codec_round_trip(dtype):
     (pb.Tensor(shape=[2, -2], dtype="float32", data=b""), "not a valid shape"),
     (pb.Tensor(shape=[], dtype="float32", data=b""), "not a valid shape"),
     (pb.Tensor(shape=[1] * 9, dtype="float32", data=b"\0" * 4), "not a valid shape"),
+    (pb.Tensor(shape=[2], dtype="float32", data=np.array([1, np.nan], "<f4").tobytes()), "not finite"),
+    (pb.Tensor(shape=[2], dtype="float16", data=np.array([-np.inf, 0], "<f2").tobytes()), "not finite"),
+    (pb.Tensor(shape=[1], dtype="bfloat16", data=np.array([0x7FC0], "<u2").tobytes()), "not finite"),
 ])
 def test_codec_refuses_malformed_tensors(tensor, message):
     with pytest.raises(codec.WireError, match=message):

@@ -83,3 +83,79 @@ def test_wire_round_trip_keeps_every_parameter():
                  logit_bias={3: -5.0})
     assert Sampling.from_wire(s.to_wire()) == s
     assert Sampling.from_wire(Sampling().to_wire()) == Sampling()
+
+
+def _peaked(dtype):
+    """Log-probabilities [1, V] with one clear favourite, in ``dtype``."""
+    x = logits(seed=3)
+    x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    return x.astype(dtype), mx.argmax(x, axis=-1).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("temperature", [1e-5 / 2, 1e-6, 1e-39, 1.4e-45])
+def test_tiny_temperatures_draw_the_argmax(dtype, temperature):
+    """1/T used to overflow the logits' dtype (float16 below T = 1.5e-5, float32
+    below 3e-39): every scaled value became -inf or NaN and the draw was junk."""
+    x, best = _peaked(dtype)
+    s = SeqSampler(Sampling(temperature=temperature, seed=1))
+    assert {pick_batch([s], x, [pos])[0][0] for pos in range(20)} == {best}
+
+
+def _flat():
+    return logits(seed=5) / 3  # standard normal logits: many tokens in play
+
+
+def _draws(n=300, **params):
+    """Tokens drawn at positions 0..n-1 from the same logits at temperature 1."""
+    s = SeqSampler(Sampling(temperature=1.0, seed=7, **params))
+    return [pick_batch([s], _flat(), [pos])[0][0] for pos in range(n)]
+
+
+def _ranked():
+    """Token ids by probability, most likely first, and the probabilities."""
+    x = _flat()
+    probs = mx.softmax(x, axis=-1)[0]
+    return mx.argsort(-probs).tolist(), probs.tolist()
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    order, _ = _ranked()
+    assert len(set(_draws())) > 3
+    assert set(_draws(top_k=2)) == set(order[:2])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    order, probs = _ranked()
+    need = next(i for i in range(V) if sum(probs[t] for t in order[: i + 1]) >= 0.9) + 1
+    allowed = set(order[:need])
+    got = set(_draws(top_p=0.9))
+    assert got <= allowed and len(got) > 1 and got != set(_draws())
+
+
+def test_min_p_drops_tokens_far_below_the_favourite():
+    order, probs = _ranked()
+    allowed = {t for t in range(V) if probs[t] >= 0.3 * probs[order[0]]}
+    got = set(_draws(min_p=0.3))
+    assert got <= allowed and len(got) > 1 and len(allowed) < len(set(_draws()))
+
+
+def _penalised(history, **params):
+    """Greedy pick after ``history`` when token 5 leads token 6 by 0.5."""
+    x = mx.zeros((1, V))
+    x[0, 5], x[0, 6] = 2.0, 1.5
+    s = SeqSampler(Sampling(**params))
+    s.observe(history)
+    return pick_batch([s], x, [len(history)])[0][0]
+
+
+def test_presence_penalty_counts_a_token_once():
+    assert _penalised([5], presence_penalty=0.4) == 5
+    assert _penalised([5, 5, 5], presence_penalty=0.4) == 5   # seen three times: still one penalty
+    assert _penalised([5], presence_penalty=0.6) == 6
+
+
+def test_frequency_penalty_grows_with_each_repeat():
+    assert _penalised([5], frequency_penalty=0.3) == 5
+    assert _penalised([5, 5], frequency_penalty=0.3) == 6     # 2.0 - 2 x 0.3 < 1.5
+    assert _penalised([5, 5], presence_penalty=0.3) == 5

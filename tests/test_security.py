@@ -28,14 +28,14 @@ from mlxpipe.server.pipeline import LocalStages
 HIDDEN = 576
 
 
-def _node(models_dir, *args, secret=SECRET):
+def _node(models_dir, *args, secret=SECRET, cwd=None):
     env = dict(os.environ)
     env.pop("MLXPIPE_SECRET", None)
     if secret:
         env["MLXPIPE_SECRET"] = secret
     proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--models-dir", str(models_dir),
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, cwd=cwd)
     line = proc.stdout.readline()
     return proc, (line.split()[-1] if "listening on" in line else None)
 
@@ -94,6 +94,31 @@ def test_a_node_beyond_loopback_demands_a_secret(tmp_path):
     proc, address = _node(tmp_path, "--listen", "0.0.0.0:0", secret=None)
     assert address is None and proc.wait(timeout=30) != 0
     assert "without a cluster secret" in proc.stderr.read()
+
+
+def test_model_names_stay_inside_the_models_directory(tmp_path, default_model):
+    """A name shaped like a repo id used to resolve relative to the node's working
+    directory; and the errors told a caller which paths exist."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "smol2").symlink_to(default_model)
+    (tmp_path / "models" / "escape").symlink_to(tmp_path / "outside")
+    proc, address = _node(tmp_path / "models", "--listen", "127.0.0.1:0", cwd=tmp_path)
+    try:
+        stub = stage_stub(address)
+        names = ["outside/smol2", "escape/smol2", str(default_model), "/etc", "/no/such/dir", "../outside/smol2",
+                 "nobody/nothing", "a\x00b"]
+        details = set()
+        for name in names:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Load(pb.LoadRequest(model=name, start=0, end=4), timeout=30)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, name
+            details.add(info.value.details().replace(repr(name), "NAME"))
+        assert len(details) == 1, details  # one message whatever exists
+        assert "not found in this node's models directory" in details.pop()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- TLS ---------------------------------------------------------------------------------
@@ -204,7 +229,10 @@ def _refused_cleanly(forward, payloads):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.binary(max_size=3000))
 def test_fuzz_random_bytes_are_refused(later_stage, data):
-    _refused_cleanly(later_stage[1], [data])
+    code = _refused_cleanly(later_stage[1], [data])
+    if code == grpc.StatusCode.OK:  # only bytes that read as a frame with nothing to run may pass
+        frame = pb.Frame.FromString(data)
+        assert not frame.seqs and not frame.HasField("hidden"), frame
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -336,13 +364,13 @@ HOSTILE = [
      "larger than"),
     ("deeply nested JSON", "chat/completions", None, b"[" * 20000 + b"]" * 20000, {}, API_KEY, 400, "JSON"),
     ("invalid UTF-8", "chat/completions", None, b'{"model": "default", "messages": "\xff\xfe"}', {}, API_KEY, 400,
-     ""),
+     "could not be read as JSON"),
     # A UTF-8 byte order mark is harmless: read past, as JSON readers do.
-    ("byte order mark", "chat/completions", None, b"\xef\xbb\xbf" + json.dumps(OK).encode(), {}, API_KEY, 200, ""),
+    ("byte order mark", "chat/completions", None, b"\xef\xbb\xbf" + json.dumps(OK).encode(), {}, API_KEY, 200, None),
     # NUL characters are text like any other.
     ("NUL characters in content", "chat/completions", OK | {"messages": [{"role": "user", "content": "a\u0000b"}]},
-     None, {}, API_KEY, 200, ""),
-    ("empty body", "chat/completions", None, b"", {}, API_KEY, 400, ""),
+     None, {}, API_KEY, 200, None),
+    ("empty body", "chat/completions", None, b"", {}, API_KEY, 400, "the request body is empty"),
     ("form instead of JSON", "chat/completions", None, b"model=default", {"content-type":
      "application/x-www-form-urlencoded"}, API_KEY, 400, "Content-Type: application/json"),
     ("lone surrogate in content", "chat/completions", None,
@@ -393,7 +421,7 @@ def test_hostile_http_bodies(guarded, what, route, body, raw, headers, key, stat
     r = _post(guarded, route, body, raw, headers, key)
     assert r.status_code == status, r.text
     if status == 200:
-        assert r.json()["usage"]["completion_tokens"] == 2
+        assert message is None and r.json()["usage"]["completion_tokens"] == 2
         return
     err = r.json()["error"]
     assert message in err["message"], err["message"]
@@ -405,3 +433,134 @@ def test_guarded_server_serves_with_the_key_and_sends_no_cors_headers(guarded):
     assert "access-control-allow-origin" not in r.headers
     assert httpx.get(f"{guarded.root}/health").status_code == 401
     assert httpx.get(f"{guarded.root}/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+# -- what a stranger's messages cost a node -------------------------------------------------------
+
+
+def _rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _big_load_request(size=250 * 1000 * 1000):
+    """A well-formed LoadRequest whose model name (field 1) is ``size`` bytes."""
+    varint, n = bytearray(), size
+    while True:
+        varint.append((n & 0x7F) | (0x80 if n >> 7 else 0))
+        n >>= 7
+        if not n:
+            break
+    return b"\x0a" + bytes(varint) + b"x" * size
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the node's RSS from /proc")
+def test_refused_calls_do_not_grow_a_nodes_memory(tmp_path):
+    """gRPC used to read a whole (up to 256 MiB) message before the secret check
+    refused it, and the refusal kept it alive in a reference cycle: 24 such calls
+    took a node from 40 MB to 4.5 GB."""
+    proc, address = _node(tmp_path, "--listen", "127.0.0.1:0")
+    try:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        load = channel.unary_unary("/mlxpipe.v1.Stage/Load", request_serializer=lambda b: b,
+                                   response_deserializer=pb.LoadReply.FromString)
+        with pytest.raises(grpc.RpcError):
+            load(pb.LoadRequest(model="m").SerializeToString(), timeout=10)  # warm the refusal path
+        baseline = _rss_mb(proc.pid)
+        body = _big_load_request()
+        for _ in range(24):
+            with pytest.raises(grpc.RpcError) as info:
+                load(body, timeout=60)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "cluster secret" in info.value.details()
+        grown = _rss_mb(proc.pid) - baseline
+        print(f"\n[record] node RSS {baseline:.0f} MB before 24 refused 250 MB Loads, grown by {grown:.0f} MB")
+        assert grown < 100, f"the node grew by {grown:.0f} MB"
+        assert stage_stub(address).Health(pb.HealthRequest(), timeout=10).state == "empty"
+        channel.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_message_bigger_than_its_method_takes_is_refused(node):
+    """Even with the secret: a Load request is a few fields, not megabytes."""
+    with pytest.raises(grpc.RpcError) as info:
+        stage_stub(node).Load(pb.LoadRequest(model="x" * (1 << 20)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the" in info.value.details()
+
+
+# -- slow clients -------------------------------------------------------------------------------------
+
+
+def _half_requests(srv, n):
+    """``n`` connections that send half a request line and then nothing."""
+    import socket
+
+    host, port = srv.root.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        socks.append(s)
+    return socks
+
+
+def _closed(sock, wait):
+    sock.settimeout(wait)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def test_slow_headers_are_cut_off_and_capped(guarded):
+    """Connections that never finish their headers used to be kept for ever:
+    ~2,000 of them exhausted the file descriptors and locked the API out. Now
+    each has HEADER_TIMEOUT_S, and past MAX_READING of them the oldest go."""
+    from mlxpipe.server import http_guard
+
+    import time
+
+    first = _half_requests(guarded, 300)
+    time.sleep(http_guard.MIN_AGE_S + 0.5)
+    second = _half_requests(guarded, http_guard.MAX_READING)  # 300 of the first must make room
+    try:
+        t = time.monotonic()
+        r = httpx.get(f"{guarded.root}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t < 5
+        assert sum(_closed(s, 0.01) for s in first) >= 300 - 20  # evicted (a few may still be in flight)
+        assert not any(_closed(s, 0.01) for s in second[-10:])
+        left = http_guard.HEADER_TIMEOUT_S + 2 - (time.monotonic() - t)
+        assert _closed(second[-1], left), "the header deadline did not close a slow connection"
+    finally:
+        for s in first + second:
+            s.close()
+
+
+def test_any_string_the_client_sent_is_safe_to_echo(guarded):
+    """A lone surrogate in `model` used to give a 500 (the 404's message echoes
+    the name and could not be encoded) and a dropped keep-alive connection."""
+    import socket
+
+    host, port = guarded.root.removeprefix("http://").split(":")
+    body = b'{"model":"\\ud800x","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}'
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        replies = []
+        for _ in range(2):  # the same connection, twice
+            sock.sendall(request)
+            reply = b""
+            while not reply.endswith(b"}}"):
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                reply += chunk
+            replies.append(reply)
+    for reply in replies:
+        head, payload = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 404"), head
+        assert "\ud800x" in json.loads(payload)["error"]["message"]

@@ -199,6 +199,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _text(model, tokens):
+    """What the API's completion text is for ``tokens`` (mlx-lm's streaming
+    detokenizer, which drops the one space a text starts with)."""
+    from mlx_lm.utils import load_tokenizer
+
+    detok = load_tokenizer(model).detokenizer
+    detok.reset()
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
 def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, reference):
     import httpx
     from server_proc import ServerProcess
@@ -225,6 +238,7 @@ def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, r
         r = httpx.post(f"{head.base_url}/completions", json={"model": "default", "prompt": PROMPT,
                                                               "max_tokens": TOKENS, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == TOKENS
+        assert r.json()["choices"][0]["text"] == _text(dsv3_model, reference(dsv3_model, PROMPT, TOKENS))
         out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "nodes", "--url", head.base_url],
                              capture_output=True, text=True, timeout=60)
         assert all(a in out.stdout for _, a in joiners)
