@@ -10,12 +10,12 @@ import asyncio
 import json
 import sys
 
-from mlxpipe.bench import balance, chat, load, prefill, quality, stream
+from mlxpipe.bench import balance, chat, grammar, load, prefill, quality, stream
 from mlxpipe.bench.common import baseline_worker
 
 # Each mode module adds its subcommand and the coroutine it runs (``measure``):
 # a new mode is a new module and an entry here.
-MODES = (stream, load, prefill, balance, chat, quality)
+MODES = (stream, load, prefill, balance, chat, quality, grammar)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
