@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 

@@ -68,3 +68,27 @@ def test_constrained_sequences_do_not_speculate(chat_model, tok):
     plain, _ = pipeline(chat_model, tok).generate(ps, 60, [constrained(3)])
     out, seqs = pipeline(chat_model, tok, speculate=True).generate(ps, 60, [constrained(3)])
     assert out == plain and seqs[0].spec is None
+
+
+def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):
+    from mlxpipe.proto import pipeline_pb2 as pb
+    from mlxpipe.shards.stage import FrameError
+
+    def prefill(grammar):
+        entry = pb.SeqEntry(seq_id=1, offset=0, num_tokens=2, sample=True, sampling=constrained(0).to_wire())
+        entry.sampling.grammar = grammar
+        return pb.Frame(frame_id=1, kind=pb.Frame.PREFILL, seqs=[entry], tokens=[1, 2])
+
+    untokenized = InProcess(chat_model, [(0, 4)], SchedulerConfig()).stages[0]
+    with pytest.raises(FrameError, match="without a tokenizer") as err:
+        untokenized.run(prefill(GRAMMAR))
+    assert err.value.code == "FAILED_PRECONDITION"
+    single = InProcess(chat_model, [(0, 4)], SchedulerConfig(),
+                       tokenizer=pipeline(chat_model, tok).stages[-1].tokenizer).stages[0]
+    with pytest.raises(FrameError, match="its grammar"):
+        single.run(prefill('{"grammars": [{"lark_grammar": "start: nope"}]}'))
+    single.run(prefill(GRAMMAR))
+    verify = pb.Frame(frame_id=2, kind=pb.Frame.VERIFY, tokens=[5, 6],
+                      seqs=[pb.SeqEntry(seq_id=1, offset=2, num_tokens=2, sample=True)])
+    with pytest.raises(FrameError, match="cannot verify drafts"):
+        single.run(verify)
