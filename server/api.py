@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -26,15 +26,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxpipe.server.chat import Reply, render, thinks_first
 from mlxpipe.server.completions import ChatFormat, Generation, TextFormat, events
 from mlxpipe.server.engine import GenerationFailed
 from mlxpipe.server.join import joined_table
 from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxpipe.server.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
+                                       tool_call_grammar)
 from mlxpipe.shards.sampling import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -252,6 +256,7 @@ class _Completions:
         self.vocab = cluster.vocab_size
         self.names = {options.model_id, "default", *options.aliases}
         self.retry_after = {"Retry-After": str(options.retry_after_s)}
+        self.grammars = Grammars(cluster.tokenizer, self.vocab)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -289,20 +294,37 @@ class _Completions:
     async def encode(self, fn, *args) -> List[int]:
         try:
             return await asyncio.to_thread(fn, *args)
-        except (TypeError, ValueError, UnicodeError) as err:  # text the tokenizer cannot take
-            raise ApiError(400, f"the text could not be tokenized: {err}", param="messages")
+        except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
+            raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
 
-    def submit(self, req, prompt: List[int]) -> Generation:
-        """The request's n streams on the engine."""
+    async def grammar(self, req: ChatCompletionRequest) -> str:
+        """The grammar the request's output must follow ("" for none), or a 400."""
+        param = "response_format"
+        try:
+            functions = forced_functions(req.tool_dicts() or [], req.choice())
+            if functions is not None:
+                param = "tool_choice"
+                grammar = tool_call_grammar(self.tok, functions, req.parallel_tool_calls)
+            else:
+                grammar = response_format_grammar(req.response_format.as_dict() if req.response_format else None)
+            return await asyncio.to_thread(self.grammars.check, grammar)
+        except GrammarError as err:
+            raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
+
+    def submit(self, req, prompt: List[int], grammar: str = "") -> Generation:
+        """The request's n streams on the engine; ``grammar``: what their output must follow."""
+        def sampling(choice: int = 0):
+            return replace(req.sampling(self.options.default_temperature, choice), grammar=grammar)
+
         try:  # the last stage's own check, here where it can still be a 400
-            req.sampling(self.options.default_temperature).validate(self.vocab)
+            sampling().validate(self.vocab)
         except SamplingError as err:
             raise ApiError(400, str(err), param=err.param)
         max_tokens = self.budget(req, len(prompt))
         streams = []
         try:
             for i in range(req.n):
-                streams.append(self.engine.submit(prompt, max_tokens, req.sampling(self.options.default_temperature, i)))
+                streams.append(self.engine.submit(prompt, max_tokens, sampling(i)))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -418,15 +440,14 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         completions.check_model(req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        tok = cluster.tokenizer
-        if tok.has_chat_template:
-            prompt = await completions.encode(lambda: tok.apply_chat_template(messages, add_generation_prompt=True))
-        else:
-            prompt = await completions.encode(tok.encode, "\n".join(m["content"] for m in messages))
-        gen = completions.submit(req, prompt)
-        return await completions.respond(request, req, gen, ChatFormat(tok, options.model_id, req.logprobs))
+        tok, tools = cluster.tokenizer, req.tool_dicts()
+        prompt = await completions.encode(render, tok, [m.for_template() for m in req.messages], tools,
+                                          req.chat_template_kwargs or {})
+        grammar = await completions.grammar(req)
+        gen = completions.submit(req, prompt, grammar)
+        thinking = thinks_first(tok, prompt) and not grammar  # a grammar leaves no room to think
+        replies = [Reply(tok, tools, thinking, req.parallel_tool_calls, req.stream) for _ in range(req.n)]
+        return await completions.respond(request, req, gen, ChatFormat(tok, options.model_id, req.logprobs, replies))
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, request: Request):

@@ -4,6 +4,7 @@ layer split, engine. Shared by ``mlxpipe generate``, ``serve`` and ``bench``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -20,6 +21,7 @@ from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
                                      probe, split_from_sizes)
 from mlxpipe.server.scheduler import SchedulerConfig
+from mlxpipe.server.structured import tokenizer_json
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.store import fingerprint, text_config
 
@@ -159,6 +161,11 @@ class Cluster:
         costs = sorted(p.row_cost for p in self.profiles.values() if p.layer_seconds)
         return costs[len(costs) // 2] if costs else 1.0
 
+    @functools.cached_property
+    def tokenizer_spec(self) -> pb.TokenizerSpec:
+        """The tokenizer as the last stage needs it for grammars."""
+        return pb.TokenizerSpec(json=tokenizer_json(self.tokenizer), eos_token_ids=sorted(self.tokenizer.eos_token_ids))
+
     @property
     def vocab_size(self) -> int:
         return int(self.model_config.get("vocab_size", 0)) or len(self.tokenizer)
@@ -255,7 +262,8 @@ class Cluster:
             cap = max(offered_memory() - model_bytes, 0) // len(addresses)
         return Pipeline(addresses, self._model_arg, self.security, max_batch=cfg.max_batch,
                         max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cap,
-                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0)
+                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0,
+                        tokenizer=self.tokenizer_spec)
 
     async def _await_up(self, down: Dict[str, str], refuse: bool = False) -> Dict[str, str]:
         """Probe the stages in ``down`` (address -> why) about once a second until they

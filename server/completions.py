@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, List, Tuple
 
+from mlxpipe.server.chat import Delta, Reply
 from mlxpipe.server.engine import GenerationFailed, RequestStream
 from mlxpipe.server.textgen import TextChunk, stream_text
 
@@ -101,13 +102,15 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """``/v1/chat/completions``: ``chat.completion`` objects and their chunks."""
+    """``/v1/chat/completions``: ``chat.completion`` objects and their chunks; each
+    choice's text split into content, reasoning and tool calls by its ``Reply``."""
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool):
+    def __init__(self, tokenizer, model: str, logprobs: bool, replies: List[Reply]):
         super().__init__(tokenizer, model, "chatcmpl")
         self.logprobs = logprobs
+        self.replies = replies
 
     def _logprobs(self, chunk: TextChunk) -> List[dict]:
         content = []
@@ -121,19 +124,33 @@ class ChatFormat(_Format):
                              "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]} for i in range(n)]
 
+    @staticmethod
+    def _message(d: Delta) -> dict:
+        m = {"content": d.content} if d.content else {}
+        if d.reasoning:
+            m["reasoning_content"] = d.reasoning
+        if d.tool_calls:
+            m["tool_calls"] = d.tool_calls
+        return m
+
     def chunk(self, i: int, c: TextChunk) -> dict:
+        reply = self.replies[i]
         return self.base | {"object": self.chunk_object, "choices": [{
-            "index": i, "delta": {"content": c.text} if c.text else {},
+            "index": i, "delta": self._message(reply.feed(c.text, c.finish_reason is not None)),
             "logprobs": {"content": self._logprobs(c)} if self.logprobs else None,
-            "finish_reason": c.finish_reason}]}
+            "finish_reason": reply.finish_reason(c.finish_reason)}]}
 
     def response(self, out: List[List[TextChunk]], usage: dict) -> dict:
         choices = []
         for i, cs in enumerate(out):
+            reply = self.replies[i]
+            message = {"role": "assistant", "content": None} | self._message(reply.feed("".join(c.text for c in cs), True))
+            if not message["content"] and "tool_calls" not in message:
+                message["content"] = ""
             choices.append({
-                "index": i, "message": {"role": "assistant", "content": "".join(c.text for c in cs)},
+                "index": i, "message": message,
                 "logprobs": {"content": [e for c in cs for e in self._logprobs(c)]} if self.logprobs else None,
-                "finish_reason": _finish(cs)})
+                "finish_reason": reply.finish_reason(_finish(cs))})
         return self.base | {"object": "chat.completion", "choices": choices, "usage": usage}
 
 

@@ -238,13 +238,14 @@ class Pipeline:
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
                  max_batch: int = 0, max_chunk_tokens: int = 0, max_cache_bytes: int = 0,
-                 block_tokens: int = 0):
+                 block_tokens: int = 0, tokenizer: Optional[pb.TokenizerSpec] = None):
         self.stages = [Placement(a, 0, 0) for a in addresses]
         self.model = model
         self.security = security or Security()
         self.md = self.security.metadata()  # every call carries the cluster secret
         self.max_batch, self.max_chunk_tokens, self.max_cache_bytes = max_batch, max_chunk_tokens, max_cache_bytes
         self.block_tokens = block_tokens  # prefix-cache block size the stages keep (0: none)
+        self.tokenizer = tokenizer  # for the last stage's grammars (None: it refuses sequences with one)
         self.channels = [self.security.channel(a) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self._forward = None
@@ -356,7 +357,8 @@ class Pipeline:
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
                                  max_batch=self.max_batch, max_chunk_tokens=self.max_chunk_tokens,
                                  max_cache_bytes=self.max_cache_bytes, block_tokens=self.block_tokens,
-                                 quantization=quant.to_wire() if quant else None)
+                                 quantization=quant.to_wire() if quant else None,
+                                 tokenizer=self.tokenizer if not nxt else None)
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)

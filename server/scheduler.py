@@ -42,7 +42,11 @@ Rules:
   Greedy and seeded output is therefore exactly what plain decoding gives.
   The depth follows the acceptance (halved on a miss, one more after as many
   drafts in a row matched); a sequence whose drafts keep failing decodes in its group
-  again for a while.
+  again for a while. A sequence with a grammar never speculates: its grammar
+  would have to take back rejected drafts on the last stage.
+- A sequence with a grammar ends when the last stage says its grammar is
+  complete (``TokenResult.done``); replayed, its first frame names the tokens
+  it generated, so the last stage's grammar advances past them again.
 - Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
 """
 
@@ -395,6 +399,8 @@ class Scheduler:
                     entry.sampling.CopyFrom(seq.sampling)
                     entry.reuse.extend(seq.reuse)
                     entry.context.extend(self._penalty_context(seq))
+                    if seq.sampling.grammar:
+                        entry.generated.extend(seq.generated)
                 else:
                     self._store(seq, entry)
                 tokens = seq.feed[seq.sent : seq.sent + n]
@@ -412,7 +418,7 @@ class Scheduler:
     def _start_speculating(self, seq: Sequence) -> bool:
         """Whether a grouped sequence leaves its group to verify drafts now."""
         cfg = self.config
-        if not cfg.speculate or self.live > cfg.spec_max_running:
+        if not cfg.speculate or seq.sampling.grammar or self.live > cfg.spec_max_running:
             return False
         spec = seq.spec = seq.spec or Spec(depth=cfg.spec_depth)
         if spec.cooldown:
@@ -546,7 +552,7 @@ class Scheduler:
             self._join_group(seq)
         top = (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None
         reason = None
-        if t.token in seq.eos:
+        if t.token in seq.eos or t.done:
             reason = "stop"
         elif len(seq.generated) >= seq.max_tokens or len(seq.prompt) + len(seq.generated) >= seq.max_context:
             reason = "length"

@@ -4,14 +4,14 @@ Sampling bounds come from ``Sampling.BOUNDS`` (OpenAI's where it has them;
 the extensions mlx_lm.server accepts, ``top_k``, ``min_p`` and
 ``repetition_penalty``, are accepted too); ``sampling()`` turns a request into
 the ``Sampling`` the engine takes. Unknown fields are ignored, as
-OpenAI-compatible servers do, except the ones whose meaning we cannot honour
-(``tools``, structured ``response_format``), which are refused.
+OpenAI-compatible servers do, except the ones whose meaning we cannot honour,
+which are refused.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -45,19 +45,44 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None           # tool: the call this answers
 
     @model_validator(mode="after")
     def _content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         unicode_text(self.text())
         return self
+
+    def for_template(self) -> Dict[str, Any]:
+        """The message as chat templates take it (``chat.template_messages`` does the rest)."""
+        m = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                m[key] = getattr(self, key)
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return m
 
     def text(self) -> str:
         if self.content is None:
@@ -154,23 +179,88 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class Function(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None  # a JSON schema
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchema(BaseModel):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response_format needs its json_schema")
+        return self
+
+    def as_dict(self) -> Dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# Arguments of apply_chat_template that chat_template_kwargs must not set.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
+                                    "tokenize", "return_dict", "return_tensors", "chat_template", "tokenizer_kwargs",
+                                    "continue_final_message", "padding", "truncation", "max_length"})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = _bounded("top_logprobs")
-    tools: Optional[list] = None
-    response_format: Optional[dict] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool = True
+    response_format: Optional[ResponseFormat] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.tools:
-            raise ValueError("tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice asks for a tool call, and no tools were given")
+        forced = self.tool_choice not in (None, "none", "auto")
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a forced tool call and a response_format cannot both be enforced")
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & (self.chat_template_kwargs or {}).keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
         return self
+
+    def tool_dicts(self) -> Optional[List[Dict[str, Any]]]:
+        """The tools for the chat template (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def choice(self) -> Any:
+        """tool_choice as plain data."""
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
 
     def token_budget(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens

@@ -6,7 +6,9 @@ A sequence's parameters arrive once, with its first frame; from then on
 ``SeqSampler`` keeps what the penalties need (the tokens seen so far) and picks
 one token per ``sample`` request, in the order mlx-lm's ``generate_step`` does:
 logits processors, log-softmax, filters (top-p, min-p, top-k), then a draw at
-the temperature, or the argmax when the temperature is 0 (below GREEDY_BELOW).
+the temperature, or the argmax when the temperature is 0 (below GREEDY_BELOW). A sequence with a
+grammar (``grammar.py``) masks what the grammar forbids after the processors,
+so that no bias or penalty revives it, and advances the grammar past each pick.
 
 Random draws use a key derived from the sequence's seed and the token's
 position, not a running generator: the same seed gives the same text, and a
@@ -23,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.grammar import Constraint
 
 MAX_TOP_LOGPROBS = 20
 MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
@@ -83,6 +86,7 @@ class Sampling:
     logprobs: bool = False               # report the chosen token's log-probability
     top_logprobs: int = 0                # alternatives to report per token
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: str = ""                    # llguidance grammar the output follows ("": none; see grammar.py)
 
     # OpenAI's bounds where it has them; top_k's upper bound is the vocabulary (checked in validate).
     BOUNDS: ClassVar[Dict[str, Bound]] = {
@@ -130,7 +134,7 @@ class Sampling:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             penalty_context_size=self.penalty_context_size,
             logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
-            logit_bias=dict(self.logit_bias),
+            logit_bias=dict(self.logit_bias), grammar=self.grammar,
         )
         if self.seed is not None:
             p.has_seed, p.seed = True, self.seed % (1 << 64)
@@ -145,15 +149,17 @@ class Sampling:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             penalty_context_size=p.penalty_context_size or 20,
             seed=p.seed if p.has_seed else None, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-            logit_bias=dict(p.logit_bias),
+            logit_bias=dict(p.logit_bias), grammar=p.grammar,
         )
 
 
 class SeqSampler:
-    """Picks the tokens of one sequence (whose ``Sampling`` was validated)."""
+    """Picks the tokens of one sequence (whose ``Sampling`` was validated); with a
+    ``constraint``, only tokens its grammar allows."""
 
-    def __init__(self, params: Sampling):
+    def __init__(self, params: Sampling, constraint: Optional[Constraint] = None):
         self.params = params
+        self.constraint = constraint
         self.seed = params.seed or 0
         self.processors = make_logits_processors(
             logit_bias=dict(params.logit_bias) or None,
@@ -179,7 +185,12 @@ class SeqSampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with no processors: rows like this are picked together, in one argmax."""
-        return self.params.greedy and not self.processors
+        return self.params.greedy and not self.processors and self.constraint is None
+
+    @property
+    def finished(self) -> bool:
+        """Its grammar is complete: the last pick ends the sequence."""
+        return self.constraint is not None and self.constraint.finished
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Tokens that entered the model for this sequence (prompt and fed-back tokens)."""
@@ -198,6 +209,8 @@ class SeqSampler:
             tokens = mx.array(self.history, dtype=mx.int32)
             for proc in self.processors:
                 logits = proc(tokens, logits)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def draw(self, logprobs: mx.array, position: int) -> mx.array:
@@ -255,10 +268,13 @@ def pick_batch(
     token_list = tokens.tolist()
     lp_list = lp_chosen.tolist() if lp_chosen is not None else [0.0] * len(samplers)
     out = []
-    for i in range(len(samplers)):
+    for i, s in enumerate(samplers):
+        if s.constraint is not None:
+            s.constraint.accept([token_list[i]])
         top = None
-        if i in tops:
-            top = (tops[i][0].tolist(), tops[i][1].tolist())
+        if i in tops:  # a grammar may leave fewer than k tokens possible: report only those
+            pairs = [(t, lp) for t, lp in zip(tops[i][0].tolist(), tops[i][1].tolist()) if lp > -math.inf]
+            top = ([t for t, _ in pairs], [lp for _, lp in pairs])
         out.append((token_list[i], lp_list[i] if want[i] else 0.0, top))
     return out
 

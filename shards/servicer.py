@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, malformed, refuse_malformed
+from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
@@ -166,7 +167,11 @@ class StageServicer(pb_grpc.StageServicer):
             max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
             block_tokens=request.block_tokens,
         )
-        shard = Shard(stage, hidden, vocab, limits)
+        tokenizer = None
+        if request.HasField("tokenizer") and stage.last:
+            spec = request.tokenizer
+            tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
+        shard = Shard(stage, hidden, vocab, limits, tokenizer)
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),

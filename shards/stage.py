@@ -20,6 +20,9 @@ Sequences and caches:
   decode group for caches of its own; the last stage samples after every
   position. The head judges the drafts; a later frame's ``trim`` drops the
   positions it rejected (mlx-lm's trimmable caches), before anything else.
+- A sequence with a grammar (``grammar.py``, last stage only) never verifies
+  drafts; when it is replayed, its first frame names the tokens it generated
+  (``generated``) and the grammar advances past them again.
 - Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
   first drops the blocks in ``evict``; a sequence's first frame may start it
   after cached blocks (``reuse``); any later frame may name blocks of the
@@ -38,6 +41,7 @@ import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.grammar import Constraint, GrammarError, validate
 from mlxpipe.shards.prefix import BlockStore, supports
 from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch, pick_positions
 from mlxpipe.shards.slicing import SlicedModel
@@ -129,9 +133,9 @@ class BusyClock:
         return min(busy / span, 1.0), tokens / span
 
 
-def _token_result(seq_id: int, pick) -> pb.TokenResult:
+def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
     token, logprob, top = pick
-    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob)
+    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
     if top is not None:
         r.top_ids.extend(top[0])
         r.top_logprobs.extend(top[1])
@@ -142,8 +146,10 @@ class Shard:
     """A stage's loaded layer range with every live sequence's caches, its decode
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
-    def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits):
+    def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
+                 tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.limits = limits
@@ -278,11 +284,25 @@ class Shard:
             elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
                 raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
             if self.model.last and e.sampling.ByteSize():
-                try:
-                    Sampling.from_wire(e.sampling).validate(self.vocab_size)
-                except SamplingError as err:
-                    raise FrameError(f"sequence {e.seq_id}: {err}") from err
+                self._check_sampling(e)
+            if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
+                raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
         return rows, n
+
+    def _check_sampling(self, e: pb.SeqEntry) -> None:
+        try:
+            Sampling.from_wire(e.sampling).validate(self.vocab_size)
+        except SamplingError as err:
+            raise FrameError(f"sequence {e.seq_id}: {err}") from err
+        if not e.sampling.grammar:
+            return
+        if self.tokenizer is None:
+            raise FrameError(f"sequence {e.seq_id} has a grammar, and this stage was loaded without a tokenizer",
+                             "FAILED_PRECONDITION")
+        try:
+            validate(e.sampling.grammar, self.tokenizer)
+        except GrammarError as err:
+            raise FrameError(f"sequence {e.seq_id}: its grammar: {err}") from err
 
     def _check_blocks(self, frame: pb.Frame, e: pb.SeqEntry) -> None:
         """The prefix-cache instructions of one entry: blocks held, positions sane."""
@@ -359,7 +379,12 @@ class Shard:
             seq.length = self.prefix.start(entry.reuse, seq.caches)
             self.stats.reused_tokens += seq.length
         if self.model.last:
-            seq.sampler = SeqSampler(Sampling.from_wire(entry.sampling))
+            params = Sampling.from_wire(entry.sampling)
+            constraint = None
+            if params.grammar:
+                constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size)
+                constraint.accept(entry.generated)
+            seq.sampler = SeqSampler(params, constraint)
             seq.sampler.observe(entry.context)
         self.seqs[entry.seq_id] = seq
         return seq
@@ -448,7 +473,7 @@ class Shard:
 
     def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
         picks = pick_batch([s.sampler for s in seqs], logits, [s.length for s in seqs])
-        return [_token_result(e.seq_id, pick) for e, pick in zip(entries, picks)]
+        return [_token_result(e.seq_id, pick, s.sampler.finished) for e, s, pick in zip(entries, seqs, picks)]
 
     def _regroup(self, gid: int, members: List[int]) -> _Group:
         """Make group ``gid`` hold exactly ``members``, caches in that row order."""

@@ -91,6 +91,14 @@ def dsv3_model(tmp_path_factory, default_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_model(tmp_path_factory, dsv3_model) -> Path:
+    """The tiny DeepSeek-V3 with a Qwen-style chat template: tool calls and <think> markers."""
+    from tiny_models import with_chat_template
+
+    return with_chat_template(tmp_path_factory.mktemp("chat") / "model", dsv3_model)
+
+
+@pytest.fixture(scope="session")
 def sources(tmp_path_factory, default_model):
     """sources(name) -> a full-precision model folder, built once per session: "dsv3" (bf16
     DeepSeek-V3), "dsv3-fp8" (FP8 + weight_scale_inv, as published), "llama" (bf16)."""

@@ -13,13 +13,16 @@ from mlxpipe.shards.stage import ShardLimits, Shard
 
 
 class InProcess:
-    def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=()):
+    def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
+                 tokenizer=None):
+        """``tokenizer``: llguidance's, for the last stage's grammars."""
         self.eos = frozenset(eos)
         self.stages = []
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
-            self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits))
+            self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
+                                     tokenizer if model.last else None))
         self.scheduler = Scheduler(config)
         self.reset_prefix()
         self._ids = 0
@@ -29,17 +32,22 @@ class InProcess:
         held = [list(st.prefix.blocks) if st.prefix else [] for st in self.stages]
         self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks)
 
-    def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None) -> Tuple[List[List[int]], List[Seq]]:
-        """Greedy (or ``sampling``) tokens of every prompt, run together; and their Sequences."""
+    def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None,
+                 replay_after: int = 0) -> Tuple[List[List[int]], List[Seq]]:
+        """Greedy (or ``sampling``: one, or one per prompt) tokens of every prompt, run
+        together; and their Sequences. ``replay_after``: after that many results the
+        stages lose every sequence and the scheduler replays them (as after a fault)."""
         from mlxpipe.shards.sampling import Sampling
 
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         seqs = []
-        for p in prompts:
+        for p, sp in zip(prompts, samplings):
             self._ids += 1
             seqs.append(Seq(seq_id=self._ids, prompt=list(p), max_tokens=max_tokens, eos=self.eos,
-                            sampling=(sampling or Sampling(seed=0)).to_wire()))
+                            sampling=(sp or Sampling(seed=0)).to_wire()))
             self.scheduler.add(seqs[-1])
         out: Dict[int, List[int]] = {s.seq_id: [] for s in seqs}
+        results = 0
         while not self.scheduler.idle:
             for frame in self.scheduler.schedule():
                 x = frame
@@ -47,4 +55,10 @@ class InProcess:
                     x = st.run(x)
                 for ev in self.scheduler.on_result(x):
                     out[ev.seq.seq_id].append(ev.token)
+                results += 1
+                if results == replay_after:
+                    for st in self.stages:
+                        st.free_all()
+                    self.scheduler.replay_all()
+                    break
         return [out[s.seq_id] for s in seqs], seqs

@@ -258,7 +258,11 @@ BAD_REQUESTS = [
     ("unknown role", "chat", OK_CHAT | {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("content of the wrong type", "chat", OK_CHAT | {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
     ("logit_bias key not a token id", "chat", OK_CHAT | {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
-    ("tools", "chat", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tool calling"),
+    ("a tool without its function", "chat", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "function"),
+    ("a forced tool call on a model without tool calls", "chat", OK_CHAT | {
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tool calling"),
+    ("a response_format schema that cannot be enforced", "chat", OK_CHAT | {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
     ("seed not an integer", "chat", OK_CHAT | {"seed": "x"}, 400, "seed"),
     ("min_p above 1", "chat", OK_CHAT | {"min_p": 2}, 400, "min_p"),
     ("repetition_penalty zero", "chat", OK_CHAT | {"repetition_penalty": 0}, 400, "repetition_penalty"),

@@ -80,7 +80,7 @@ def test_wire_round_trip_keeps_every_parameter():
     s = Sampling(temperature=0.75, top_p=0.875, top_k=5, min_p=0.0625, repetition_penalty=1.25,  # float32-exact
                  repetition_context_size=30, presence_penalty=0.5, frequency_penalty=-0.5,
                  penalty_context_size=40, seed=(1 << 64) - 1, logprobs=True, top_logprobs=4,
-                 logit_bias={3: -5.0})
+                 logit_bias={3: -5.0}, grammar="start: \"x\"")
     assert Sampling.from_wire(s.to_wire()) == s
     assert Sampling.from_wire(Sampling().to_wire()) == Sampling()
 

@@ -207,3 +207,65 @@ def build_llama_source(out: Path, tokenizer_from: Path, seed: int = 0, dtype=mx.
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     return _finish(out, config, tokenizer_from)
+
+
+# A Qwen-style chat template with tools (JSON between <tool_call> markers: mlx-lm
+# picks its json_tools parser) and thinking (<think> markers; the prompt opens a
+# think block when enable_thinking is true).
+CHAT_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+You may call one or more functions. Their signatures:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each call, return <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking %}<think>
+{% endif %}{% endif %}"""
+
+THINK_TOKENS = {13: "<think>", 14: "</think>"}  # two of SmolLM2's unused special tokens, renamed
+
+
+def with_chat_template(out: Path, model: Path) -> Path:
+    """``model`` (weights linked, not copied) with ``CHAT_TEMPLATE`` and think tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name not in TOKENIZER_FILES:
+            (out / f.name).symlink_to(f.resolve())
+    tok = json.loads((model / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for entry in tok["added_tokens"]:
+        if entry["id"] in THINK_TOKENS:
+            del vocab[entry["content"]]
+            entry["content"], entry["special"] = THINK_TOKENS[entry["id"]], False
+            vocab[entry["content"]] = entry["id"]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = [t for t in config.get("additional_special_tokens", [])
+                                           if t not in ("<jupyter_code>", "<jupyter_output>")]
+    config["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -1,0 +1,107 @@
+"""Chat turns to prompts and replies back to messages, with the model's own means.
+
+``render`` puts the messages (tool calls and tool results included) and the
+tools through the model's chat template, as mlx-lm's server does. ``Reply``
+splits what the model writes into content, reasoning (between the template's
+think markers) and tool calls (between its tool-call markers, parsed by the
+tool parser mlx-lm picked for the template), as the text streams in: it drives
+mlx-lm's ``TextStateMachine`` and ``ToolCallFormatter``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.server import ToolCallFormatter
+
+
+def template_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """OpenAI messages as chat templates take them: tool-call arguments as objects
+    (OpenAI sends them as JSON text), ``developer`` as ``system``."""
+    out = []
+    for m in messages:
+        m = dict(m, role="system" if m["role"] == "developer" else m["role"])
+        if m.get("tool_calls"):
+            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=_arguments(c["function"]["arguments"])))
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def render(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[dict]],
+           template_kwargs: Dict[str, Any]) -> List[int]:
+    """The prompt's token ids: the chat template's, or the contents joined by
+    newlines for a model without one."""
+    if not tokenizer.has_chat_template:
+        return tokenizer.encode("\n".join(m.get("content") or "" for m in messages))
+    return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+                                         add_generation_prompt=True, **template_kwargs)
+
+
+def thinks_first(tokenizer, prompt: List[int]) -> bool:
+    """The prompt opens a think block it does not close (the model starts in its reasoning)."""
+    return tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: List[dict] = field(default_factory=list)
+
+
+class Reply:
+    """One choice's text, split as it streams into content, reasoning and tool calls."""
+
+    def __init__(self, tokenizer, tools: Optional[List[dict]], reasoning: bool, parallel: bool, streaming: bool):
+        machine = make_text_state_machine(tokenizer)
+        self.where = "reasoning" if reasoning else "normal"
+        self.state = machine.make_state(self.where)
+        self.formatter = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.parallel = parallel
+        self.calls = 0
+        self.tool_text = ""
+
+    def feed(self, text: str, final: bool) -> Delta:
+        """What ``text`` adds; ``final``: the reply ends with it (held-back text comes out)."""
+        self.state, segments = TextStateMachine.split(self.state, text)
+        if final:
+            self.state, rest, now = TextStateMachine.flush(self.state)
+            segments.append((now, rest))
+        delta = Delta()
+        for where, part in segments:
+            if self.where == "tool" and where != "tool":
+                self._call(delta)
+            self.where = where
+            if where == "tool":
+                self.tool_text += part
+            elif where == "reasoning":
+                delta.reasoning += part
+            else:
+                delta.content += part
+        if final and self.where == "tool" and self.tool_text:  # cut off inside a call: parse what there is
+            self._call(delta)
+        return delta
+
+    def _call(self, delta: Delta) -> None:
+        text, self.tool_text = self.tool_text, ""
+        if self.calls and not self.parallel:
+            return
+        calls = self.formatter([text])
+        if not self.parallel:
+            calls = calls[:1]
+        self.calls += len(calls)
+        delta.tool_calls += calls
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return "tool_calls" if reason == "stop" and self.calls else reason

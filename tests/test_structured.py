@@ -1,0 +1,94 @@
+"""Grammar-constrained sequences through real stages in one process: output that
+follows the schema, beside unconstrained rows of the same decode group, the same
+after a replay, and never speculated."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+from inproc import InProcess
+
+from mlxpipe.server.scheduler import SchedulerConfig
+from mlxpipe.server.structured import response_format_grammar, tokenizer_json
+from mlxpipe.shards.grammar import tokenizer_from_json
+from mlxpipe.shards.sampling import Sampling
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"}}}
+GRAMMAR = response_format_grammar({"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}})
+
+
+@pytest.fixture(scope="module")
+def tok(chat_model):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(chat_model)
+
+
+def pipeline(chat_model, tok, **config):
+    ll = tokenizer_from_json(tokenizer_json(tok), 49152, sorted(tok.eos_token_ids))
+    return InProcess(chat_model, [(0, 2), (2, 4)], SchedulerConfig(**config), eos=tok.eos_token_ids, tokenizer=ll)
+
+
+def prompts(tok, n):
+    return [tok.apply_chat_template([{"role": "user", "content": f"Person {i} as JSON"}], add_generation_prompt=True)
+            for i in range(n)]
+
+
+def constrained(seed):
+    return Sampling(temperature=1.0, seed=seed, grammar=GRAMMAR)
+
+
+def test_constrained_rows_follow_the_schema_beside_plain_rows(chat_model, tok):
+    ps = prompts(tok, 4)
+    alone, _ = pipeline(chat_model, tok, num_groups=1).generate(ps[2:], 12)
+    out, seqs = pipeline(chat_model, tok, num_groups=1).generate(
+        ps, 60, [constrained(1), constrained(2), None, None])
+    validator = jsonschema_rs.validator_for(SCHEMA)
+    for tokens, seq in zip(out[:2], seqs):
+        assert seq.finish_reason == "stop"  # the grammar completed
+        validator.validate(json.loads(tok.decode(tokens)))
+    assert [t[:12] for t in out[2:]] == alone  # greedy rows of the same group are untouched
+
+
+@pytest.mark.parametrize("after", [3, 9])  # while prefilling, while decoding
+def test_a_replayed_constrained_sequence_goes_on_where_it_was(chat_model, tok, after):
+    ps = prompts(tok, 2)
+    want, _ = pipeline(chat_model, tok).generate(ps, 60, [constrained(7), constrained(8)])
+    got, _ = pipeline(chat_model, tok).generate(ps, 60, [constrained(7), constrained(8)], replay_after=after)
+    assert got == want
+
+
+def test_constrained_sequences_do_not_speculate(chat_model, tok):
+    ps = prompts(tok, 1)
+    plain, _ = pipeline(chat_model, tok).generate(ps, 60, [constrained(3)])
+    out, seqs = pipeline(chat_model, tok, speculate=True).generate(ps, 60, [constrained(3)])
+    assert out == plain and seqs[0].spec is None
+
+
+def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):
+    from mlxpipe.proto import pipeline_pb2 as pb
+    from mlxpipe.shards.stage import FrameError
+
+    def prefill(grammar):
+        entry = pb.SeqEntry(seq_id=1, offset=0, num_tokens=2, sample=True, sampling=constrained(0).to_wire())
+        entry.sampling.grammar = grammar
+        return pb.Frame(frame_id=1, kind=pb.Frame.PREFILL, seqs=[entry], tokens=[1, 2])
+
+    untokenized = InProcess(chat_model, [(0, 4)], SchedulerConfig()).stages[0]
+    with pytest.raises(FrameError, match="without a tokenizer") as err:
+        untokenized.run(prefill(GRAMMAR))
+    assert err.value.code == "FAILED_PRECONDITION"
+    single = InProcess(chat_model, [(0, 4)], SchedulerConfig(),
+                       tokenizer=pipeline(chat_model, tok).stages[-1].tokenizer).stages[0]
+    with pytest.raises(FrameError, match="its grammar"):
+        single.run(prefill('{"grammars": [{"lark_grammar": "start: nope"}]}'))
+    single.run(prefill(GRAMMAR))
+    verify = pb.Frame(frame_id=2, kind=pb.Frame.VERIFY, tokens=[5, 6],
+                      seqs=[pb.SeqEntry(seq_id=1, offset=2, num_tokens=2, sample=True)])
+    with pytest.raises(FrameError, match="cannot verify drafts"):
+        single.run(verify)
