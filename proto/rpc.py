@@ -194,8 +194,9 @@ _REQUEST_BYTES = {
     "Forward": MAX_MESSAGE_BYTES,         # frames: rows x tokens x hidden x 4 bytes, within the stage's limits
     "Receive": (4 << 20) + (64 << 10),    # a weights chunk (weights.CHUNK_BYTES) and its names and checksum
     "Have": 64 << 20,                     # safetensors headers of a stage's layers, config files
+    "Load": 64 << 20,                     # the last stage's tokenizer (for grammars): vocabulary, merges, template
 }
-_OTHER_REQUEST_BYTES = 64 << 10           # Load, Profile, Free, Health, Results, Join: a few fields
+_OTHER_REQUEST_BYTES = 64 << 10           # Profile, Free, Health, Results, Join: a few fields
 
 
 def _parser(message_type, limit: int = MAX_MESSAGE_BYTES):
