@@ -438,6 +438,13 @@ class Pipeline:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
             except grpc.aio.UsageError as err:  # closed under us: a recovery replaced this pipeline
                 return self.stages[i], None, f"{err} (the pipeline is being rebuilt)"
+            except asyncio.CancelledError:
+                # gRPC cancels calls in flight when their channel closes (a recovery
+                # replacing this pipeline); only a cancel of the caller itself goes on.
+                task = asyncio.current_task()
+                if task is not None and getattr(task, "cancelling", lambda: 1)():
+                    raise
+                return self.stages[i], None, "the call was cancelled: the pipeline is being rebuilt"
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 

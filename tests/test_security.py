@@ -484,9 +484,9 @@ def test_refused_calls_do_not_grow_a_nodes_memory(tmp_path):
 
 
 def test_a_message_bigger_than_its_method_takes_is_refused(node):
-    """Even with the secret: a Load request is a few fields, not megabytes."""
+    """Even with the secret: a Profile request is a few fields, not megabytes."""
     with pytest.raises(grpc.RpcError) as info:
-        stage_stub(node).Load(pb.LoadRequest(model="x" * (1 << 20)), timeout=30)
+        stage_stub(node).Profile(pb.ProfileRequest(model="x" * (1 << 20)), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than the" in info.value.details()
 
