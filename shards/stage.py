@@ -222,24 +222,20 @@ class Shard:
         rows = len(frame.seqs)
         if rows == 0:
             raise FrameError("frame has no sequences")
-        if frame.kind == pb.Frame.PREFILL:
+        if frame.kind in (pb.Frame.PREFILL, pb.Frame.VERIFY):  # one sequence, several positions
+            kind = pb.Frame.Kind.Name(frame.kind)
             if rows != 1:
-                raise FrameError(f"a PREFILL frame carries one sequence, got {rows}")
+                raise FrameError(f"a {kind} frame carries one sequence, got {rows}")
             n = frame.seqs[0].num_tokens
             if not 1 <= n <= lim.max_chunk_tokens:
-                raise FrameError(f"prefill chunk of {n} tokens; this stage takes 1..{lim.max_chunk_tokens}")
+                what = "prefill chunk of {} tokens" if frame.kind == pb.Frame.PREFILL else "verify frame of {} positions"
+                raise FrameError(f"{what.format(n)}; this stage takes 1..{lim.max_chunk_tokens}")
         elif frame.kind == pb.Frame.DECODE:
             if rows > lim.max_batch:
                 raise FrameError(f"decode frame of {rows} rows; this stage takes at most {lim.max_batch}")
             if any(e.num_tokens != 1 for e in frame.seqs):
                 raise FrameError("every row of a DECODE frame adds exactly one token")
             n = 1
-        elif frame.kind == pb.Frame.VERIFY:
-            if rows != 1:
-                raise FrameError(f"a VERIFY frame carries one sequence, got {rows}")
-            n = frame.seqs[0].num_tokens
-            if not 1 <= n <= lim.max_chunk_tokens:
-                raise FrameError(f"verify frame of {n} positions; this stage takes 1..{lim.max_chunk_tokens}")
         else:
             raise FrameError(f"unknown frame kind {frame.kind}")
         if len(frame.tokens) != rows * n:
