@@ -320,11 +320,14 @@ class _Completions:
             sampling().validate(self.vocab)
         except SamplingError as err:
             raise ApiError(400, str(err), param=err.param)
+        if req.speculation == "draft_model" and self.engine.draft_model is None:
+            raise ApiError(400, "this server has no draft model (start it with --draft-model)", param="speculation")
         max_tokens = self.budget(req, len(prompt))
         streams = []
         try:
             for i in range(req.n):
-                streams.append(self.engine.submit(prompt, max_tokens, sampling(i)))
+                streams.append(self.engine.submit(prompt, max_tokens, sampling(i), speculation=req.speculation,
+                                                  max_drafts=req.num_draft_tokens))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -432,7 +435,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
             stages.append(info)
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
                 "state": engine.state, "stages": stages, "live_requests": engine.scheduler.live,
-                "recoveries": engine.stats.recoveries, "speculation": engine.scheduler.drafts.as_dict()}
+                "recoveries": engine.stats.recoveries, "speculation": engine.speculation()}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)

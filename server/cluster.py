@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
+from mlxpipe.server.draft_model import load_draft_model
 from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
 from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
                                      probe, split_from_sizes)
@@ -55,6 +56,7 @@ class ClusterConfig:
     block_tokens: int = 16          # positions per prefix-cache block
     speculate: bool = True          # verify drafted tokens (prompt lookup) while few sequences are live
     spec_depth: int = 8             # drafted positions in flight per sequence, at most
+    draft_model: Optional[str] = None  # a small model with the same tokenizer the head drafts with
     bits: Optional[str] = None      # quantize a full-precision model as stages load it: "4", a recipe, or "auto"
     group_size: int = DEFAULT_GROUP_SIZE  # weights per quantization scale and bias, with `bits`
 
@@ -139,6 +141,7 @@ class Cluster:
         self.plan_note = ""
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
+        self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
         self.quant: Optional[QuantSpec] = None  # how stages quantize the model as they load it (None: as stored)
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
@@ -196,6 +199,8 @@ class Cluster:
             # (nodes that join are not known yet: then the split need only fit the model)
             named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
             fixed_ranges(self.num_layers, named, cfg.split)
+        # A draft model that cannot draft for this one is refused before anything starts.
+        self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.tokenizer)
         pipeline = None
         try:
             if cfg.nodes or cfg.join_listen:
@@ -242,11 +247,14 @@ class Cluster:
             self.engine = Engine(pipeline, sched,
                                  eos_token_ids=sorted(self.tokenizer.eos_token_ids),
                                  max_context=pipeline.stages[0].load.max_context,
-                                 rebuild=self.rebuild, supervision=cfg.supervision, observer=self.observer)
+                                 rebuild=self.rebuild, supervision=cfg.supervision, observer=self.observer,
+                                 draft_model=self.draft)
             await self.engine.start()
         except BaseException:
             if self.engine is None and pipeline is not None:
                 await pipeline.close()
+            if self.engine is None and self.draft is not None:
+                self.draft.close()
             await self.stop()
             raise
         return self

@@ -5,11 +5,32 @@ prompt or in what it generated), guess that what followed them then follows
 again. Agents resending and editing files, summaries and retrieval answers
 copy long runs from their prompt, so guesses there are often right; a wrong
 guess costs only the positions that verify it. No model is involved.
+
+A draft model (``draft_model.ModelDrafter``) drafts where the text has nothing
+to copy. Every drafter answers at once: what it has ready, possibly nothing
+(a model drafts in the background and wakes the engine when it has more).
+``Either`` asks prompt lookup first and the model only when lookup has no guess.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Protocol, Sequence, Tuple
+
+SOURCES = ("auto", "prompt_lookup", "draft_model", "none")  # what a request may ask to draft from
+
+
+class Drafter(Protocol):
+    """Drafts for one sequence."""
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """The sequence was admitted with these tokens: get ready to draft after them."""
+
+    def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
+        """Up to ``k`` tokens that may follow ``tokens`` (the first ``confirmed`` of them
+        only ever extended between calls, the rest drafts not yet judged), at once."""
+
+    def close(self) -> None:
+        """The sequence ended, or its drafter is replaced (a replay)."""
 
 
 class PromptLookup:
@@ -31,6 +52,12 @@ class PromptLookup:
                 self._after[tuple(tokens[end - n : end])] = end
         self._indexed = max(self._indexed, upto + 1)
 
+    def prepare(self, tokens: Sequence[int]) -> None:
+        pass  # the index grows as drafts are asked for
+
+    def close(self) -> None:
+        pass
+
     def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
         """Up to ``k`` tokens that may follow ``tokens``: the sequence's first
         ``confirmed`` tokens (only ever extended between calls) and drafts not yet
@@ -44,3 +71,21 @@ class PromptLookup:
             if at is not None:
                 return list(tokens[at : at + k])
         return []
+
+
+class Either:
+    """Prompt lookup where the text repeats itself, a draft model elsewhere."""
+
+    def __init__(self, lookup: Drafter, model: Drafter):
+        self.lookup, self.model = lookup, model
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        self.lookup.prepare(tokens)
+        self.model.prepare(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
+        return self.lookup.propose(tokens, k, confirmed) or self.model.propose(tokens, k, confirmed)
+
+    def close(self) -> None:
+        self.lookup.close()
+        self.model.close()

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from mlxpipe.server.draft import SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.pipeline import Pipeline, PipelineError
 from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
 from mlxpipe.shards.sampling import Sampling
@@ -137,9 +138,10 @@ class Engine:
     def __init__(self, pipeline: Pipeline, config: SchedulerConfig,
                  eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
                  rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None,
-                 observer: Optional[Observer] = None):
+                 observer: Optional[Observer] = None, draft_model=None):
         self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
-        self.scheduler = Scheduler(config)
+        self.draft_model = draft_model  # draft_model.DraftModel, or None
+        self.scheduler = Scheduler(config, drafters=self._drafter)
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context
         self.rebuild = rebuild
@@ -157,7 +159,24 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def _drafter(self, seq: Seq) -> Drafter:
+        """A sequence's drafter, as its request asked ("auto": lookup, then the draft model)."""
+        if self.draft_model is None or seq.speculation == "prompt_lookup":
+            return PromptLookup()
+        if seq.speculation == "draft_model":
+            return self.draft_model.drafter()
+        return Either(PromptLookup(), self.draft_model.drafter())
+
+    def speculation(self) -> dict:
+        """Drafted and accepted tokens since start, and the draft model's work."""
+        out = self.scheduler.drafts.as_dict()
+        if self.draft_model is not None:
+            out["draft_model"] = self.draft_model.as_dict()
+        return out
+
     async def start(self) -> None:
+        if self.draft_model is not None:  # drafts are ready: schedule again
+            self.draft_model.bind(asyncio.get_running_loop(), self._pump)
         self._held_blocks(self.scheduler.config.prefix_blocks)
         await self.pipeline.open()
         self._supervisor = asyncio.ensure_future(self._supervise())
@@ -170,24 +189,34 @@ class Engine:
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self.draft_model is not None:
+            self.draft_model.close()
         await self.pipeline.close()
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
-               sampling: Sampling = Sampling(), stop_at_eos: bool = True) -> RequestStream:
-        """Queue a request (``sampling`` validated by the caller). Raises
+               sampling: Sampling = Sampling(), stop_at_eos: bool = True,
+               speculation: str = "auto", max_drafts: Optional[int] = None) -> RequestStream:
+        """Queue a request (``sampling`` validated by the caller). ``speculation``:
+        what to draft from (``draft.SOURCES``), ``max_drafts``: drafted positions in
+        flight at most (0: none). Raises
         ``QueueFull`` when the server is at capacity, ``GenerationFailed`` when
         the pipeline is down. While it recovers, requests queue and wait."""
         if self.state == "failed":
             raise GenerationFailed(self.failure)
         if not prompt:
             raise ValueError("the prompt is empty")
+        if speculation not in SOURCES:
+            raise ValueError(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}")
+        if speculation == "draft_model" and self.draft_model is None:
+            raise ValueError("this server has no draft model (start it with --draft-model)")
         if sampling.seed is None:
             # Unseeded requests still get a seed, chosen here, so a request
             # replayed after a failure draws the same tokens again.
             sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
         seq_id = next(self._ids)
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling.to_wire(),
-                  eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context)
+                  eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
+                  speculation=speculation, max_drafts=max_drafts)
         if seq.reserve > self.scheduler.max_kv_tokens:
             raise ValueError(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
                              f"have room for {self.scheduler.max_kv_tokens}")

@@ -62,6 +62,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-depth", type=count, default=ClusterConfig.spec_depth,
                    help=f"drafted positions in flight per sequence, at most (default {ClusterConfig.spec_depth}; "
                         "each sequence's depth follows its acceptance)")
+    p.add_argument("--draft-model", default=None,
+                   help="a small model with the same tokenizer (folder, HF repo id, or 'default') that the head "
+                        "runs to draft tokens where the text has nothing to copy (as mlx_lm's --draft-model); "
+                        "requests choose with \"speculation\": auto, prompt_lookup, draft_model or none")
     p.add_argument("--max-waiting", type=count, default=256,
                    help="requests queued before the server answers 429 (default 256)")
     p.add_argument("--pin", action="store_true", help="pin local stage i to CPU core i (Linux)")
@@ -97,6 +101,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         block_tokens=args.prefix_block,
         speculate=args.speculate,
         spec_depth=args.spec_depth,
+        draft_model=args.draft_model,
         bits=_bits(args.bits),
         group_size=args.group_size,
     )

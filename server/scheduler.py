@@ -29,10 +29,14 @@ Rules:
 - Speculative decoding (when ``speculate``): while few sequences are live (at
   most ``spec_max_running``, waiting and prefilling ones included, so the
   groups alone would leave stages idle and no prompt waits behind drafts), a
-  sequence whose tokens suggest what comes next (``draft.PromptLookup``)
-  leaves its group and sends VERIFY frames instead: its last token and the
+  sequence that has a guess of what comes next leaves its group and sends
+  VERIFY frames instead. Guesses come from its drafter, by its ``speculation``:
+  prompt lookup (``draft.PromptLookup``), a draft model the head runs
+  (``draft_model.ModelDrafter``), or lookup first and the model where lookup
+  has nothing; a drafter answers at once, so no frame waits for a draft. A
+  VERIFY frame carries its last token and the
   drafted tokens after it, ``spec_positions`` per frame, up to ``spec_depth``
-  positions beyond its confirmed tokens in flight, in at most ``spec_frames``
+  (or its own ``max_drafts``) positions beyond its confirmed tokens in flight, in at most ``spec_frames``
   frames. The last stage samples
   after every position exactly as a decode step would (same history, same
   random key), so the head takes a position's sample as the next token only
@@ -56,10 +60,10 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.draft import PromptLookup
+from mlxpipe.server.draft import Drafter, PromptLookup
 from mlxpipe.server.prefix import PrefixIndex, chain_hashes
 
 
@@ -93,7 +97,9 @@ class Sequence:
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
-    spec: Optional["Spec"] = None  # speculative decoding state, once it has speculated
+    spec: Optional["Spec"] = None  # speculative decoding state, once it may speculate
+    speculation: str = "auto"      # what it drafts from (``draft.SOURCES``); "none": never speculates
+    max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
 
     @property
     def tokens(self) -> List[int]:
@@ -125,7 +131,8 @@ class Spec:
     ``fed`` positions after those are in flight: the last token, then guesses."""
 
     depth: int                      # positions beyond the confirmed it may have in flight
-    drafter: PromptLookup = field(default_factory=PromptLookup)
+    cap: int                        # ... at most, however well its drafts do
+    drafter: Drafter
     solo: bool = False              # verifying drafts, out of its group
     fed: int = 0                    # positions C, C+1, ... sent and not yet judged
     guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
@@ -180,7 +187,7 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, drafters: Optional[Callable[[Sequence], Drafter]] = None):
         if min(config.num_groups, config.chunk_size, config.max_prefill_inflight, config.spec_depth,
                config.spec_positions, config.spec_frames) < 1:
             raise ValueError("num_groups, chunk_size, max_prefill_inflight and the spec_ sizes must be positive")
@@ -199,6 +206,7 @@ class Scheduler:
         self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
         self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
         self.drafts = DraftStats()
+        self.drafters = drafters or (lambda seq: PromptLookup())  # a sequence's drafter (its ``speculation``)
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self.prefix = PrefixIndex(config.block_tokens, config.prefix_blocks, 0) if config.prefix_blocks else None
@@ -256,6 +264,8 @@ class Scheduler:
         elif seq.spec is not None and seq.spec.solo:
             self.solo.remove(seq.seq_id)
             seq.spec.solo = False
+        if seq.spec is not None:
+            seq.spec.drafter.close()
         seq.phase = Phase.DONE
         seq.finish_reason = reason
         if seq.known:
@@ -328,6 +338,8 @@ class Scheduler:
                 self.prefix.touch(hit)
                 self._keep_this_round.update(hit)
             self.prefilling.append(seq)
+            if self._may_speculate(seq):  # a draft model starts on the prompt now
+                self._spec(seq).drafter.prepare(seq.feed)
             holding += 1
             reserved += seq.reserve
 
@@ -415,12 +427,22 @@ class Scheduler:
 
     # -- speculative decoding ---------------------------------------------------
 
+    def _may_speculate(self, seq: Sequence) -> bool:
+        cfg = self.config
+        return (cfg.speculate and seq.speculation != "none" and seq.max_drafts != 0 and not seq.sampling.grammar
+                and self.live <= cfg.spec_max_running)
+
+    def _spec(self, seq: Sequence) -> Spec:
+        if seq.spec is None:
+            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth)
+            seq.spec = Spec(depth=cap, cap=cap, drafter=self.drafters(seq))
+        return seq.spec
+
     def _start_speculating(self, seq: Sequence) -> bool:
         """Whether a grouped sequence leaves its group to verify drafts now."""
-        cfg = self.config
-        if not cfg.speculate or seq.sampling.grammar or self.live > cfg.spec_max_running:
+        if not self._may_speculate(seq):
             return False
-        spec = seq.spec = seq.spec or Spec(depth=cfg.spec_depth)
+        spec = self._spec(seq)
         if spec.cooldown:
             spec.cooldown -= 1
             return False
@@ -500,7 +522,7 @@ class Scheduler:
                 spec.matched += 1
                 self.drafts.accepted += 1
                 spec.streak += 1
-                if spec.streak >= spec.depth and spec.depth < self.config.spec_depth:
+                if spec.streak >= spec.depth and spec.depth < spec.cap:
                     spec.depth, spec.streak = spec.depth + 1, 0
                 continue
             # A miss: what the stages hold after the confirmed tokens is void.
@@ -584,6 +606,8 @@ class Scheduler:
         self.groups = [[] for _ in range(self.config.num_groups)]
         self.solo = []
         for seq in reversed(live):
+            if seq.spec is not None:
+                seq.spec.drafter.close()
             seq.spec = None  # the stages hold nothing of it now
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated

@@ -116,6 +116,10 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[Dict[str, float]] = None
+    # Speculative decoding (output is the same either way): what to draft from, and
+    # mlx_lm.server's cap on drafted tokens (0: do not speculate).
+    speculation: Literal["auto", "prompt_lookup", "draft_model", "none"] = "auto"
+    num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")
