@@ -75,7 +75,9 @@ class DraftModel:
         return ModelDrafter(self)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Waits for the job running now (one short draft): MLX must not be computing
+        # in a thread while the process exits.
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
@@ -200,6 +202,10 @@ def load_draft_model(name: Optional[str], tokenizer) -> Optional[DraftModel]:
     """``--draft-model``: a folder, a cached or downloadable HF repo id, or "default"."""
     if not name:
         return None
-    from mlxpipe.shards.store import resolve_model
+    from mlxpipe.shards.store import ModelNotFound, resolve_model
 
-    return DraftModel(resolve_model(name), tokenizer)
+    try:
+        path = resolve_model(name)
+    except ModelNotFound as err:
+        raise DraftModelError(f"--draft-model: {err}") from None
+    return DraftModel(path, tokenizer)

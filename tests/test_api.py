@@ -266,6 +266,9 @@ BAD_REQUESTS = [
     ("seed not an integer", "chat", OK_CHAT | {"seed": "x"}, 400, "seed"),
     ("min_p above 1", "chat", OK_CHAT | {"min_p": 2}, 400, "min_p"),
     ("repetition_penalty zero", "chat", OK_CHAT | {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("an unknown draft source", "chat", OK_CHAT | {"speculation": "psychic"}, 400, "speculation"),
+    ("a draft model the server lacks", "chat", OK_CHAT | {"speculation": "draft_model"}, 400, "no draft model"),
+    ("num_draft_tokens negative", "chat", OK_CHAT | {"num_draft_tokens": -1}, 400, "num_draft_tokens"),
     ("empty completion prompt", "completions", {"model": "default", "prompt": ""}, 400, "empty"),
     ("completion token outside the vocabulary", "completions", {"model": "default", "prompt": [1, 999999]},
      400, "outside the vocabulary"),
@@ -351,3 +354,25 @@ def test_status_command_shows_the_cluster(server):
     down = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "status", "--url", "http://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 2 and "cannot reach the head" in down.stderr
+
+
+def test_a_request_chooses_whether_to_speculate(server, client, mlx_lm_chat):
+    """``speculation`` and mlx_lm.server's ``num_draft_tokens`` reach the scheduler:
+    a prompt that asks for a copy is drafted from itself unless the request says no;
+    the answer is the same either way."""
+    from conftest import REPEAT_CODE
+
+    messages = [{"role": "user", "content": REPEAT_CODE}]
+
+    def ask(**extra):
+        before = httpx.get(f"{server.root}/health", timeout=30).json()["speculation"]["drafted_tokens"]
+        r = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=24,
+                                           extra_body=extra)
+        after = httpx.get(f"{server.root}/health", timeout=30).json()["speculation"]["drafted_tokens"]
+        return r.choices[0].message.content, after - before
+
+    want, _ = mlx_lm_chat(messages, 24)
+    assert ask(speculation="none") == (want, 0)
+    assert ask(num_draft_tokens=0) == (want, 0)
+    text, drafted = ask(speculation="prompt_lookup", num_draft_tokens=2)
+    assert text == want and drafted > 0

@@ -74,6 +74,7 @@ BAD_ARGUMENTS = [
     (["serve", "--secret-file", "EMPTY", "--nodes", "127.0.0.1:1"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "EMPTY"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "MISSING"], "--secret-file MISSING: No such file"),
+    (["generate", "--stages", "1", "--draft-model", "MISSING", "hi"], "--draft-model: model 'MISSING' not found"),
 ]
 
 
