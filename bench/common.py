@@ -134,12 +134,12 @@ class Baseline:
         self.proc.wait(timeout=30)
 
 
-async def pipeline_run(cluster, prompt: List[int], max_tokens: int) -> RunResult:
+async def pipeline_run(cluster, prompt: List[int], max_tokens: int, speculation: str = "auto") -> RunResult:
     t0 = time.monotonic()
     times, tokens = [], []
     # Like mlx-lm's generate_step, do not stop at end-of-sequence: both sides
     # generate exactly max_tokens tokens.
-    async for token in cluster.engine.submit(prompt, max_tokens, stop_at_eos=False):
+    async for token in cluster.engine.submit(prompt, max_tokens, stop_at_eos=False, speculation=speculation):
         times.append(time.monotonic())
         tokens.append(token.id)
     await cluster.engine.drain()

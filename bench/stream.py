@@ -3,8 +3,9 @@ pipeline at 1, 2, 3 stages, decode tokens/s.
 
 With ``--speculative``: one stream on a repetition-heavy prompt (return a
 JSON object unchanged, as tools and agents ask) and on a plain chat prompt, with speculation off and
-on, beside plain mlx-lm and mlx-lm's own speculative generation (its draft
-model: the first ``--draft-layers`` layers of the same model, so that it
+on, and with a draft model the head runs (``--draft-model``), beside plain
+mlx-lm and mlx-lm's own speculative generation with the same draft model (by
+default the first ``--draft-layers`` layers of the same model, so that it
 shares the tokenizer); greedy tokens are checked equal to plain mlx-lm's.
 """
 
@@ -95,18 +96,23 @@ def truncated_model(path: Path, layers: int) -> Path:
 async def bench_speculative(args) -> dict:
     path = resolve_model(args.model)
     n = int(args.stages.split(",")[-1])
-    draft = str(truncated_model(path, args.draft_layers))
+    if args.draft_model:
+        draft, label = str(resolve_model(args.draft_model)), Path(args.draft_model).name
+    else:
+        draft, label = str(truncated_model(path, args.draft_layers)), f"{args.draft_layers}-layer draft"
     baseline = Baseline(str(path), 0 if args.pin else None)
     clusters = {}
     try:
-        for spec in (False, True):
-            clusters[spec] = await Cluster(ClusterConfig(model=str(path), stages=n, pin=args.pin,
-                                                         speculate=spec)).start()
-        tok = clusters[True].tokenizer
+        for key, spec, draft_model in (("plain", False, None), ("lookup", True, None), ("draft", True, draft)):
+            clusters[key] = await Cluster(ClusterConfig(model=str(path), stages=n, pin=args.pin, speculate=spec,
+                                                        draft_model=draft_model)).start()
+        tok = clusters["plain"].tokenizer
         prompts = {"repeat JSON": chat_prompt(tok, REPEAT_PROMPT), "chat": chat_prompt(tok, args.prompt)}
-        names = ["mlx-lm", f"mlx-lm speculative ({args.draft_layers}-layer draft)", f"{n} stages",
-                 f"{n} stages, speculative"]
+        names = ["mlx-lm", f"mlx-lm speculative ({label})", f"{n} stages",
+                 f"{n} stages, speculative", f"{n} stages, draft model ({label})",
+                 f"{n} stages, lookup then draft model"]
         series = {p: {name: [] for name in names} for p in prompts}
+        accepted = {p: {name: [] for name in names[4:]} for p in prompts}  # (accepted, judged) per run
         bar = progress_bar(args.runs * len(prompts) * len(names), "speculative")
         for _ in range(args.runs):
             for p, prompt in prompts.items():
@@ -114,8 +120,14 @@ async def bench_speculative(args) -> dict:
                 runs[names[0]].append(baseline.run(prompt, args.max_tokens))
                 runs[names[1]].append(baseline.run(prompt, args.max_tokens, draft=draft,
                                                    num_draft_tokens=args.num_draft_tokens))
-                runs[names[2]].append(await pipeline_run(clusters[False], prompt, args.max_tokens))
-                runs[names[3]].append(await pipeline_run(clusters[True], prompt, args.max_tokens))
+                runs[names[2]].append(await pipeline_run(clusters["plain"], prompt, args.max_tokens))
+                runs[names[3]].append(await pipeline_run(clusters["lookup"], prompt, args.max_tokens))
+                for name, source in zip(names[4:], ("draft_model", "auto")):
+                    before = clusters["draft"].engine.speculation()
+                    runs[name].append(await pipeline_run(clusters["draft"], prompt, args.max_tokens, source))
+                    after = clusters["draft"].engine.speculation()
+                    accepted[p][name].append((after["accepted_tokens"] - before["accepted_tokens"],
+                                              after["drafted_tokens"] - before["drafted_tokens"]))
                 if bar:
                     bar.update(len(names))
         if bar:
@@ -133,8 +145,11 @@ async def bench_speculative(args) -> dict:
         for name, rs in runs.items():
             tps = median([r.decode_tps for r in rs])
             same = all(r.tokens == reference for r in rs)
-            lines.append(f"  {name:36}{tps:8.2f} tok/s {tps / base:7.3f}x   tokens "
-                         f"{'identical to mlx-lm' if same else 'DIFFER from mlx-lm'}")
+            judged = accepted[p].get(name)
+            rate = (f", {sum(a for a, _ in judged)}/{sum(j for _, j in judged)} drafts accepted"
+                    if judged else "")
+            lines.append(f"  {name:44}{tps:8.2f} tok/s {tps / base:7.3f}x   tokens "
+                         f"{'identical to mlx-lm' if same else 'DIFFER from mlx-lm'}{rate}")
         out[p] = {name: [asdict(r) for r in rs] for name, rs in runs.items()}
     print("\n".join(lines))
     return out
@@ -151,6 +166,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--prompt", default=DEFAULT_PROMPT)
     q.add_argument("--speculative", action="store_true",
                    help="a repetition-heavy and a chat prompt, speculation off and on, beside mlx-lm's own")
-    q.add_argument("--draft-layers", type=int, default=4, help="layers of mlx-lm's draft model (--speculative)")
+    q.add_argument("--draft-layers", type=int, default=4,
+                   help="without --draft-model: the draft is the model's first this many layers (--speculative)")
+    q.add_argument("--draft-model", default=None,
+                   help="the draft model for mlx-lm's speculative generation and the pipeline's (--speculative)")
     q.add_argument("--num-draft-tokens", type=int, default=3, help="mlx-lm's draft tokens per step (--speculative)")
     q.set_defaults(measure=measure)
