@@ -80,8 +80,8 @@ class Either:
         self.lookup, self.model = lookup, model
 
     def prepare(self, tokens: Sequence[int]) -> None:
+        # The model starts when lookup first has nothing (text that copies never needs it).
         self.lookup.prepare(tokens)
-        self.model.prepare(tokens)
 
     def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
         return self.lookup.propose(tokens, k, confirmed) or self.model.propose(tokens, k, confirmed)

@@ -181,9 +181,12 @@ class ModelDrafter:
             trim_prompt_cache(self._cache, len(self._held) - keep)
             del self._held[keep:]
         todo = tokens[keep:]
-        for i in range(0, len(todo), 512):
-            logits = model(mx.array(todo[i : i + 512])[None], cache=self._cache)
+        # All but the last token only fill the cache: their logits (the head over the
+        # whole vocabulary, per position) are never computed, as in mlx-lm's prefill.
+        for i in range(0, len(todo) - 1, 512):
+            model(mx.array(todo[i : min(i + 512, len(todo) - 1)])[None], cache=self._cache)
             mx.eval([c.state for c in self._cache])
+        logits = model(mx.array(todo[-1:])[None], cache=self._cache)
         self._held += todo
         drafted: List[int] = []
         while True:

@@ -18,7 +18,7 @@ from faultproxy import FaultProxy
 from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.draft_model import DraftModelError, load_draft_model
-from mlxpipe.server.engine import collect
+from mlxpipe.server.engine import Supervision, collect
 from mlxpipe.shards.sampling import Sampling
 
 NEW_TOKENS = 32
@@ -32,11 +32,12 @@ def _chat(path, contents):
 
 
 @contextlib.contextmanager
-def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03):
+def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03, pids: bool = False):
     """``stages`` node processes, the first behind a proxy that holds every chunk
     ``delay`` seconds: a pipeline step slower than the draft model's step, as
     between Macs a large model and a network hop apart (the tiny models here
-    step in milliseconds). Yields the addresses in pipeline order."""
+    step in milliseconds). Yields the addresses in pipeline order (and, with
+    ``pids``, the node processes)."""
     procs, addresses = [], []
     proxy = None
     home = tempfile.mkdtemp(prefix="mlxpipe-node-home-")
@@ -49,7 +50,8 @@ def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03):
         host, port = addresses[0].rsplit(":", 1)
         proxy = FaultProxy(host, host, int(port))
         proxy.set(delay=delay)
-        yield [proxy.address] + addresses[1:]
+        nodes = [proxy.address] + addresses[1:]
+        yield (nodes, procs) if pids else nodes
     finally:
         if proxy is not None:
             proxy.close()
@@ -124,6 +126,34 @@ def test_sampled_output_is_the_same_with_a_draft_model(dsv3_model, reference):
     assert plain != reference(dsv3_model, prompt, NEW_TOKENS), "sampling never left the greedy path"
     assert drafted == plain
     assert after["accepted_tokens"] > 0, after
+
+
+def test_kill_9_of_a_node_while_verifying_model_drafts(dsv3_model, reference):
+    """A node dies with drafts in flight: drafters of the lost pipeline are closed
+    (their running job's answer is dropped), the sequence replays on the nodes left
+    and drafts again, and the answer is mlx-lm's."""
+    (prompt,) = _chat(dsv3_model, PROMPTS[:1])
+
+    async def main():
+        with _slow_link_nodes(dsv3_model.parent, 3, pids=True) as (nodes, procs):
+            cfg = ClusterConfig(model=str(dsv3_model), nodes=nodes, split="even", draft_model=str(dsv3_model),
+                                security=Security(secret=SECRET), rejoin_timeout_s=1.0,
+                                supervision=Supervision(health_interval_s=0.5, health_timeout_s=1.5))
+            async with Cluster(cfg) as cluster:
+                drafts = cluster.engine.scheduler.drafts
+                got, judged, at = [], None, 0
+                async for t in cluster.engine.submit(prompt, 2 * NEW_TOKENS, speculation="draft_model"):
+                    got.append(t.id)
+                    if judged is None and drafts.accepted >= 4 and cluster.engine.scheduler.solo:
+                        judged, at = drafts.judged, len(got)  # drafts are in flight now
+                        procs[2].kill()
+                return got, judged, at, cluster.engine.stats.recoveries, drafts.judged, len(cluster.pipeline.stages)
+
+    got, judged_at_fault, at, recoveries, judged, stages = run_async(main(), timeout=240)
+    assert judged_at_fault is not None and at < len(got) - 8, "the fault must land while speculating"
+    assert recoveries == 1 and stages == 2
+    assert got == reference(dsv3_model, prompt, 2 * NEW_TOKENS)
+    assert judged > judged_at_fault, "the replayed sequence drafts again"
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(dsv3_model):
