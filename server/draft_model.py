@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Set
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +51,34 @@ class DraftModel:
     """
 
     def __init__(self, path: Path, tokenizer, window: int = 1024, ahead: int = 4):
-        from mlx_lm.utils import load
-
-        model, draft_tokenizer = load(str(path))
-        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise DraftModelError(f"the draft model {path} has another tokenizer than the served model: "
-                                  "its guesses would be other tokens")
-        self.model, self.path = model, path
-        self.window, self.ahead = window, ahead
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-        self._wake: Callable[[], None] = lambda: None
-        self._loop = None
+        self.path, self.window, self.ahead = path, window, ahead
         self.jobs = 0              # jobs run, and tokens drafted (for /health)
         self.drafted = 0
-        ModelDrafter(self)._draft([0, 0, 0], 2)  # MLX compiles its CPU kernels on first use: not mid-request
+        self.model = None
+        self._wake: Callable[[], None] = lambda: None
+        self._loop = None
+        self.closed = False
+        self.live: Set["ModelDrafter"] = set()  # drafters holding a draft cache (the worker's)
+        # Every MLX call of the draft model, its loading included, runs in this one
+        # thread (arrays of a thread MLX no longer serves abort the process at exit).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        try:
+            self._pool.submit(self._load, tokenizer).result()
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
+
+    def _load(self, tokenizer) -> None:
+        from mlx_lm.utils import load
+
+        model, draft_tokenizer = load(str(self.path))
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise DraftModelError(f"the draft model {self.path} has another tokenizer than the served model: "
+                                  "its guesses would be other tokens")
+        self.model = model
+        warm = ModelDrafter(self)
+        warm._draft([0, 0, 0], 2)  # MLX compiles its CPU kernels on first use: not mid-request
+        warm._drop()
         self.jobs = self.drafted = 0
 
     def bind(self, loop, wake: Callable[[], None]) -> None:
@@ -75,12 +89,24 @@ class DraftModel:
         return ModelDrafter(self)
 
     def close(self) -> None:
-        # Waits for the job running now (one short draft): MLX must not be computing
-        # in a thread while the process exits.
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Waits for the jobs queued now (short drafts): MLX must not be computing in
+        # a thread while the process exits. The weights go in that thread too.
+        if self.closed:
+            return
+        self.closed = True
+        self._pool.submit(self._unload)
+        self._pool.shutdown(wait=True)
 
-    def _submit(self, fn, *args) -> Future:
-        return self._pool.submit(fn, *args)
+    def _unload(self) -> None:
+        for drafter in list(self.live):
+            drafter._drop()
+        self.model = None
+        import gc
+
+        gc.collect()
+
+    def _submit(self, fn, *args) -> Optional[Future]:
+        return None if self.closed else self._pool.submit(fn, *args)
 
     def _done(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the event loop (from the worker thread), then wake the engine."""
@@ -138,14 +164,15 @@ class ModelDrafter:
 
     def close(self) -> None:
         self.closed = True
-        if not self.busy:
-            self._cache = None
+        self.owner._submit(self._drop)  # (after a job still running: the cache is the worker's)
 
     def _start(self, tokens: List[int], k: int) -> None:
         if self.busy or self.closed or self.failed or not tokens:
             return
-        self.busy = True
         future = self.owner._submit(self._draft, tokens, k)
+        if future is None:  # the server is stopping
+            return
+        self.busy = True
         future.add_done_callback(lambda f: self.owner._done(lambda: self._finished(f)))
 
     def _finished(self, future: Future) -> None:
@@ -156,12 +183,14 @@ class ModelDrafter:
         if err is not None:
             self.failed = True  # the sequence goes on without drafts
             logger.error("the draft model failed; this sequence is no longer drafted", exc_info=err)
-        elif self.closed:
-            self._cache = None
-        else:
+        elif not self.closed:
             self.out, self.fresh = future.result(), True
 
     # -- in the worker thread -------------------------------------------------
+
+    def _drop(self) -> None:
+        self._cache = None
+        self.owner.live.discard(self)
 
     def _draft(self, tokens: List[int], k: int) -> List[int]:
         """``tokens`` and the ``k`` tokens the draft model takes to follow them, greedily."""
@@ -175,6 +204,7 @@ class ModelDrafter:
         if self._cache is None or keep < self._base or (keep < len(self._held)
                                                           and not can_trim_prompt_cache(self._cache)):
             self._cache = make_prompt_cache(model)
+            self.owner.live.add(self)
             self._base = max(0, min(len(tokens) - 1, len(tokens) - self.owner.window))
             self._held, keep = list(tokens[: self._base]), self._base
         elif keep < len(self._held):
