@@ -34,10 +34,10 @@ Rules:
   prompt lookup (``draft.PromptLookup``), a draft model the head runs
   (``draft_model.ModelDrafter``), or lookup first and the model where lookup
   has nothing; a drafter answers at once, so no frame waits for a draft. A
-  VERIFY frame carries its last token and the
-  drafted tokens after it, ``spec_positions`` per frame, up to ``spec_depth``
-  (or its own ``max_drafts``) positions beyond its confirmed tokens in flight, in at most ``spec_frames``
-  frames. The last stage samples
+  VERIFY frame carries its last token and the drafted tokens after it,
+  ``spec_positions`` per frame, up to ``spec_depth`` (or its own
+  ``max_drafts``) positions beyond its confirmed tokens in flight, in at most
+  ``spec_frames`` frames. The last stage samples
   after every position exactly as a decode step would (same history, same
   random key), so the head takes a position's sample as the next token only
   while every draft before it matched what was sampled; at the first mismatch
