@@ -15,8 +15,8 @@ import pytest
 from conftest import PROMPTS, SECRET, node_process, run_async
 from faultproxy import FaultProxy
 
-from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.proto.rpc import Security
+from mlxpipe.server.cluster import Cluster, ClusterConfig
 from mlxpipe.server.draft_model import DraftModelError, load_draft_model
 from mlxpipe.server.engine import Supervision, collect
 from mlxpipe.shards.sampling import Sampling
@@ -32,12 +32,12 @@ def _chat(path, contents):
 
 
 @contextlib.contextmanager
-def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03, pids: bool = False):
+def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03, with_procs: bool = False):
     """``stages`` node processes, the first behind a proxy that holds every chunk
     ``delay`` seconds: a pipeline step slower than the draft model's step, as
     between Macs a large model and a network hop apart (the tiny models here
     step in milliseconds). Yields the addresses in pipeline order (and, with
-    ``pids``, the node processes)."""
+    ``with_procs``, the node processes)."""
     procs, addresses = [], []
     proxy = None
     home = tempfile.mkdtemp(prefix="mlxpipe-node-home-")
@@ -51,7 +51,7 @@ def _slow_link_nodes(models_dir, stages: int, delay: float = 0.03, pids: bool = 
         proxy = FaultProxy(host, host, int(port))
         proxy.set(delay=delay)
         nodes = [proxy.address] + addresses[1:]
-        yield (nodes, procs) if pids else nodes
+        yield (nodes, procs) if with_procs else nodes
     finally:
         if proxy is not None:
             proxy.close()
@@ -135,7 +135,7 @@ def test_kill_9_of_a_node_while_verifying_model_drafts(dsv3_model, reference):
     (prompt,) = _chat(dsv3_model, PROMPTS[:1])
 
     async def main():
-        with _slow_link_nodes(dsv3_model.parent, 3, pids=True) as (nodes, procs):
+        with _slow_link_nodes(dsv3_model.parent, 3, with_procs=True) as (nodes, procs):
             cfg = ClusterConfig(model=str(dsv3_model), nodes=nodes, split="even", draft_model=str(dsv3_model),
                                 security=Security(secret=SECRET), rejoin_timeout_s=1.0,
                                 supervision=Supervision(health_interval_s=0.5, health_timeout_s=1.5))
