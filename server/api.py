@@ -320,8 +320,10 @@ class _Completions:
             sampling().validate(self.vocab)
         except SamplingError as err:
             raise ApiError(400, str(err), param=err.param)
-        if req.speculation == "draft_model" and self.engine.draft_model is None:
-            raise ApiError(400, "this server has no draft model (start it with --draft-model)", param="speculation")
+        try:
+            self.engine.check_speculation(req.speculation)
+        except ValueError as err:
+            raise ApiError(400, str(err), param="speculation")
         max_tokens = self.budget(req, len(prompt))
         streams = []
         try:

@@ -167,6 +167,13 @@ class Engine:
             return self.draft_model.drafter()
         return Either(PromptLookup(), self.draft_model.drafter())
 
+    def check_speculation(self, speculation: str) -> None:
+        """Raise ValueError unless this engine can draft from ``speculation``."""
+        if speculation not in SOURCES:
+            raise ValueError(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}")
+        if speculation == "draft_model" and self.draft_model is None:
+            raise ValueError("this server has no draft model (start it with --draft-model)")
+
     def speculation(self) -> dict:
         """Drafted and accepted tokens since start, and the draft model's work."""
         out = self.scheduler.drafts.as_dict()
@@ -205,10 +212,7 @@ class Engine:
             raise GenerationFailed(self.failure)
         if not prompt:
             raise ValueError("the prompt is empty")
-        if speculation not in SOURCES:
-            raise ValueError(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}")
-        if speculation == "draft_model" and self.draft_model is None:
-            raise ValueError("this server has no draft model (start it with --draft-model)")
+        self.check_speculation(speculation)
         if sampling.seed is None:
             # Unseeded requests still get a seed, chosen here, so a request
             # replayed after a failure draws the same tokens again.
