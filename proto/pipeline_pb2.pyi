@@ -115,20 +115,22 @@ class Frame(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
-    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done")
+    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token: int
     logprob: float
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     done: bool
-    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ...) -> None: ...
+    error: str
+    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Result(_message.Message):
     __slots__ = ("frame_id", "tokens")

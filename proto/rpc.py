@@ -223,6 +223,23 @@ async def refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
+# Trailing metadata of a Forward stream a stage ended because it could not run a
+# frame: the frame's sequences, passed on upstream to the head (its poison guard).
+CULPRITS_KEY = "mlxpipe-culprits"
+
+
+def culprits_metadata(seq_ids) -> tuple:
+    return ((CULPRITS_KEY, ",".join(str(int(i)) for i in seq_ids)),)
+
+
+def culprits_of(err: grpc.aio.AioRpcError) -> list:
+    """The sequences a failed stream's status names (none when it names none)."""
+    for key, value in err.trailing_metadata() or ():
+        if key == CULPRITS_KEY:
+            return [int(x) for x in value.split(",") if x.isdigit()]
+    return []
+
+
 UNAUTHENTICATED_DETAILS = "this node needs the cluster secret (authorization: Bearer ...)"
 
 

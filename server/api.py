@@ -32,13 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.chat import Reply, render, thinks_first
 from mlxpipe.server.completions import ChatFormat, Generation, TextFormat, events
-from mlxpipe.server.engine import GenerationFailed
+from mlxpipe.server.engine import GenerationFailed, SequenceFailed
 from mlxpipe.server.join import joined_table
 from mlxpipe.server.metrics import Metrics
 from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxpipe.server.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
                                        tool_call_grammar)
+from mlxpipe.shards.grammar import in_worker
 from mlxpipe.shards.sampling import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,21 @@ class _Completions:
         return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
                         headers=self.retry_after)
 
+    @staticmethod
+    def failed(req, err: SequenceFailed) -> ApiError:
+        """This request's own failure on a stage (its grammar, its sampling): a 400 naming
+        what the request asked; no other request noticed."""
+        param = None
+        if getattr(req, "response_format", None) is not None:
+            param = "response_format"
+        if getattr(req, "tool_choice", None) not in (None, "auto", "none"):
+            param = "tool_choice"
+        return ApiError(400, f"generation failed for this request: {err}", param=param, code="generation_failed")
+
+    def error_event(self, req, err: Exception) -> dict:
+        """The last event of a stream that failed."""
+        return (self.failed(req, err) if isinstance(err, SequenceFailed) else self.unavailable(err)).body()
+
     async def encode(self, fn, *args) -> List[int]:
         try:
             return await asyncio.to_thread(fn, *args)
@@ -298,16 +314,21 @@ class _Completions:
             raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
 
     async def grammar(self, req: ChatCompletionRequest) -> str:
-        """The grammar the request's output must follow ("" for none), or a 400."""
-        param = "response_format"
-        try:
+        """The grammar the request's output must follow ("" for none), or a 400. Built,
+        compiled and checked on the grammar thread (a deep stack, off the event loop)."""
+        forced = req.choice() not in (None, "auto", "none")
+        param = "tool_choice" if forced else "response_format"
+
+        def build() -> str:
             functions = forced_functions(req.tool_dicts() or [], req.choice())
             if functions is not None:
-                param = "tool_choice"
                 grammar = tool_call_grammar(self.tok, functions, req.parallel_tool_calls)
             else:
                 grammar = response_format_grammar(req.response_format.as_dict() if req.response_format else None)
-            return await asyncio.to_thread(self.grammars.check, grammar)
+            return self.grammars.check(grammar)
+
+        try:
+            return await in_worker(build)
         except GrammarError as err:
             raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
 
@@ -347,7 +368,7 @@ class _Completions:
         """Server-sent events, or the whole response once every choice is done
         (cancelled if the client goes away first)."""
         if req.stream:
-            return StreamingResponse(events(gen, fmt, req.include_usage(), lambda e: self.unavailable(e).body()),
+            return StreamingResponse(events(gen, fmt, req.include_usage(), lambda e: self.error_event(req, e)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -369,6 +390,8 @@ class _Completions:
             out = work.result()
         except GenerationFailed as err:
             raise self.unavailable(err)
+        except SequenceFailed as err:
+            raise self.failed(req, err)
         return fmt.response(out, gen.usage())
 
 

@@ -13,7 +13,7 @@ import uuid
 from typing import AsyncIterator, Callable, List, Tuple
 
 from mlxpipe.server.chat import Delta, Reply
-from mlxpipe.server.engine import GenerationFailed, RequestStream
+from mlxpipe.server.engine import GenerationFailed, RequestStream, SequenceFailed
 from mlxpipe.server.textgen import TextChunk, stream_text
 
 
@@ -203,15 +203,15 @@ def sse(obj) -> str:
 
 
 async def events(gen: Generation, fmt: _Format, include_usage: bool,
-                 error_event: Callable[[GenerationFailed], dict]) -> AsyncIterator[str]:
+                 error_event: Callable[[Exception], dict]) -> AsyncIterator[str]:
     """Server-sent events: the opening, one event per chunk, an error event if the
-    pipeline fails, the usage chunk when asked, ``[DONE]``."""
+    pipeline or this request fails (and then no more), the usage chunk when asked, ``[DONE]``."""
     for obj in fmt.opening(len(gen.streams)):
         yield sse(obj)
     try:
         async for i, c in gen.chunks():
             yield sse(fmt.chunk(i, c))
-    except GenerationFailed as err:
+    except (GenerationFailed, SequenceFailed) as err:
         yield sse(error_event(err))
         return
     if include_usage:

@@ -40,6 +40,11 @@ class GenerationFailed(RuntimeError):
     """The pipeline could not finish this request; the message says why."""
 
 
+class SequenceFailed(RuntimeError):
+    """This request, and only it, failed on a stage because of what it asked (its
+    grammar, its sampling); the message says why. It is never replayed."""
+
+
 class RequestStream:
     """The tokens of one request, as an async iterator. ``cancel()`` ends it and
     frees its caches on every stage."""
@@ -158,6 +163,7 @@ class Engine:
         self._rebuilt = asyncio.Event()  # set after each rebuild
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stopping = False  # shutting down: a broken stream now is no fault to recover from
 
     def _drafter(self, seq: Seq) -> Drafter:
         """A sequence's drafter, as its request asked ("auto": lookup, then the draft model)."""
@@ -192,7 +198,18 @@ class Engine:
         """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
         self.scheduler.reset_prefix([list(st.load.blocks) for st in self.pipeline.stages], capacity)
 
+    def shut_down(self, why: str = "the server is shutting down") -> None:
+        """Stop taking work: every live request ends now with ``why`` (an error event
+        in a stream), and nothing that breaks from here on is recovered."""
+        self._stopping = True
+        self.state, self.failure = "stopping", why
+        for seq_id, stream in list(self.streams.items()):
+            stream.queue.put_nowait(GenerationFailed(why))
+            self.scheduler.cancel(seq_id)
+        self.streams.clear()
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
@@ -208,7 +225,7 @@ class Engine:
         flight at most (0: none). Raises
         ``QueueFull`` when the server is at capacity, ``GenerationFailed`` when
         the pipeline is down. While it recovers, requests queue and wait."""
-        if self.state == "failed":
+        if self.state in ("failed", "stopping"):
             raise GenerationFailed(self.failure)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -253,6 +270,10 @@ class Engine:
         for ev in events:
             stream = self.streams.get(ev.seq.seq_id)
             if stream is None:
+                continue
+            if ev.error is not None:
+                stream.queue.put_nowait(SequenceFailed(ev.error))
+                del self.streams[ev.seq.seq_id]
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = now
@@ -299,9 +320,10 @@ class Engine:
         self._replan.clear()
         raise Replan(self._replan_why)
 
-    async def _run_pipeline(self) -> Tuple[str, List[str], bool]:
+    async def _run_pipeline(self) -> Tuple[str, List[str], bool, List[int]]:
         """Run until the pipeline breaks or a re-plan is asked for; return why,
-        which stages are suspect, and whether it was a fault."""
+        which stages are suspect, whether it was a fault, and the sequences whose
+        frame a stage failed on (when it said)."""
         tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward(),
                                                     self._await_replan())]
         try:
@@ -312,19 +334,22 @@ class Engine:
             await asyncio.gather(*tasks, return_exceptions=True)
         err = next(iter(done)).exception()
         if isinstance(err, Replan):
-            return f"re-plan: {err}", [], False
+            return f"re-plan: {err}", [], False, []
         if isinstance(err, (StageDown, PipelineError)):
-            return str(err), list(err.suspects), True
+            return str(err), list(err.suspects), True, list(getattr(err, "culprits", []))
         if err is None:
-            return "the pipeline's streams closed", [], True
+            return "the pipeline's streams closed", [], True, []
         logger.error("engine failure", exc_info=err)
-        return f"{type(err).__name__}: {err}", [], True
+        return f"{type(err).__name__}: {err}", [], True, []
 
     async def _supervise(self) -> None:
         sup = self.supervision
         while True:
-            why, suspects, fault = await self._run_pipeline()
+            why, suspects, fault, culprits = await self._run_pipeline()
+            if self._stopping:
+                return
             logger.warning("%s: %s", "pipeline broke" if fault else "rebuilding", why)
+            self._deliver(self.scheduler.fail_culprits(culprits, why))
             if self.rebuild is None:
                 self._fail(why)
                 return

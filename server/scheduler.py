@@ -100,6 +100,8 @@ class Sequence:
     spec: Optional["Spec"] = None  # speculative decoding state, once it may speculate
     speculation: str = "auto"      # what it drafts from (``draft.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
+    faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
+    error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
 
     @property
     def tokens(self) -> List[int]:
@@ -184,6 +186,10 @@ class TokenEvent:
     logprob: float
     top: Optional[Tuple[List[int], List[float]]]
     finished: bool
+    error: Optional[str] = None  # the sequence failed (``token`` means nothing): ``seq.error`` says why
+
+
+MAX_FAULTS = 2  # pipeline faults blamed on one sequence's frames before it is failed instead of replayed
 
 
 class Scheduler:
@@ -545,10 +551,13 @@ class Scheduler:
         if flight is None:
             return []
         events = []
+        for t in result.tokens:  # a sequence its stage failed: it ends here, alone
+            if t.error and t.seq_id in self.seqs:
+                events.append(self._fail(self.seqs[t.seq_id], f"the last stage could not go on: {t.error}"))
         if flight.kind == pb.Frame.VERIFY:
             seq = self.seqs.get(flight.seq_ids[0])
             if seq is None:  # finished or cancelled while the frame was in flight
-                return []
+                return events
             for t in self._judge(seq, flight, list(result.tokens)):
                 events.append(self._take(seq, t))
                 if seq.phase == Phase.DONE:
@@ -564,6 +573,12 @@ class Scheduler:
                 continue
             events.append(self._take(seq, t))
         return events
+
+    def _fail(self, seq: Sequence, why: str) -> TokenEvent:
+        """End ``seq`` with an error: its request gets ``why``; nothing else changes."""
+        seq.error = why
+        self._finish(seq, "error")
+        return TokenEvent(seq, -1, 0.0, None, True, why)
 
     def _take(self, seq: Sequence, t: pb.TokenResult) -> TokenEvent:
         """A sampled token becomes the sequence's next."""
@@ -590,6 +605,21 @@ class Scheduler:
         seq.group = g
 
     # -- failures -------------------------------------------------------------
+
+    def fail_culprits(self, culprits: Iterable[int], why: str) -> List[TokenEvent]:
+        """A stage broke the pipeline on a frame of these sequences: each takes a fault,
+        and one that has now broke it ``MAX_FAULTS`` times is failed, not replayed
+        again (a poison guard: a request must not take the pipeline down forever)."""
+        events = []
+        for sid in culprits:
+            seq = self.seqs.get(sid)
+            if seq is None or seq.phase == Phase.DONE:
+                continue
+            seq.faults += 1
+            if seq.faults >= MAX_FAULTS:
+                events.append(self._fail(seq, f"this request broke the pipeline {seq.faults} times and is not "
+                                              f"retried again; the last time: {why}"))
+        return events
 
     def replay_all(self) -> List[Sequence]:
         """The pipeline lost its state: every live sequence starts over from its

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.grammar import Constraint
+from mlxpipe.shards.grammar import Constraint, GrammarError
 
 MAX_TOP_LOGPROBS = 20
 MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
@@ -225,58 +225,82 @@ class SeqSampler:
         return mx.random.categorical(x * (1.0 / p.temperature), key=mx.random.key(seed))
 
 
-def pick_batch(
-    samplers: List[SeqSampler],
-    logits: mx.array,
-    positions: List[int],
-) -> List[Tuple[int, float, Optional[Tuple[List[int], List[float]]]]]:
-    """Pick one token per row of ``logits`` [B, V].
+class SequenceFailure(Exception):
+    """Why one sequence's pick failed (its grammar, its own sampling parameters):
+    returned in place of its pick, so that the other rows go on."""
 
-    Returns, per row, (token, log-probability, (top ids, top log-probabilities)
-    or None). Plain greedy rows share one argmax; the others go one by one.
-    """
-    logprobs = [None] * len(samplers)
-    chosen = [None] * len(samplers)
+
+Pick = Tuple[int, float, Optional[Tuple[List[int], List[float]]]]
+
+
+def _failure(err: Exception) -> SequenceFailure:
+    if isinstance(err, GrammarError):
+        return SequenceFailure(f"its grammar failed: {err}")
+    return SequenceFailure(f"its sampling failed: {type(err).__name__}: {err}")
+
+
+def _draw_rows(samplers: List[SeqSampler], logits: mx.array, positions: List[int]):
+    """Log-probabilities and a (lazy) choice per row; a row whose own processors or
+    grammar raise is a failure of that row alone."""
+    n = len(samplers)
+    logprobs, chosen, failed = [None] * n, [None] * n, {}
     plain = [i for i, s in enumerate(samplers) if s.plain_greedy]
-    if plain:
-        rows = logits[mx.array(plain)] if len(plain) < len(samplers) else logits
+    if plain:  # plain greedy rows share one argmax
+        rows = logits[mx.array(plain)] if len(plain) < n else logits
         lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
         picks = mx.argmax(lp, axis=-1)
         for k, i in enumerate(plain):
-            logprobs[i] = lp[k : k + 1]
-            chosen[i] = picks[k : k + 1]
+            logprobs[i], chosen[i] = lp[k : k + 1], picks[k : k + 1]
     for i, s in enumerate(samplers):
         if chosen[i] is None:
-            logprobs[i] = s.process(logits[i : i + 1])
-            chosen[i] = s.draw(logprobs[i], positions[i])
-    tokens = mx.concatenate(chosen)
-    want = [s.params.logprobs or s.params.top_logprobs > 0 for s in samplers]
-    lp_chosen = None
-    if any(want):
-        lp_chosen = mx.concatenate(
-            [logprobs[i][0, chosen[i]] for i in range(len(samplers))]
-        )
-    tops = {}
-    for i, s in enumerate(samplers):
-        k = s.params.top_logprobs
-        if k:
-            idx = mx.argpartition(-logprobs[i][0], kth=k - 1)[:k]
-            vals = logprobs[i][0, idx]
-            order = mx.argsort(-vals)
-            tops[i] = (idx[order], vals[order])
+            try:
+                logprobs[i] = s.process(logits[i : i + 1])
+                chosen[i] = s.draw(logprobs[i], positions[i])
+            except Exception as err:  # noqa: BLE001 - this sequence's own parameters or grammar
+                failed[i] = _failure(err)
+    return logprobs, chosen, failed
+
+
+def _top(logprobs: mx.array, k: int):
+    idx = mx.argpartition(-logprobs[0], kth=k - 1)[:k]
+    vals = logprobs[0, idx]
+    order = mx.argsort(-vals)
+    return idx[order], vals[order]
+
+
+def pick_batch(samplers: List[SeqSampler], logits: mx.array,
+               positions: List[int]) -> List[Union[Pick, SequenceFailure]]:
+    """Pick one token per row of ``logits`` [B, V].
+
+    Returns, per row, (token, log-probability, (top ids, top log-probabilities)
+    or None), or a ``SequenceFailure`` for a row whose own sampling or grammar
+    failed (the others are picked all the same).
+    """
+    logprobs, chosen, out = _draw_rows(samplers, logits, positions)
+    ok = [i for i in range(len(samplers)) if i not in out]
+    if not ok:
+        return [out[i] for i in range(len(samplers))]
+    tokens = mx.concatenate([chosen[i] for i in ok])
+    want = {i for i in ok if samplers[i].params.logprobs or samplers[i].params.top_logprobs > 0}
+    lp_chosen = mx.concatenate([logprobs[i][0, chosen[i]] for i in ok]) if want else None
+    tops = {i: _top(logprobs[i], samplers[i].params.top_logprobs) for i in ok if samplers[i].params.top_logprobs}
     mx.eval(tokens, lp_chosen, tops)
     token_list = tokens.tolist()
-    lp_list = lp_chosen.tolist() if lp_chosen is not None else [0.0] * len(samplers)
-    out = []
-    for i, s in enumerate(samplers):
+    lp_list = lp_chosen.tolist() if lp_chosen is not None else [0.0] * len(ok)
+    for k, i in enumerate(ok):
+        s = samplers[i]
         if s.constraint is not None:
-            s.constraint.accept([token_list[i]])
+            try:
+                s.constraint.accept([token_list[k]])
+            except GrammarError as err:
+                out[i] = _failure(err)
+                continue
         top = None
         if i in tops:  # a grammar may leave fewer than k tokens possible: report only those
             pairs = [(t, lp) for t, lp in zip(tops[i][0].tolist(), tops[i][1].tolist()) if lp > -math.inf]
             top = ([t for t, _ in pairs], [lp for _, lp in pairs])
-        out.append((token_list[i], lp_list[i] if want[i] else 0.0, top))
-    return out
+        out[i] = (token_list[k], lp_list[k] if i in want else 0.0, top)
+    return [out[i] for i in range(len(samplers))]
 
 
 def pick_positions(sampler: SeqSampler, logits: mx.array, tokens: List[int], offset: int):

@@ -35,15 +35,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import ClassVar, Deque, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.grammar import Constraint, GrammarError, validate
+from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.prefix import BlockStore, supports
-from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch, pick_positions
+from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
+                                     pick_positions)
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class _Seq:
     group: Optional[int] = None       # decode group holding its caches
     sampler: Optional[SeqSampler] = None  # last stage only
     session: int = 0                  # the Forward stream that brought it
+    failed: str = ""                  # last stage: why it can go no further (its grammar, its sampling)
     drafted: int = 0                  # positions VERIFY frames added since it last decoded: what may be trimmed
 
 
@@ -83,34 +85,19 @@ class ShardLimits:
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
 
 
-@dataclass
-class BusyClock:
-    """Busy time (computing a frame) against wall time: the rest is the bubble."""
+@dataclass(frozen=True)
+class ClockView:
+    """A BusyClock as it was at one moment: what Health reads from the event loop."""
 
-    busy_seconds: float = 0.0         # finished frames
-    frames: int = 0
-    tokens: int = 0
-    reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
-    prefilled_tokens: int = 0         # prompt positions computed
-    started: float = field(default_factory=time.monotonic)
-    running_since: Optional[float] = None  # the frame being computed now
-    recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
-
-    WINDOW = 10.0  # seconds the recent figures cover
-
-    def begin(self) -> None:
-        self.running_since = time.monotonic()
-
-    def end(self, tokens: int) -> None:
-        now = time.monotonic()
-        seconds = now - self.running_since
-        self.running_since = None
-        self.busy_seconds += seconds
-        self.frames += 1
-        self.tokens += tokens
-        self.recent.append((now, seconds, tokens))
-        while self.recent and self.recent[0][0] < now - self.WINDOW:
-            self.recent.popleft()
+    busy_seconds: float
+    frames: int
+    tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    started: float
+    running_since: Optional[float]
+    recent: Tuple[Tuple[float, float, int], ...]
+    WINDOW: ClassVar[float] = 10.0  # seconds the recent figures cover
 
     def busy_now(self) -> float:
         """Busy seconds so far, the frame in progress included."""
@@ -123,14 +110,58 @@ class BusyClock:
         lo = max(now - self.WINDOW, self.started)
         span = max(now - lo, 1e-9)
         busy = tokens = 0.0
-        for end, seconds, n in list(self.recent):
+        for end, seconds, n in self.recent:
             if end > lo:
                 busy += min(seconds, end - lo)
                 tokens += n
-        since = self.running_since
-        if since is not None:
-            busy += now - max(since, lo)
+        if self.running_since is not None:
+            busy += now - max(self.running_since, lo)
         return min(busy / span, 1.0), tokens / span
+
+
+@dataclass
+class BusyClock:
+    """Busy time (computing a frame) against wall time: the rest is the bubble.
+    Changed only on the MLX thread; others read ``view()``s of it."""
+
+    busy_seconds: float = 0.0         # finished frames
+    frames: int = 0
+    tokens: int = 0
+    reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
+    prefilled_tokens: int = 0         # prompt positions computed
+    started: float = field(default_factory=time.monotonic)
+    running_since: Optional[float] = None  # the frame being computed now
+    recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
+
+    def begin(self) -> None:
+        self.running_since = time.monotonic()
+
+    def end(self, tokens: int) -> None:
+        now = time.monotonic()
+        seconds = now - self.running_since
+        self.running_since = None
+        self.busy_seconds += seconds
+        self.frames += 1
+        self.tokens += tokens
+        self.recent.append((now, seconds, tokens))
+        while self.recent and self.recent[0][0] < now - ClockView.WINDOW:
+            self.recent.popleft()
+
+    def view(self) -> ClockView:
+        return ClockView(self.busy_seconds, self.frames, self.tokens, self.reused_tokens, self.prefilled_tokens,
+                         self.started, self.running_since, tuple(self.recent))
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What Health reports of a shard, published by the MLX thread after each change:
+    the event loop never iterates state that thread mutates."""
+
+    live_seqs: Tuple[int, ...] = ()
+    cache_bytes: int = 0
+    prefix_bytes: int = 0
+    prefix_blocks: int = 0
+    clock: ClockView = field(default_factory=lambda: BusyClock().view())
 
 
 def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
@@ -159,6 +190,13 @@ class Shard:
         self.prefix: Optional[BlockStore] = None
         if limits.block_tokens and supports(model.make_cache()):
             self.prefix = BlockStore(limits.block_tokens)
+        self.view = ShardView()
+        self.publish()
+
+    def publish(self) -> None:
+        """Make the shard's figures as they are now what ``view`` says (MLX thread only)."""
+        self.view = ShardView(tuple(sorted(self.seqs)), self.cache_bytes(), self.prefix_bytes(),
+                              len(self.prefix) if self.prefix is not None else 0, self.stats.view())
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -188,15 +226,23 @@ class Shard:
             c.filter(keep)
         group.members = [group.members[i] for i in keep]
 
+    def free_and_publish(self, seq_ids) -> int:
+        freed = self.free(seq_ids)
+        self.publish()
+        return freed
+
     def free_session(self, session: int) -> int:
         """Drop every sequence a (now closed) Forward stream brought."""
-        return self.free([sid for sid, seq in self.seqs.items() if seq.session == session])
+        freed = self.free([sid for sid, seq in self.seqs.items() if seq.session == session])
+        self.publish()
+        return freed
 
     def free_all(self) -> int:
         n = len(self.seqs)
         self.seqs.clear()
         self.groups.clear()
         mx.clear_cache()
+        self.publish()
         return n
 
     def cache_bytes(self) -> int:
@@ -290,15 +336,11 @@ class Shard:
             Sampling.from_wire(e.sampling).validate(self.vocab_size)
         except SamplingError as err:
             raise FrameError(f"sequence {e.seq_id}: {err}") from err
-        if not e.sampling.grammar:
-            return
-        if self.tokenizer is None:
+        if e.sampling.grammar and self.tokenizer is None:
             raise FrameError(f"sequence {e.seq_id} has a grammar, and this stage was loaded without a tokenizer",
                              "FAILED_PRECONDITION")
-        try:
-            validate(e.sampling.grammar, self.tokenizer)
-        except GrammarError as err:
-            raise FrameError(f"sequence {e.seq_id}: its grammar: {err}") from err
+        # A grammar that does not compile is this sequence's failure, not the frame's:
+        # it is compiled off this thread and fails the sequence alone (``Constraint``).
 
     def _check_blocks(self, frame: pb.Frame, e: pb.SeqEntry) -> None:
         """The prefix-cache instructions of one entry: blocks held, positions sane."""
@@ -342,6 +384,7 @@ class Shard:
             if e.trim:
                 self._trim(self.seqs[e.seq_id], e.trim)
         self.stats.begin()
+        self.publish()
         out = None
         try:
             if frame.kind == pb.Frame.PREFILL:
@@ -352,6 +395,7 @@ class Shard:
                 out = self._verify(frame, hidden)
         finally:
             self.stats.end(rows * n)
+            self.publish()
         if self.model.last:
             return pb.Result(frame_id=frame.frame_id, tokens=out or [])
         nxt = pb.Frame(
@@ -378,8 +422,7 @@ class Shard:
             params = Sampling.from_wire(entry.sampling)
             constraint = None
             if params.grammar:
-                constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size)
-                constraint.accept(entry.generated)
+                constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size, entry.generated)
             seq.sampler = SeqSampler(params, constraint)
             seq.sampler.observe(entry.context)
         self.seqs[entry.seq_id] = seq
@@ -440,6 +483,10 @@ class Shard:
             mx.eval(out)
             return out
         picks = pick_positions(seq.sampler, out[0], list(frame.tokens), seq.length - entry.num_tokens)
+        failed = next((p for p in picks if isinstance(p, SequenceFailure)), None)
+        if failed is not None or seq.failed:
+            seq.failed = seq.failed or str(failed)
+            return [pb.TokenResult(seq_id=entry.seq_id, error=seq.failed)]
         return [_token_result(entry.seq_id, pick) for pick in picks]
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
@@ -468,8 +515,25 @@ class Shard:
         return self._sample([frame.seqs[i] for i in picked], [seqs[i] for i in picked], logits)
 
     def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
-        picks = pick_batch([s.sampler for s in seqs], logits, [s.length for s in seqs])
-        return [_token_result(e.seq_id, pick, s.sampler.finished) for e, s, pick in zip(entries, seqs, picks)]
+        """One pick per row; a row whose own sampling or grammar fails gets an error
+        result instead, and its sequence goes no further (the head ends it alone)."""
+        rows = [i for i, s in enumerate(seqs) if not s.failed]
+        picks = {}
+        if rows:
+            logits = logits if len(rows) == len(seqs) else logits[mx.array(rows)]
+            got = pick_batch([seqs[i].sampler for i in rows], logits, [seqs[i].length for i in rows])
+            picks = dict(zip(rows, got))
+        out = []
+        for i, (e, s) in enumerate(zip(entries, seqs)):
+            pick = picks.get(i)
+            if isinstance(pick, SequenceFailure):
+                s.failed = str(pick)
+                logger.info("sequence %d failed here: %s", e.seq_id, s.failed)
+            if s.failed:
+                out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
+            else:
+                out.append(_token_result(e.seq_id, pick, s.sampler.finished))
+        return out
 
     def _regroup(self, gid: int, members: List[int]) -> _Group:
         """Make group ``gid`` hold exactly ``members``, caches in that row order."""

@@ -1,6 +1,6 @@
 """Grammar-constrained sequences through real stages in one process: output that
 follows the schema, beside unconstrained rows of the same decode group, the same
-after a replay, and never speculated."""
+after a replay, and never speculated; a grammar that fails is its sequence's error."""
 
 from __future__ import annotations
 
@@ -85,8 +85,10 @@ def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):
     assert err.value.code == "FAILED_PRECONDITION"
     single = InProcess(chat_model, [(0, 4)], SchedulerConfig(),
                        tokenizer=pipeline(chat_model, tok).stages[-1].tokenizer).stages[0]
-    with pytest.raises(FrameError, match="its grammar"):
-        single.run(prefill('{"grammars": [{"lark_grammar": "start: nope"}]}'))
+    # A grammar that does not compile is its sequence's failure, not the frame's: an
+    # error result for that sequence, and the stage goes on.
+    failed = single.run(prefill('{"grammars": [{"lark_grammar": "start: nope"}]}'))
+    assert [t.seq_id for t in failed.tokens] == [1] and "its grammar failed" in failed.tokens[0].error
     single.run(prefill(GRAMMAR))
     verify = pb.Frame(frame_id=2, kind=pb.Frame.VERIFY, tokens=[5, 6],
                       seqs=[pb.SeqEntry(seq_id=1, offset=2, num_tokens=2, sample=True)])
