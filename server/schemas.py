@@ -184,7 +184,9 @@ class _Sampling(BaseModel):
 
 
 class Function(BaseModel):
-    name: str = Field(min_length=1, max_length=64)
+    # OpenAI's rule for function names; it also keeps the chat template's markers
+    # and quotes out of them (a name is written into the prompt and the grammar).
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None  # a JSON schema
     strict: Optional[bool] = None

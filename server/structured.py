@@ -17,7 +17,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import llguidance as llg
 
-from mlxpipe.shards.grammar import GrammarError, tokenizer_from_json, validate
+from mlxpipe.server.schema_limits import check_schema, check_schemas
+from mlxpipe.shards.grammar import GrammarError, check_output, tokenizer_from_json
 
 # One separator style and no free whitespace: a sampled model cannot pad with
 # spaces or newlines until it runs out of tokens.
@@ -42,14 +43,17 @@ def _schema_grammar(schema: Mapping[str, Any], strict: bool) -> str:
 
 
 def response_format_grammar(response_format: Optional[Mapping[str, Any]]) -> str:
-    """OpenAI's ``response_format`` as a grammar ("" for plain text)."""
+    """OpenAI's ``response_format`` as a grammar ("" for plain text). Call on
+    ``shards.grammar.worker()``: a schema within the limits still compiles recursively."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return ""
     if kind == "json_object":
         return _schema_grammar({"type": "object"}, strict=True)
     spec = response_format.get("json_schema") or {}
-    return _schema_grammar(spec.get("schema") or {"type": "object"}, bool(spec.get("strict")))
+    schema = spec.get("schema") or {"type": "object"}
+    check_schema(schema)
+    return _schema_grammar(schema, bool(spec.get("strict")))
 
 
 def _marker(text: str, tokenizer) -> str:
@@ -68,6 +72,7 @@ def tool_call_grammar(tokenizer, functions: Sequence[Mapping[str, Any]], paralle
         raise GrammarError("forcing a tool call (tool_choice 'required' or a named function) needs a model whose "
                            "tool calls are JSON between markers (mlx-lm's json_tools format); this model's chat "
                            "template has " + ("another format" if tokenizer.has_tool_calling else "no tool calling"))
+    check_schemas([(f"function {f['name']!r}", f.get("parameters") or {}) for f in functions])
     variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                  "properties": {"name": {"const": f["name"]},
                                 "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
@@ -84,11 +89,14 @@ def tool_call_grammar(tokenizer, functions: Sequence[Mapping[str, Any]], paralle
 
 
 class Grammars:
-    """Checks grammars against the model's tokenizer (llguidance's, built on first use)."""
+    """Checks grammars against the model's tokenizer (llguidance's, built at once:
+    building it holds the GIL for 0.2-2 s, which, on a serving head, would stall
+    every stream; so it happens before the server takes requests)."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock = threading.Lock()
+        self._ll  # noqa: B018 - built now, see above
 
     @functools.cached_property
     def _ll(self) -> llg.LLTokenizer:
@@ -96,12 +104,12 @@ class Grammars:
                                    sorted(self.tokenizer.eos_token_ids))
 
     def check(self, grammar: str) -> str:
-        """``grammar``, once it compiles for this model (call in a worker thread: the
-        first call builds the tokenizer, ~0.3 s)."""
+        """``grammar``, once it compiles for this model and admits some output (call on
+        ``shards.grammar.worker()``: the first call builds the tokenizer, ~0.3 s)."""
         if grammar:
             with self._lock:
                 ll = self._ll
-            validate(grammar, ll)
+            check_output(grammar, ll)
         return grammar
 
 
