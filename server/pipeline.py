@@ -24,7 +24,7 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import SECRET_ENV, Security
+from mlxpipe.proto.rpc import SECRET_ENV, Security, culprits_of
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
 from mlxpipe.shards.store import mlxpipe_home
@@ -38,11 +38,13 @@ CALL_TIMEOUT_S = 10.0
 
 class PipelineError(RuntimeError):
     """The pipeline cannot take or finish work; the message says where and why.
-    ``suspects`` lists the addresses of the stages at fault, when known."""
+    ``suspects`` lists the addresses of the stages at fault, when known;
+    ``culprits`` the sequences whose frame a stage failed on, when one says so."""
 
-    def __init__(self, message: str, suspects: Sequence[str] = ()):
+    def __init__(self, message: str, suspects: Sequence[str] = (), culprits: Sequence[int] = ()):
         super().__init__(message)
         self.suspects = list(suspects)
+        self.culprits = list(culprits)
 
 
 def even_split(num_layers: int, stages: int) -> List[Tuple[int, int]]:
@@ -98,7 +100,9 @@ class LocalStages:
         if self.cpus:
             cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
         # The secret goes by environment, not argv, which other users can read.
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+        # A session of its own: a Ctrl-C in the head's terminal reaches the head
+        # alone, which then stops its stages in order (``stop``).
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
                                 env=os.environ | {SECRET_ENV: self.secret})
 
     @staticmethod
@@ -424,7 +428,7 @@ class Pipeline:
             await self._forward
         except grpc.aio.AioRpcError as err:
             raise PipelineError(f"forward stream into stage 0 at {self.stages[0].address} broke: "
-                                f"{err.code().name}: {err.details()}") from err
+                                f"{err.code().name}: {err.details()}", culprits=culprits_of(err)) from err
         raise PipelineError("stage 0 closed the forward stream")
 
     async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[Placement, Optional[pb.HealthReply], str]]:

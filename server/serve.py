@@ -53,7 +53,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> None:
+async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> int:
+    """Serve until SIGINT or SIGTERM; return the exit code the shell expects (130, 143)."""
     metrics = Metrics()
     cluster = await Cluster(config, observer=metrics).start()
     try:
@@ -69,8 +70,20 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> No
                                         backlog=size_for_fd_limit(raise_fd_limit())))
         loop = asyncio.get_running_loop()
         quiet_accept_errors(loop)
+        exit_code = 0
+
+        def stop(sig: int) -> None:
+            # In order: live requests end with an error event that says so, the HTTP
+            # server closes, then (below) the stages stop; nothing is "recovered".
+            nonlocal exit_code
+            if not exit_code:
+                exit_code = 128 + sig
+                logger.warning("%s: shutting down", signal.Signals(sig).name)
+                cluster.engine.shut_down("the server is shutting down")
+                server.should_exit = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, stop, sig)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
@@ -82,6 +95,7 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> No
         for line in cluster.describe()[1:]:
             print(f"  {line}", flush=True)
         await task
+        return exit_code
     finally:
         await cluster.stop()
 
@@ -116,8 +130,7 @@ def run(args, config: ClusterConfig) -> int:
                "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
     sock = listening_socket(args.host, args.port)
     try:
-        asyncio.run(serve(config, sock, options))
-    except KeyboardInterrupt:
-        pass
-    return 0
+        return asyncio.run(serve(config, sock, options))
+    except KeyboardInterrupt:  # before the handlers were set: while loading
+        return 130
 

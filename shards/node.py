@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import platform
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -42,6 +43,15 @@ async def _exit_with_parent(server) -> None:
     logger.warning("parent process %d is gone; stopping", parent)
     await server.stop(grace=None)
     os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
+
+
+async def _stop(server, code: int) -> None:
+    """SIGINT/SIGTERM: end every call with a status, then leave at once (the exit
+    code the shell expects): interpreter teardown under MLX's and gRPC's threads
+    can only abort noisily ("terminate called without an active exception")."""
+    await server.stop(grace=1.0)
+    logging.shutdown()
+    os._exit(code)
 
 
 async def join_head(head: str, address: str, name: str, memory_bytes: int, bandwidth: float,
@@ -108,6 +118,9 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 "secret required" if security.secret else "no secret",
                 "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
     watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
+    loop = asyncio.get_running_loop()
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        loop.add_signal_handler(sig, lambda c=code: asyncio.ensure_future(_stop(server, c)))
     joiner = None
     if join:
         address = advertise or _advertised(f"{host}:{bound}", join)

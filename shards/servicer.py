@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import Security, malformed, refuse_malformed
+from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, malformed, refuse_malformed
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
@@ -264,65 +264,25 @@ class StageServicer(pb_grpc.StageServicer):
         loaded = self.loaded
         if loaded is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
-        last = not loaded.request.next_address
-        inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
-        outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
-        downstream = None if last else self.next_stub.Forward(metadata=self.security.metadata())
-        session = next(self._sessions)
+        stream = _ForwardStream(self, loaded, request_iterator, next(self._sessions))
         me = asyncio.current_task()
         self._streams.add(me)
-        count = 0
-
-        async def read():
-            async for frame in request_iterator:
-                if (why := malformed(frame)) is not None:
-                    raise FrameError(why)
-                self._queued += 1
-                await inbox.put(frame)
-            await inbox.put(None)
-
-        async def compute():
-            nonlocal count
-            while (frame := await inbox.get()) is not None:
-                self._queued -= 1
-                out = await self._mlx(loaded.shard.run, frame, session)
-                count += 1
-                await outbox.put(out)
-            await outbox.put(None)
-
-        async def send():
-            while (out := await outbox.get()) is not None:
-                if last:
-                    await self.results.put(out)
-                else:
-                    await downstream.write(out)
-            if downstream is not None:
-                await downstream.done_writing()
-                await downstream
-
-        tasks = [asyncio.ensure_future(t()) for t in (read, compute, send)]
         try:
-            await asyncio.gather(*tasks)
-        except FrameError as err:
+            await stream.run()
+        except FrameError as err:  # the frame's own fault: refused, nothing changed
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
-        except grpc.aio.AioRpcError as err:
+        except StageFault as err:  # this stage could not run a frame: the pipeline's fault
+            await context.abort(grpc.StatusCode.INTERNAL, str(err), trailing_metadata=err.metadata())
+        except grpc.aio.AioRpcError as err:  # the next stage's stream ended: so does this one, at once
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"next stage {loaded.request.next_address} failed: {err.code().name}: {err.details()}",
+                trailing_metadata=culprits_metadata(culprits_of(err)),
             )
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._queued -= inbox.qsize()
-            if downstream is not None and not downstream.done():
-                downstream.cancel()
-            # However the stream ended, its sequences go: the head replays them.
-            freed = await asyncio.shield(self._mlx(loaded.shard.free_session, session))
-            if freed:
-                logger.info("stream %d ended; freed %d sequences", session, freed)
+            await stream.close()
             self._streams.discard(me)
-        return pb.ForwardSummary(frames=count)
+        return pb.ForwardSummary(frames=stream.count)
 
     async def Results(self, request, context):
         if self.loaded is None:
@@ -344,7 +304,7 @@ class StageServicer(pb_grpc.StageServicer):
         if loaded is None:
             return pb.FreeReply(freed=0)
         if request.seq_ids:
-            freed = await self._mlx(loaded.shard.free, list(request.seq_ids))
+            freed = await self._mlx(loaded.shard.free_and_publish, list(request.seq_ids))
         else:
             freed = await self._mlx(loaded.shard.free_all)
         return pb.FreeReply(freed=freed)
@@ -358,28 +318,116 @@ class StageServicer(pb_grpc.StageServicer):
         )
         loaded = self.loaded
         if loaded is not None:
-            rt = loaded.shard
+            view, clock = loaded.shard.view, loaded.shard.view.clock  # published by the MLX thread
             reply.model = loaded.reply.model_path
             reply.start, reply.end = loaded.request.start, loaded.request.end
             reply.num_layers = loaded.reply.num_layers
             reply.weight_bytes = loaded.reply.weight_bytes
             reply.next_address = loaded.request.next_address
-            reply.live_seqs.extend(sorted(list(rt.seqs)))
-            reply.cache_bytes = rt.cache_bytes()
-            reply.prefix_bytes = rt.prefix_bytes()
-            reply.prefix_blocks = len(rt.prefix) if rt.prefix is not None else 0
-            busy_fraction, tokens_per_s = rt.stats.window()
+            reply.live_seqs.extend(view.live_seqs)
+            reply.cache_bytes = view.cache_bytes
+            reply.prefix_bytes = view.prefix_bytes
+            reply.prefix_blocks = view.prefix_blocks
+            busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(
                 pb.StageStats(
-                    busy_seconds=rt.stats.busy_now(),
-                    busy_fraction=busy_fraction,
-                    tokens_per_s=tokens_per_s,
-                    uptime_seconds=time.monotonic() - rt.stats.started,
-                    frames=rt.stats.frames,
-                    tokens=rt.stats.tokens,
-                    queue_depth=max(self._queued, 0),
-                    reused_tokens=rt.stats.reused_tokens,
-                    prefilled_tokens=rt.stats.prefilled_tokens,
+                    busy_seconds=clock.busy_now(), busy_fraction=busy_fraction, tokens_per_s=tokens_per_s,
+                    uptime_seconds=time.monotonic() - clock.started, frames=clock.frames, tokens=clock.tokens,
+                    queue_depth=max(self._queued, 0), reused_tokens=clock.reused_tokens,
+                    prefilled_tokens=clock.prefilled_tokens,
                 )
             )
         return reply
+
+
+
+class StageFault(RuntimeError):
+    """A frame this stage accepted and then could not run (an error of the model's
+    code, of MLX): the pipeline's fault, not the frame's. Names the frame's sequences,
+    so that the head can tell a sequence that keeps breaking the pipeline."""
+
+    def __init__(self, message: str, seq_ids):
+        super().__init__(message)
+        self.seq_ids = list(seq_ids)
+
+    def metadata(self):
+        return culprits_metadata(self.seq_ids)
+
+
+class _ForwardStream:
+    """One Forward call: a reader (frames off the wire into a bounded queue: its
+    length is the stage's queue depth), a computer (one frame at a time on the MLX
+    thread), a sender (to the next stage's Forward, or the head's Results) and,
+    into a next stage, a watcher: when that stage's stream ends, for any reason,
+    this one ends at once with it, so a fault anywhere reaches the head at once."""
+
+    def __init__(self, servicer: "StageServicer", loaded: _Loaded, request_iterator, session: int):
+        self.servicer, self.loaded, self.requests, self.session = servicer, loaded, request_iterator, session
+        self.last = not loaded.request.next_address
+        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        self.outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        self.downstream = None
+        if not self.last:
+            self.downstream = servicer.next_stub.Forward(metadata=servicer.security.metadata())
+        self.count = 0
+        self.tasks = []
+
+    async def run(self) -> None:
+        steps = [self.read, self.compute, self.send] + ([self.watch] if self.downstream is not None else [])
+        self.tasks = [asyncio.ensure_future(step()) for step in steps]
+        done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+        await asyncio.gather(*self.tasks)
+
+    async def read(self) -> None:
+        async for frame in self.requests:
+            if (why := malformed(frame)) is not None:
+                raise FrameError(why)
+            self.servicer._queued += 1
+            await self.inbox.put(frame)
+        await self.inbox.put(None)
+
+    async def compute(self) -> None:
+        shard = self.loaded.shard
+        while (frame := await self.inbox.get()) is not None:
+            self.servicer._queued -= 1
+            try:
+                out = await self.servicer._mlx(shard.run, frame, self.session)
+            except FrameError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure to run an accepted frame
+                logger.exception("frame %d failed on this stage", frame.frame_id)
+                req = self.loaded.request
+                raise StageFault(f"stage with layers [{req.start}, {req.end}) failed running frame "
+                                 f"{frame.frame_id}: {type(err).__name__}: {err}",
+                                 [e.seq_id for e in frame.seqs]) from err
+            self.count += 1
+            await self.outbox.put(out)
+        await self.outbox.put(None)
+
+    async def send(self) -> None:
+        while (out := await self.outbox.get()) is not None:
+            if self.last:
+                await self.servicer.results.put(out)
+            else:
+                await self.downstream.write(out)
+        if self.downstream is not None:
+            await self.downstream.done_writing()
+
+    async def watch(self) -> None:
+        await self.downstream  # its summary once it ends after our done_writing; raises if it fails first
+
+    async def close(self) -> None:
+        """However the stream ended: stop its tasks and the next stage's stream, and
+        free its sequences (the head replays them)."""
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.servicer._queued -= self.inbox.qsize()
+        if self.downstream is not None and not self.downstream.done():
+            self.downstream.cancel()
+        freed = await asyncio.shield(self.servicer._mlx(self.loaded.shard.free_session, self.session))
+        if freed:
+            logger.info("stream %d ended; freed %d sequences", self.session, freed)
