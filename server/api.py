@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -30,19 +30,22 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxpipe.server.chat import Reply, render, thinks_first
+from mlxpipe.server import anthropic_api, ollama_api, responses_api
 from mlxpipe.server.completions import ChatFormat, Generation, TextFormat, events
-from mlxpipe.server.engine import GenerationFailed, SequenceFailed
+from mlxpipe.server.errors import ApiError, error_response
 from mlxpipe.server.join import joined_table
 from mlxpipe.server.metrics import Metrics
-from mlxpipe.server.scheduler import QueueFull
 from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
-from mlxpipe.server.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
-                                       tool_call_grammar)
-from mlxpipe.shards.grammar import in_worker
-from mlxpipe.shards.sampling import SamplingError
+from mlxpipe.server.turns import SSE_HEADERS, Turns
 
 logger = logging.getLogger(__name__)
+
+
+# What the 404 for an unknown path lists.
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (OpenAI); POST /v1/responses, "
+          "GET /v1/responses/{id} (OpenAI Responses); POST /v1/messages, POST /v1/messages/count_tokens "
+          "(Anthropic); POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, "
+          "GET /api/version (Ollama); GET /health, GET /metrics, GET / (the web page)")
 
 
 @dataclass
@@ -90,45 +93,12 @@ class BodyLimit:
 
     async def _refuse(self, scope, receive, send):
         response = error_response(413, f"the request body is larger than {self.limit} bytes",
-                                  code="request_too_large")
+                                  code="request_too_large", path=scope.get("path", ""))
         await response(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
     pass
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[Dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    """OpenAI's error shape: in a response, or as a stream's last event."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class AsciiJSONResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped: a message may echo what the
-    client sent, and a lone surrogate ("\\ud800") cannot be encoded as UTF-8,
-    but it can be written back as the same escape."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: Optional[str] = None, code: Optional[str] = None,
-                   headers: Optional[Dict[str, str]] = None) -> JSONResponse:
-    return AsciiJSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(err: RequestValidationError, content_type: str) -> Tuple[str, Optional[str]]:
@@ -175,15 +145,16 @@ class Outcomes:
             if status is not None:  # mid-response (a stream): too late to answer; count what was sent
                 self._count(scope, status)
                 raise
-            await self._failure()(scope, receive, watched)
+            await self._failure(scope.get("path", ""))(scope, receive, watched)
         self._count(scope, status)
 
-    def _failure(self) -> JSONResponse:
+    def _failure(self, path: str) -> JSONResponse:
         if self.engine.state != "ready":
             return error_response(503, f"pipeline {self.engine.state}: {self.engine.failure}", type_="server_error",
-                                  code="pipeline_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+                                  code="pipeline_unavailable", headers={"Retry-After": str(self.retry_after_s)},
+                                  path=path)
         logger.exception("unhandled error")
-        return error_response(500, "internal error", type_="server_error")
+        return error_response(500, "internal error", type_="server_error", path=path)
 
     def _count(self, scope, status: Optional[int]) -> None:
         route = scope.get("route")  # set by the router on the shared scope
@@ -191,20 +162,23 @@ class Outcomes:
 
 
 class ApiKey:
-    """ASGI middleware: /v1/*, /health, /metrics and /nodes need the API key, when one is set."""
+    """ASGI middleware: every API (/v1/*, Anthropic's /messages, Ollama's /api/*),
+    /health, /metrics and /nodes need the API key, when one is set: as
+    ``Authorization: Bearer <key>`` or (Anthropic's SDKs) ``x-api-key: <key>``."""
 
     PROTECTED = ("/health", "/metrics", "/nodes")
 
     def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
+        self.app, self.bearer, self.key = app, f"Bearer {key}".encode(), key.encode()
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path in self.PROTECTED):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.want):
-                response = error_response(401, "this server needs an API key: send Authorization: Bearer <key>",
-                                          code="invalid_api_key")
+        if scope["type"] == "http" and (path.startswith(("/v1/", "/api/", "/messages")) or path in self.PROTECTED):
+            headers = dict(scope.get("headers") or [])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                response = error_response(401, "this server needs an API key: send Authorization: Bearer <key> "
+                                               "(or x-api-key: <key>)", code="invalid_api_key", path=path)
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -231,168 +205,24 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers,
+                              path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         message, param = _validation_message(exc, request.headers.get("content-type", ""))
-        return error_response(400, message, param=param)
+        return error_response(400, message, param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         detail = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
             detail = "the request body could not be read as JSON (malformed, or nested too deeply)"
-        return error_response(exc.status_code, detail, code=None)
-
-
-class _Completions:
-    """What the two completion routes share: from a validated request to a
-    ``Generation`` on the engine, and from the generation to a response."""
-
-    def __init__(self, cluster, options: ApiOptions):
-        self.options = options
-        self.engine = cluster.engine
-        self.tok = cluster.tokenizer
-        self.vocab = cluster.vocab_size
-        self.names = {options.model_id, "default", *options.aliases}
-        self.retry_after = {"Retry-After": str(options.retry_after_s)}
-        self.grammars = Grammars(cluster.tokenizer, self.vocab)
-
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{self.options.model_id}'", param="model", code="model_not_found")
-
-    def budget(self, req, prompt_len: int) -> int:
-        """The request's token budget, or a 400 saying what to change."""
-        options, context = self.options, self.engine.max_context
-        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
-                                f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
-        limit = options.max_tokens_limit
-        if limit and (req.token_budget() or 0) > limit:
-            raise ApiError(400, f"max_tokens is {req.token_budget()}; this server allows at most {limit}",
-                           param="max_tokens")
-        if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
-                                f"prompt is {prompt_len} tokens. Please shorten it.",
-                           param="messages", code="context_length_exceeded")
-        asked = req.token_budget()
-        if asked is None:
-            return min(options.default_max_tokens, limit or context, context - prompt_len)
-        if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
-                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
-                                f"for the completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return asked
-
-    def unavailable(self, err: GenerationFailed) -> ApiError:
-        return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable",
-                        headers=self.retry_after)
-
-    @staticmethod
-    def failed(req, err: SequenceFailed) -> ApiError:
-        """This request's own failure on a stage (its grammar, its sampling): a 400 naming
-        what the request asked; no other request noticed."""
-        param = None
-        if getattr(req, "response_format", None) is not None:
-            param = "response_format"
-        if getattr(req, "tool_choice", None) not in (None, "auto", "none"):
-            param = "tool_choice"
-        return ApiError(400, f"generation failed for this request: {err}", param=param, code="generation_failed")
-
-    def error_event(self, req, err: Exception) -> dict:
-        """The last event of a stream that failed."""
-        return (self.failed(req, err) if isinstance(err, SequenceFailed) else self.unavailable(err)).body()
-
-    async def encode(self, fn, *args) -> List[int]:
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
-            raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
-
-    async def grammar(self, req: ChatCompletionRequest) -> str:
-        """The grammar the request's output must follow ("" for none), or a 400. Built,
-        compiled and checked on the grammar thread (a deep stack, off the event loop)."""
-        forced = req.choice() not in (None, "auto", "none")
-        param = "tool_choice" if forced else "response_format"
-
-        def build() -> str:
-            functions = forced_functions(req.tool_dicts() or [], req.choice())
-            if functions is not None:
-                grammar = tool_call_grammar(self.tok, functions, req.parallel_tool_calls)
-            else:
-                grammar = response_format_grammar(req.response_format.as_dict() if req.response_format else None)
-            return self.grammars.check(grammar)
-
-        try:
-            return await in_worker(build)
-        except GrammarError as err:
-            raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
-
-    def submit(self, req, prompt: List[int], grammar: str = "") -> Generation:
-        """The request's n streams on the engine; ``grammar``: what their output must follow."""
-        def sampling(choice: int = 0):
-            return replace(req.sampling(self.options.default_temperature, choice), grammar=grammar)
-
-        try:  # the last stage's own check, here where it can still be a 400
-            sampling().validate(self.vocab)
-        except SamplingError as err:
-            raise ApiError(400, str(err), param=err.param)
-        try:
-            self.engine.check_speculation(req.speculation)
-        except ValueError as err:
-            raise ApiError(400, str(err), param="speculation")
-        max_tokens = self.budget(req, len(prompt))
-        streams = []
-        try:
-            for i in range(req.n):
-                streams.append(self.engine.submit(prompt, max_tokens, sampling(i), speculation=req.speculation,
-                                                  max_drafts=req.num_draft_tokens))
-        except QueueFull as err:
-            for s in streams:
-                s.cancel()
-            raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
-                           code="server_busy", headers=self.retry_after)
-        except GenerationFailed as err:
-            raise self.unavailable(err)
-        except ValueError as err:  # e.g. more KV cache than the stages hold
-            for s in streams:
-                s.cancel()
-            raise ApiError(400, str(err), param="max_tokens")
-        return Generation(self.tok, len(prompt), streams, req.stop_strings())
-
-    async def respond(self, request: Request, req, gen: Generation, fmt):
-        """Server-sent events, or the whole response once every choice is done
-        (cancelled if the client goes away first)."""
-        if req.stream:
-            return StreamingResponse(events(gen, fmt, req.include_usage(), lambda e: self.error_event(req, e)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        async def watch():
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.25)
-
-        work, watcher = asyncio.ensure_future(gen.collect()), asyncio.ensure_future(watch())
-        try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not work.done():
-                work.cancel()
-                gen.cancel()
-        if work not in done:
-            raise ApiError(499, "client closed the request")
-        try:
-            out = work.result()
-        except GenerationFailed as err:
-            raise self.unavailable(err)
-        except SequenceFailed as err:
-            raise self.failed(req, err)
-        return fmt.response(out, gen.usage())
+        if exc.status_code in (404, 405) and detail in ("Not Found", "Method Not Allowed"):
+            detail = (f"{request.method} {request.url.path} is not served here. This server serves: "
+                      f"{SERVED}")
+        return error_response(exc.status_code, detail, code="not_found" if exc.status_code == 404 else None,
+                              path=request.url.path)
 
 
 def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) -> FastAPI:
@@ -405,9 +235,9 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     app.mount("/static", StaticFiles(directory=static), name="static")
     _add_middleware(app, options, metrics, engine)
     _add_error_handlers(app)
-    completions = _Completions(cluster, options)
+    turns = Turns(cluster, options)
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: agents' connectivity check
     async def index():
         return FileResponse(static / "index.html")
 
@@ -431,7 +261,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
 
     @app.get("/v1/models/{name:path}")  # ":path": repo ids ("org/name") hold a slash
     async def model(name: str):
-        completions.check_model(name)
+        turns.check_model(name)
         return card
 
     @app.get("/health")
@@ -465,35 +295,38 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
+    async def respond(request: Request, req, gen: Generation, fmt):
+        """Server-sent events, or the whole response once every choice is done."""
+        if req.stream:
+            return StreamingResponse(events(gen, fmt, req.include_usage(), lambda e: turns.error(req, e).body()),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return fmt.response(await turns.whole(request, req, gen, gen.collect()), gen.usage())
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        completions.check_model(req.model)
-        tok, tools = cluster.tokenizer, req.tool_dicts()
-        prompt = await completions.encode(render, tok, [m.for_template() for m in req.messages], tools,
-                                          req.chat_template_kwargs or {})
-        grammar = await completions.grammar(req)
-        gen = completions.submit(req, prompt, grammar)
-        thinking = thinks_first(tok, prompt) and not grammar  # a grammar leaves no room to think
-        replies = [Reply(tok, tools, thinking, req.parallel_tool_calls, req.stream) for _ in range(req.n)]
-        return await completions.respond(request, req, gen, ChatFormat(tok, options.model_id, req.logprobs, replies))
+        turns.check_model(req.model)
+        turn = await turns.chat(req)
+        return await respond(request, req, turn.gen, ChatFormat(turns.tok, options.model_id, req.logprobs,
+                                                                turn.replies))
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, request: Request):
-        completions.check_model(req.model)
+        turns.check_model(req.model)
         tok = cluster.tokenizer
         text = req.prompt_text()
         if text is not None:
-            prompt = await completions.encode(tok.encode, text)
+            prompt = await turns.encode(tok.encode, text)
         else:
             prompt = list(req.prompt)
-            bad = [t for t in prompt if not 0 <= t < completions.vocab]
+            bad = [t for t in prompt if not 0 <= t < turns.vocab]
             if bad:
-                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {completions.vocab})",
+                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {turns.vocab})",
                                param="prompt")
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        gen = completions.submit(req, prompt)
-        fmt = TextFormat(tok, options.model_id, req.logprobs is not None, req.n)
-        return await completions.respond(request, req, gen, fmt)
+        gen = turns.submit(req, prompt)
+        return await respond(request, req, gen, TextFormat(tok, options.model_id, req.logprobs is not None, req.n))
 
+    for protocol in (anthropic_api, responses_api, ollama_api):
+        protocol.add_routes(app, turns, cluster)
     return app

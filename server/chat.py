@@ -11,6 +11,7 @@ mlx-lm's ``TextStateMachine`` and ``ToolCallFormatter``.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -102,6 +103,58 @@ class Reply:
             calls = calls[:1]
         self.calls += len(calls)
         delta.tool_calls += calls
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+
+class ForcedReply:
+    """A forced tool call written as bare JSON (``structured.bare_call_grammar``), for
+    a model whose chat template has no JSON tool-call markers: the whole reply is
+    the call, read back into OpenAI's tool-call shape when it ends."""
+
+    def __init__(self, functions: List[dict], parallel: bool, streaming: bool = False):
+        self.functions, self.parallel, self.streaming = functions, parallel, streaming
+        self.text = ""
+        self.calls = 0
+
+    @staticmethod
+    def instruct(messages: List[Dict[str, Any]], functions: List[dict]) -> List[Dict[str, Any]]:
+        """The messages with a system note that says which call to write and how (the
+        template cannot show the model its tools); the grammar enforces it."""
+        if len(functions) == 1:
+            f = functions[0]
+            note = (f"Answer with only the JSON arguments of a call to the function {f['name']}"
+                    + (f" ({f['description']})" if f.get("description") else "")
+                    + f". The arguments follow this JSON schema: {json.dumps(f.get('parameters') or {})}")
+        else:
+            listed = "; ".join(f"{f['name']}: {f.get('description') or ''} arguments schema "
+                               f"{json.dumps(f.get('parameters') or {})}" for f in functions)
+            note = f'Answer with only JSON {{"name": ..., "arguments": {{...}}}} calling one of these functions: {listed}'
+        if messages and messages[0]["role"] in ("system", "developer"):
+            first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{note}".strip())
+            return [first] + messages[1:]
+        return [{"role": "system", "content": note}] + messages
+
+    def _calls(self) -> List[dict]:
+        try:
+            value = json.loads(self.text)
+        except json.JSONDecodeError:  # cut off (max_tokens): a single function's partial arguments stay its
+            return [{"name": self.functions[0]["name"], "arguments": self.text}] if len(self.functions) == 1 else []
+        if len(self.functions) == 1:
+            return [{"name": self.functions[0]["name"], "arguments": json.dumps(value, ensure_ascii=False)}]
+        value = value if isinstance(value, list) else [value]
+        return [{"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)} for c in value]
+
+    def feed(self, text: str, final: bool) -> Delta:
+        self.text += text
+        if not final:
+            return Delta()
+        calls = self._calls()
+        self.calls = len(calls)
+        return Delta(content="" if calls else self.text, tool_calls=[
+            {"function": c, "type": "function", "id": f"call_{uuid.uuid4().hex[:24]}", "index": i}
+            for i, c in enumerate(calls)])
 
     def finish_reason(self, reason: Optional[str]) -> Optional[str]:
         return "tool_calls" if reason == "stop" and self.calls else reason

@@ -245,6 +245,7 @@ class Engine:
         stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream
         self._pump()
+        stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
         return stream
 
     def cancel(self, seq_id: int) -> None:

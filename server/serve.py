@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -130,7 +132,14 @@ def run(args, config: ClusterConfig) -> int:
                "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
     sock = listening_socket(args.host, args.port)
     try:
-        return asyncio.run(serve(config, sock, options))
+        code = asyncio.run(serve(config, sock, options))
     except KeyboardInterrupt:  # before the handlers were set: while loading
-        return 130
+        code = 130
+    # Everything is stopped in order by now. Leave without the interpreter's teardown:
+    # gRPC's and MLX's C++ threads can only abort it noisily ("terminate called
+    # without an active exception", one exit in two).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 

@@ -64,18 +64,39 @@ def _marker(text: str, tokenizer) -> str:
     return json.dumps(text)
 
 
+def marked_calls(tokenizer) -> bool:
+    """Whether the chat template writes tool calls as JSON between markers (mlx-lm's
+    ``json_tools`` parser: Qwen, Hermes and the like): then a forced call is written
+    in that format; for any other model it is bare JSON (``bare_call_grammar``)."""
+    return getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools")
+
+
+def _call_variants(functions: Sequence[Mapping[str, Any]]) -> List[dict]:
+    return [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+             "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+            for f in functions]
+
+
+def bare_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    """A forced call for a model whose template has no JSON tool-call markers (vLLM's
+    way): one function's output is its arguments, a JSON object following its schema;
+    a choice among several is ``{"name", "arguments"}``, and with ``parallel`` a JSON
+    array of one or more of those. ``chat.ForcedReply`` reads it back."""
+    check_schemas([(f"function {f['name']!r}", f.get("parameters") or {}) for f in functions])
+    if len(functions) == 1:
+        schema = dict(functions[0].get("parameters") or {"type": "object"})
+    else:
+        call = {"anyOf": _call_variants(functions)}
+        schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
+    return _schema_grammar(schema, all(f.get("strict") for f in functions))
+
+
 def tool_call_grammar(tokenizer, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
     """A grammar for one (or, with ``parallel``, one or more) calls of ``functions``
     in the chat template's format: JSON ``{"name", "arguments"}`` between the tool
-    parser's markers (mlx-lm's ``json_tools``: Qwen, Hermes and the like)."""
-    if not getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools"):
-        raise GrammarError("forcing a tool call (tool_choice 'required' or a named function) needs a model whose "
-                           "tool calls are JSON between markers (mlx-lm's json_tools format); this model's chat "
-                           "template has " + ("another format" if tokenizer.has_tool_calling else "no tool calling"))
+    parser's markers (``marked_calls``)."""
     check_schemas([(f"function {f['name']!r}", f.get("parameters") or {}) for f in functions])
-    variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                 "properties": {"name": {"const": f["name"]},
-                                "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
+    variants = _call_variants(functions)
     strict = all(f.get("strict") for f in functions)
     schema = dict(variants[0] if len(variants) == 1 else {"anyOf": variants},
                   **{"x-guidance": dict(JSON_OPTIONS, lenient=not strict)})

@@ -18,6 +18,7 @@ class TextChunk:
     text: str                                   # new text (may be empty)
     tokens: List[Token] = field(default_factory=list)  # tokens taken since the last chunk
     finish_reason: Optional[str] = None         # set on the last chunk
+    stop: Optional[str] = None                  # the stop string that ended the text, if one did
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -48,10 +49,11 @@ async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = ()
         text = detok.text
         if stops:
             # Text before `emitted` holds no stop string, nor the start of one.
-            hit = min((i for i in (text.find(s, emitted) for s in stops) if i >= 0), default=-1)
-            if hit >= 0:
+            found = [(i, s) for s in stops if (i := text.find(s, emitted)) >= 0]
+            if found:
+                hit, which = min(found)
                 stream.cancel()
-                yield TextChunk(text[emitted:hit], taken, "stop")
+                yield TextChunk(text[emitted:hit], taken, "stop", which)
                 return
         end = len(text) if finish is not None else len(text) - _held_back(text[emitted:], stops)
         chunk = TextChunk(text[emitted:end], taken, finish)  # never empty: it holds this token

@@ -293,8 +293,11 @@ class StageServicer(pb_grpc.StageServicer):
         if self._results_reader is not None:
             self._results_reader.cancel()
         self._results_reader = asyncio.current_task()
-        while True:
-            yield await self.results.get()
+        try:
+            while True:
+                yield await self.results.get()
+        except asyncio.CancelledError:  # replaced, or the node stopping: the call just ends
+            return
 
     # -- Free, Health ----------------------------------------------------------
 

@@ -230,3 +230,21 @@ def stage_stub(address, secret=SECRET, credentials=None):
     if secret is not None:
         channel = grpc.intercept_channel(channel, _WithSecret(secret))
     return pb_grpc.StageStub(channel)
+
+
+@pytest.fixture(scope="session")
+def api_server(default_model):
+    """One real `mlxpipe serve --stages 2` of the default model for the tests of the
+    HTTP APIs (requests that name no temperature are greedy and those that name no
+    budget get 64 tokens: agents name neither, and the tests need them brief), warmed
+    (the first requests of a kind compile MLX's CPU kernels for their shapes: seconds
+    in which every stream waits, which canary tests must not measure)."""
+    import httpx
+    from server_proc import ServerProcess
+
+    srv = ServerProcess("--stages", "2", "--max-tokens", "64", "--temp", "0")
+    for extra in ({}, {"response_format": {"type": "json_object"}}):
+        httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
+            "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
+    yield srv
+    srv.stop()

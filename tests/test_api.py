@@ -259,8 +259,11 @@ BAD_REQUESTS = [
     ("content of the wrong type", "chat", OK_CHAT | {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
     ("logit_bias key not a token id", "chat", OK_CHAT | {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("a tool without its function", "chat", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "function"),
-    ("a forced tool call on a model without tool calls", "chat", OK_CHAT | {
-        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tool calling"),
+    ("a forced call of a function that is not among the tools", "chat", OK_CHAT | {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("a tool name with characters outside OpenAI's rule", "chat", OK_CHAT | {
+        "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "name"),
     ("a response_format schema that cannot be enforced", "chat", OK_CHAT | {"response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
     ("seed not an integer", "chat", OK_CHAT | {"seed": "x"}, 400, "seed"),
