@@ -290,7 +290,8 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
             stages.append(info)
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
                 "state": engine.state, "stages": stages, "live_requests": engine.scheduler.live,
-                "recoveries": engine.stats.recoveries, "speculation": engine.speculation()}
+                "recoveries": engine.stats.recoveries, "generated_tokens": engine.stats.generated_tokens,
+                "speculation": engine.speculation()}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)

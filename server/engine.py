@@ -85,6 +85,7 @@ class RequestStream:
 @dataclass
 class EngineStats:
     recoveries: int = 0  # pipelines rebuilt after a fault
+    generated_tokens: int = 0  # tokens delivered to requests since start (the page's tok/s chart)
 
 
 class Replan(RuntimeError):
@@ -284,6 +285,7 @@ class Engine:
             if self.observer is not None:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
+            self.stats.generated_tokens += 1
             reason = ev.seq.finish_reason if ev.finished else None
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
             if ev.finished:

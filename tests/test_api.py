@@ -321,9 +321,12 @@ def _scrape(server):
 
 
 def test_metrics_move_with_a_request(server, client):
+    generated = httpx.get(f"{server.root}/health", timeout=30).json()["generated_tokens"]
     before = _scrape(server)
     client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=5)
     after = _scrape(server)
+    # /health counts them too (the page charts its rate).
+    assert httpx.get(f"{server.root}/health", timeout=30).json()["generated_tokens"] == generated + 5
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))

@@ -1,21 +1,29 @@
-// mlxpipe's page: a streaming chat over /v1/chat/completions and a live view of /health.
-"use strict";
+// mlxpipe's page: a streaming chat over /v1/chat/completions, kept in this browser,
+// and a live view of /health. The parts: render.js (markdown), chat.js (a reply),
+// cluster.js (the cluster view), storage.js (localStorage).
+
+import { apiMessages, assistantTurn, ReplyView, streamReply } from "./chat.js";
+import { watchCluster } from "./cluster.js";
+import { copyCode } from "./render.js";
+import { forgetTurns, keepSettings, loadTurns, restoreSettings, saveTurns } from "./storage.js";
 
 const $ = (id) => document.getElementById(id);
 
-// -- chat ---------------------------------------------------------------------
-
-const history = [];          // the user/assistant turns, sent whole with every request
+const turns = loadTurns();   // the conversation, sent whole with every request
 let controller = null;       // the AbortController of the reply being streamed
 
-function bubble(role, text = "") {
+function bubble(role) {
   const list = $("messages");
   list.querySelector(".empty")?.remove();
   const el = document.createElement("div");
   el.className = `msg ${role}`;
-  el.textContent = text;
   list.append(el);
-  scrollDown(true);
+  return el;
+}
+
+function userBubble(text) {
+  const el = bubble("user");
+  el.textContent = text;
   return el;
 }
 
@@ -28,18 +36,14 @@ function scrollDown(force = false) {
 // Headers for the API: the key, when the server wants one (kept in this browser only).
 function authHeaders() {
   const key = $("api_key").value.trim();
-  localStorage.setItem("mlxpipe.api_key", key);
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
 // The request body: the conversation, and only the settings that are filled in.
 function requestBody() {
   const system = $("system").value.trim();
-  const body = {
-    model: "default",
-    stream: true,
-    messages: system ? [{ role: "system", content: system }, ...history] : [...history],
-  };
+  const messages = apiMessages(turns);
+  const body = { model: "default", messages: system ? [{ role: "system", content: system }, ...messages] : messages };
   for (const [key, parse] of [["temperature", parseFloat], ["top_p", parseFloat],
                               ["top_k", parseInt], ["max_tokens", parseInt], ["seed", parseInt]]) {
     const raw = $(key).value.trim();
@@ -51,38 +55,9 @@ function requestBody() {
   return body;
 }
 
-// Yields the JSON objects of a server-sent event stream, until `data: [DONE]`.
-async function* events(response) {
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += decoder.decode(value, { stream: true });
-    const lines = buffer.split("\n");
-    buffer = lines.pop();
-    for (const line of lines) {
-      if (!line.startsWith("data:")) continue;
-      const data = line.slice(5).trim();
-      if (data === "[DONE]") return;
-      yield JSON.parse(data);
-    }
-  }
-}
-
-async function errorMessage(response) {
-  try {
-    const body = await response.json();
-    return body.error?.message || JSON.stringify(body);
-  } catch {
-    return `${response.status} ${response.statusText}`;
-  }
-}
-
 function setStreaming(on) {
   $("send").disabled = on;
-  $("clear").disabled = on;
+  $("new-chat").disabled = on;
   $("stop").disabled = !on;
   document.body.classList.toggle("streaming", on);
 }
@@ -91,54 +66,60 @@ async function send() {
   const text = $("prompt").value.trim();
   if (!text || controller) return;
   $("prompt").value = "";
-  const userEl = bubble("user", text);
-  history.push({ role: "user", content: text });
-  const reply = bubble("assistant pending");
-  let answer = "";
+  keepSettings();
+  const userEl = userBubble(text);
+  turns.push({ role: "user", content: text });
+  const body = requestBody();
+  const turn = assistantTurn();
+  const view = new ReplyView(bubble("assistant"), () => scrollDown());
+  view.show(turn, true);
+  scrollDown(true);
   let failure = null;
 
   controller = new AbortController();
   setStreaming(true);
   try {
-    const response = await fetch("/v1/chat/completions", {
-      method: "POST",
-      headers: { "Content-Type": "application/json", ...authHeaders() },
-      body: JSON.stringify(requestBody()),
-      signal: controller.signal,
-    });
-    if (!response.ok) throw new Error(await errorMessage(response));
-    for await (const event of events(response)) {
-      if (event.error) throw new Error(event.error.message);
-      const delta = event.choices?.[0]?.delta?.content;
-      if (delta) {
-        answer += delta;
-        reply.textContent = answer;
-        scrollDown();
-      }
-    }
+    await streamReply(body, authHeaders(), controller.signal, turn, () => view.show(turn));
   } catch (err) {
-    failure = err.name === "AbortError" ? null : err.message;
-    if (err.name === "AbortError") reply.dataset.note = "stopped";
+    if (err.name === "AbortError") turn.note = "stopped";
+    else failure = err.message;
   } finally {
     controller = null;
     setStreaming(false);
-    reply.classList.remove("pending");
   }
 
-  if (answer) {
-    history.push({ role: "assistant", content: answer });
-  } else {
-    reply.remove();
-    history.pop();                       // a turn without a reply is not kept
+  if (turn.content || turn.reasoning || turn.tool_calls.length) {
+    turns.push(turn);
+    view.show(turn, true);
+  } else {                               // a turn without a reply is not kept
+    view.el.remove();
+    turns.pop();
     userEl.classList.add("unsent");
   }
-  if (failure) bubble("error", failure);
+  saveTurns(turns);
+  if (failure) bubble("error").textContent = failure;
+  scrollDown();
   $("prompt").focus();
 }
 
-function clearChat() {
-  history.length = 0;
-  $("messages").innerHTML = '<p class="empty">Conversation cleared.</p>';
+function showConversation() {
+  $("messages").replaceChildren();
+  if (!turns.length) {
+    $("messages").innerHTML = '<p class="empty">Send a message to start. The reply streams in token by token.</p>';
+    return;
+  }
+  for (const t of turns) {
+    if (t.role === "user") userBubble(t.content);
+    else new ReplyView(bubble("assistant")).show({ ...assistantTurn(), ...t }, true);
+  }
+  scrollDown(true);
+}
+
+function newChat() {
+  turns.length = 0;
+  forgetTurns();
+  showConversation();
+  $("prompt").focus();
 }
 
 $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
@@ -149,101 +130,13 @@ $("prompt").addEventListener("keydown", (e) => {
   }
 });
 $("stop").addEventListener("click", () => controller?.abort());
-$("clear").addEventListener("click", clearChat);
+$("new-chat").addEventListener("click", newChat);
+$("messages").addEventListener("click", (e) => {
+  const button = e.target.closest("button.copy");
+  if (button) copyCode(button);
+});
+$("settings").addEventListener("change", keepSettings);
 
-// -- cluster view -----------------------------------------------------------------
-
-const MB = 1e6;
-const rows = new Map();      // stage index -> its card's elements
-
-function stageCard() {
-  const el = document.createElement("div");
-  el.className = "stage";
-  el.innerHTML = `
-    <div class="stage-head">
-      <span class="index"></span> <span class="layers"></span>
-      <span class="state"></span>
-    </div>
-    <div class="address"></div>
-    <div class="bar"><div class="fill"></div></div>
-    <dl class="figures">
-      <div><dt>busy</dt><dd class="busy"></dd></div>
-      <div><dt>tok/s</dt><dd class="tps"></dd></div>
-      <div><dt>queue</dt><dd class="queue"></dd></div>
-      <div><dt>seqs</dt><dd class="seqs"></dd></div>
-      <div><dt>memory</dt><dd class="memory"></dd></div>
-      <div><dt>prefix cache</dt><dd class="prefix"></dd></div>
-      <div><dt>cache hits</dt><dd class="hits"></dd></div>
-    </dl>`;
-  const part = (cls) => el.querySelector(`.${cls}`);
-  return { el, index: part("index"), layers: part("layers"), state: part("state"),
-           address: part("address"), fill: part("fill"), busy: part("busy"), tps: part("tps"),
-           queue: part("queue"), seqs: part("seqs"), memory: part("memory"), prefix: part("prefix"),
-           hits: part("hits") };
-}
-
-function renderStage(row, s) {
-  const reachable = s.state !== "unreachable";
-  const busy = reachable ? Math.round((s.busy_fraction || 0) * 100) : null;
-  const dash = (v) => (reachable ? v : "–");
-  row.el.dataset.state = s.state;
-  row.index.textContent = `Stage ${s.stage}`;
-  row.layers.textContent = `[${s.layers[0]}, ${s.layers[1]})`;
-  row.state.textContent = s.state;
-  row.address.textContent = s.address;
-  row.fill.style.width = `${busy ?? 0}%`;
-  row.busy.textContent = busy === null ? "–" : `${busy}%`;
-  row.tps.textContent = dash((s.tokens_per_s ?? 0).toFixed(1));
-  row.queue.textContent = dash(s.queue_depth);
-  row.seqs.textContent = dash(s.live_sequences);
-  row.memory.textContent = dash(`${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
-  row.prefix.textContent = dash(`${((s.prefix_cache_bytes || 0) / MB).toFixed(1)} MB`);
-  row.hits.textContent = dash(`${Math.round((s.prefix_hit_rate || 0) * 100)}%`);
-}
-
-function renderHealth(h) {
-  $("model").textContent = h.model;
-  setStatus(h.status, h.status === "ok" ? "ready" : "unavailable");
-  $("live-requests").textContent = `· ${h.live_requests} live request${h.live_requests === 1 ? "" : "s"}`;
-  $("reason").hidden = !h.reason;
-  $("reason").textContent = h.reason || "";
-
-  if (rows.size !== h.stages.length) {
-    rows.clear();
-    $("stages").replaceChildren();
-  }
-  for (const s of h.stages) {
-    if (!rows.has(s.stage)) {
-      rows.set(s.stage, stageCard());
-      $("stages").append(rows.get(s.stage).el);
-    }
-    renderStage(rows.get(s.stage), s);
-  }
-}
-
-function setStatus(status, text) {
-  $("cluster-status").dataset.status = status;
-  $("cluster-status").textContent = text;
-}
-
-async function poll() {
-  try {
-    const response = await fetch("/health", { cache: "no-store", headers: authHeaders() });
-    if (response.status === 401) {
-      setStatus("offline", "this server needs an API key (settings)");
-      setTimeout(poll, 1000);
-      return;
-    }
-    const health = await response.json();    // 200 and 503 both carry the full body
-    if (!Array.isArray(health.stages)) throw new Error(`unexpected /health reply ${response.status}`);
-    renderHealth(health);
-    $("stages").classList.remove("stale");
-  } catch {
-    setStatus("offline", "head unreachable");
-    $("stages").classList.add("stale");      // the last figures, greyed out
-  }
-  setTimeout(poll, 1000);
-}
-
-$("api_key").value = localStorage.getItem("mlxpipe.api_key") || "";
-poll();
+restoreSettings();
+showConversation();
+watchCluster(authHeaders);

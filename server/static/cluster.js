@@ -1,0 +1,147 @@
+// The live cluster view: /health read every second, one card per stage, the
+// speculation figures and a chart of the tokens the head generated per second.
+
+const $ = (id) => document.getElementById(id);
+const MB = 1e6;
+const WINDOW_S = 300;        // the chart's longest span (it starts at 60 s and grows with the page's age)
+const MIN_SPAN_S = 60;
+const POLL_MS = 1000;
+
+const cards = new Map();     // stage index -> its card's elements
+const rates = [];            // [{t: ms, rate: generated tok/s since the previous reading}]
+let previous = null;         // {t, tokens} of the last reading
+
+function stageCard() {
+  const el = document.createElement("div");
+  el.className = "stage";
+  el.innerHTML = `
+    <div class="stage-head">
+      <span class="index"></span> <span class="layers"></span>
+      <span class="state"></span>
+    </div>
+    <div class="address"></div>
+    <div class="bar"><div class="fill"></div></div>
+    <dl class="figures">
+      <div><dt>busy</dt><dd class="busy"></dd></div>
+      <div><dt>tok/s</dt><dd class="tps"></dd></div>
+      <div><dt>queue</dt><dd class="queue"></dd></div>
+      <div><dt>seqs</dt><dd class="seqs"></dd></div>
+      <div><dt>memory</dt><dd class="memory"></dd></div>
+      <div title="bytes of the prefix cache's blocks"><dt>prefix</dt><dd class="prefix"></dd></div>
+      <div title="prompt positions taken from the prefix cache, of all prompt positions"><dt>prefix hits</dt><dd class="hits"></dd></div>
+    </dl>`;
+  const part = (cls) => el.querySelector(`.${cls}`);
+  return { el, ...Object.fromEntries(["index", "layers", "state", "address", "fill", "busy", "tps", "queue", "seqs",
+                                       "memory", "prefix", "hits"].map((cls) => [cls, part(cls)])) };
+}
+
+function renderStage(card, s) {
+  const reachable = s.state !== "unreachable";
+  const busy = reachable ? Math.round((s.busy_fraction || 0) * 100) : null;
+  const dash = (v) => (reachable ? v : "–");
+  card.el.dataset.state = s.state;
+  card.index.textContent = `Stage ${s.stage}`;
+  card.layers.textContent = `[${s.layers[0]}, ${s.layers[1]})`;
+  card.state.textContent = s.state;
+  card.address.textContent = s.address;
+  card.fill.style.width = `${busy ?? 0}%`;
+  card.busy.textContent = busy === null ? "–" : `${busy}%`;
+  card.tps.textContent = dash((s.tokens_per_s ?? 0).toFixed(1));
+  card.queue.textContent = dash(s.queue_depth);
+  card.seqs.textContent = dash(s.live_sequences);
+  card.memory.textContent = dash(`${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
+  card.prefix.textContent = dash(`${((s.prefix_cache_bytes || 0) / MB).toFixed(1)} MB`);
+  card.hits.textContent = dash(`${Math.round((s.prefix_hit_rate || 0) * 100)}%`);
+}
+
+function renderSpeculation(spec) {
+  const el = $("speculation");
+  if (!spec || !spec.drafted_tokens) {
+    el.textContent = "no drafts judged yet";
+    return;
+  }
+  el.textContent = `${Math.round(spec.acceptance * 100)}% accepted ` +
+    `(${spec.accepted_tokens} of ${spec.drafted_tokens} drafted tokens)`;
+}
+
+// One reading of the head's generated-token counter becomes a rate since the last one.
+function record(tokens) {
+  const t = performance.now();
+  if (previous && tokens >= previous.tokens && t > previous.t) {   // a restarted head counts from 0 again
+    rates.push({ t, rate: (tokens - previous.tokens) / ((t - previous.t) / 1000) });
+  }
+  previous = { t, tokens };
+  while (rates.length && rates[0].t < t - WINDOW_S * 1000) rates.shift();
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function drawChart() {
+  const svg = $("rate-chart");
+  const w = 300, h = 60, now = performance.now();
+  const span = Math.min(WINDOW_S, Math.max(MIN_SPAN_S, rates.length ? (now - rates[0].t) / 1000 : 0)) * 1000;
+  const top = Math.max(1, ...rates.map((r) => r.rate));
+  const x = (t) => (w * (t - (now - span))) / span;
+  const y = (rate) => h - 2 - ((h - 4) * rate) / top;
+  const points = rates.map((r) => `${x(r.t).toFixed(1)},${y(r.rate).toFixed(1)}`);
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute("points", points.join(" "));
+  line.setAttribute("class", "line");
+  const area = document.createElementNS(SVG, "polygon");
+  if (rates.length) area.setAttribute("points", `${x(rates[0].t).toFixed(1)},${h} ${points.join(" ")} ${x(rates.at(-1).t).toFixed(1)},${h}`);
+  area.setAttribute("class", "area");
+  svg.replaceChildren(area, line);
+  const current = rates.at(-1)?.rate ?? 0;
+  $("rate-now").textContent = `${current.toFixed(1)} tok/s now`;
+  $("rate-top").textContent = `peak ${top.toFixed(1)}`;
+  $("rate-span").textContent = span >= 120_000 ? `${Math.round(span / 60_000)} min ago` : `${Math.round(span / 1000)} s ago`;
+}
+
+function renderHealth(h) {
+  $("model").textContent = h.model;
+  setStatus(h.status, h.status === "ok" ? "ready" : "unavailable");
+  $("live-requests").textContent = `· ${h.live_requests} live request${h.live_requests === 1 ? "" : "s"}`;
+  $("reason").hidden = !h.reason;
+  $("reason").textContent = h.reason || "";
+
+  if (cards.size !== h.stages.length) {
+    cards.clear();
+    $("stages").replaceChildren();
+  }
+  for (const s of h.stages) {
+    if (!cards.has(s.stage)) {
+      cards.set(s.stage, stageCard());
+      $("stages").append(cards.get(s.stage).el);
+    }
+    renderStage(cards.get(s.stage), s);
+  }
+  renderSpeculation(h.speculation);
+  if (typeof h.generated_tokens === "number") record(h.generated_tokens);
+  drawChart();
+}
+
+function setStatus(status, text) {
+  $("cluster-status").dataset.status = status;
+  $("cluster-status").textContent = text;
+}
+
+/** Reads /health every second, for good; `headers()`: the API key's header, if any. */
+export async function watchCluster(headers) {
+  for (;;) {
+    try {
+      const response = await fetch("/health", { cache: "no-store", headers: headers() });
+      if (response.status === 401) {
+        setStatus("offline", "this server needs an API key (settings)");
+      } else {
+        const health = await response.json();    // 200 and 503 both carry the full body
+        if (!Array.isArray(health.stages)) throw new Error(`unexpected /health reply ${response.status}`);
+        renderHealth(health);
+        $("cluster").classList.remove("stale");
+      }
+    } catch {
+      setStatus("offline", "head unreachable");
+      $("cluster").classList.add("stale");        // the last figures, greyed out
+    }
+    await new Promise((resolve) => setTimeout(resolve, POLL_MS));
+  }
+}
