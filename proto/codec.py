@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -50,13 +50,18 @@ def dtype_name(dtype: mx.Dtype) -> str:
     raise WireError(f"dtype {dtype} cannot be sent (allowed: {sorted(_DTYPES)})")
 
 
-def encode(x: mx.array) -> pb.Tensor:
-    """An evaluated (or evaluable) array as a Tensor message."""
+def encode(x: mx.array, into: Optional[pb.Tensor] = None) -> pb.Tensor:
+    """An evaluated (or evaluable) array as a Tensor message: a new one, or
+    ``into`` (a frame's field: filled in place, saving the copy of a CopyFrom)."""
     name = dtype_name(x.dtype)
     view = memoryview(x)  # evaluates x; no copy
     if not view.c_contiguous:  # a slice or transpose: C order first
         view = memoryview(mx.contiguous(x))
-    return pb.Tensor(shape=x.shape, dtype=name, data=view.cast("B").tobytes())
+    t = pb.Tensor() if into is None else into
+    t.shape[:] = x.shape
+    t.dtype = name
+    t.data = view.cast("B").tobytes()
+    return t
 
 
 def decode(t: pb.Tensor, *, expect_shape: Sequence[int] | None = None) -> mx.array:

@@ -14,6 +14,7 @@ Activations go straight from a stage to the next, never through the head.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import itertools
 import logging
@@ -266,6 +267,7 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
         last = not loaded.request.next_address
         inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        arrivals: collections.deque = collections.deque()  # when each frame in the inbox was read
         outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         downstream = None if last else self.next_stub.Forward(metadata=self.security.metadata())
         session = next(self._sessions)
@@ -278,6 +280,7 @@ class StageServicer(pb_grpc.StageServicer):
                 if (why := malformed(frame)) is not None:
                     raise FrameError(why)
                 self._queued += 1
+                arrivals.append(time.perf_counter())
                 await inbox.put(frame)
             await inbox.put(None)
 
@@ -285,7 +288,7 @@ class StageServicer(pb_grpc.StageServicer):
             nonlocal count
             while (frame := await inbox.get()) is not None:
                 self._queued -= 1
-                out = await self._mlx(loaded.shard.run, frame, session)
+                out = await self._mlx(loaded.shard.run, frame, session, arrivals.popleft())
                 count += 1
                 await outbox.put(out)
             await outbox.put(None)
