@@ -397,7 +397,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     async def prometheus_metrics():
         health = await cluster.pipeline.health(timeout=2.0)
         return Response(metrics.render(health, engine.scheduler.live, engine.stats.recoveries,
-                                         engine.scheduler.drafts),
+                                         engine.scheduler.drafts, budget=cluster.pipeline.budget),
                         media_type=CONTENT_TYPE_LATEST)
 
     card = {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}
