@@ -7,14 +7,15 @@ after decoding, that every value is finite (a NaN or infinity in the
 activations would turn every later layer's output, and the sampled token,
 into noise without any error).
 
-No numpy on the way: an array's bytes are read through its own buffer
+No numpy round trip: an array's bytes are read through its own buffer
 (``memoryview`` of an ``mx.array``, one copy into the message), and a
 message's bytes become an array through a typed ``memoryview`` of them (one
-copy into MLX). The bytes come in as unsigned integers of the dtype's width
-(``memoryview`` knows no float16 or bfloat16 format) and are viewed back as
-their dtype in MLX; the finiteness check reads the exponent bits of those
-integers (all ones: infinity or NaN), which is exact and several times faster
-than ``isfinite`` on 16-bit floats.
+copy into MLX), as unsigned integers of the dtype's width (``memoryview``
+knows no float16 or bfloat16 format) viewed back as their dtype in MLX. The
+finiteness check reads the exponent bits of those integers in place (all
+ones: infinity or NaN), with numpy on the calling thread: exact, several times
+faster than ``isfinite`` on 16-bit floats, and no MLX evaluation (on Metal, a
+GPU round trip) per frame.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxpipe.proto import pipeline_pb2 as pb
 
@@ -32,9 +34,9 @@ if sys.byteorder != "little":  # the wire is little-endian, and a memoryview is 
 
 # dtype name -> (mlx dtype, struct format its bytes move as, bytes per value, exponent bits)
 _DTYPES = {
-    "float32": (mx.float32, "I", 4, 0x7F800000),
-    "float16": (mx.float16, "H", 2, 0x7C00),
-    "bfloat16": (mx.bfloat16, "H", 2, 0x7F80),
+    "float32": (mx.float32, "I", 4, np.uint32(0x7F800000)),
+    "float16": (mx.float16, "H", 2, np.uint16(0x7C00)),
+    "bfloat16": (mx.bfloat16, "H", 2, np.uint16(0x7F80)),
 }
 MAX_DIMS = 4
 
@@ -87,8 +89,6 @@ def decode(t: pb.Tensor, *, expect_shape: Sequence[int] | None = None) -> mx.arr
         raise WireError(
             f"tensor of shape {list(shape)} and dtype {t.dtype} needs {want} bytes, got {len(data)}"
         )
-    bits = mx.array(memoryview(data).cast(fmt, shape))
-    mask = mx.array(exponent, dtype=bits.dtype)
-    if (mx.max(bits & mask) == mask).item():
+    if (np.frombuffer(data, dtype=exponent.dtype) & exponent).max() == exponent:
         raise WireError("tensor values are not finite (NaN or infinity)")
-    return bits.view(mxd)
+    return mx.array(memoryview(data).cast(fmt, shape)).view(mxd)

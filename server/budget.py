@@ -43,12 +43,18 @@ class KindTotals:
         i = STAGE_PARTS.index(name)
         return sum(s[i] for s in self.stages)
 
-    def per_token_us(self) -> Dict[str, float]:
-        """Mean microseconds per position: each part summed over stages, the wire, the head."""
-        n = max(self.tokens, 1)
+    def mean_us(self, per: str = "token") -> Dict[str, float]:
+        """Mean microseconds per position (``per="token"``) or per frame: each stage part
+        summed over the stages, the wire, the head, the round trip."""
+        n = max(self.tokens if per == "token" else self.frames, 1)
         out = {p: 1e6 * self.part(p) / n for p in STAGE_PARTS}
         out.update(wire=1e6 * self.wire / n, head=1e6 * self.head / n, round_trip=1e6 * self.round_trip / n)
         return out
+
+    def stage_us(self, per: str = "token") -> List[List[float]]:
+        """Mean microseconds per position (or frame) of each stage's parts, [stage][part]."""
+        n = max(self.tokens if per == "token" else self.frames, 1)
+        return [[1e6 * v / n for v in parts] for parts in self.stages]
 
 
 class FrameBudget:
