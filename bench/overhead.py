@@ -46,6 +46,7 @@ TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=
             eos_token_id=0, torch_dtype="float32")
 PROMPT = list(range(1, 17))
 ECHO_METHOD = "/mlxpipe.bench.Echo/Echo"
+OWN_PARTS = ("decode", "encode", "wire", "head")  # a frame's time that is neither compute nor queueing
 
 
 def tiny_model() -> Path:
@@ -254,11 +255,11 @@ async def bench_overhead(args) -> dict:
              f"{'floor/hop':>10}{'ratio':>7}{'tok/s':>7}   per frame, us: decode, encode, wire, head"]
     for r in rows:
         b = r["budget"]
-        own = (b["decode"] + b["encode"] + b["wire"] + b["head"]) / (r["stages"] + 1)
+        own = sum(b[p] for p in OWN_PARTS) / (r["stages"] + 1)
         r["own_hop_us"] = own
         lines.append(f"{r['stages']:6}{r['streams']:8}{b['rows']:5.0f}{r['step_s'] * 1e6:9.0f}{b['compute']:8.0f}"
                      f"{b['queued']:7.0f}{own:8.0f}{r['floor_hop_s'] * 1e6:10.0f}{own / (r['floor_hop_s'] * 1e6):7.2f}"
-                     f"{r['tokens_per_s']:7.0f}   {b['decode']:.0f}, {b['encode']:.0f}, {b['wire']:.0f}, {b['head']:.0f}")
+                     f"{r['tokens_per_s']:7.0f}   " + ", ".join(f"{b[p]:.0f}" for p in OWN_PARTS))
     lines += codec_lines()
     if args.model != "none":
         result["budget"] = await real_budget(args, lines)

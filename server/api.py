@@ -419,6 +419,8 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
         stages = []
         for i, (st, reply, err) in enumerate(await cluster.pipeline.health()):
             info = {"stage": i, "address": st.address, "layers": [st.start, st.end]}
+            if st.load is not None and st.load.memory_warning:  # close to what the Mac's GPU may wire
+                info["memory_warning"] = st.load.memory_warning
             if reply is None:
                 info["state"] = "unreachable"
                 reasons.append(f"stage {i} at {st.address} is unreachable: {err}")
