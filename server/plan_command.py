@@ -185,13 +185,14 @@ def _mix_lines(args, chosen: Plan, decode_only: Plan) -> List[str]:
     mix = f"{args.prompt_ratio:g} prompt tokens per generated token" if args.prompt_ratio else "decode alone"
     lines = [f"balanced for {mix} (--prompt-ratio); time to first token of a {args.prompt_tokens}-token prompt "
              "alone, compute-bound estimate, a lower bound:"]
-    for name, p in (("this split", chosen), ("decode-only split", decode_only)):
+    plans = (("this split", chosen), ("decode-only split", decode_only))[:2 if args.prompt_ratio else 1]
+    split = {name: " / ".join(str(s.num_layers) for s in p.stages) for name, p in plans}
+    width = max(map(len, split.values()))
+    for name, p in plans:
         ttft = p.ttft(args.prompt_tokens)
-        lines.append(f"  {name + ':':19}layers {' / '.join(str(s.num_layers) for s in p.stages):12} "
-                     f"TTFT {ttft:7.2f} s   decode {p.tokens_per_s_one_stream:6.1f} tokens/s one stream, "
-                     f"{p.tokens_per_s_pipeline:6.1f} in all" if ttft is not None else f"  {name}: prefill not costed")
-        if not args.prompt_ratio:
-            break
+        lines.append(f"  {name + ':':19}layers {split[name]:{width}}  TTFT {ttft:6.2f} s   decode "
+                     f"{p.tokens_per_s_one_stream:.1f} tokens/s one stream, {p.tokens_per_s_pipeline:.1f} in all"
+                     if ttft is not None else f"  {name}: prefill not costed")
     return lines
 
 
