@@ -57,9 +57,15 @@ class MemoryShort(ValueError):
 
 
 def process_peak_bytes() -> int:
-    """The process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """The process's peak resident memory so far. Linux: ``VmHWM``, since ``ru_maxrss``
+    keeps the parent's resident size at fork across exec (a stage a head started would
+    report the head's); macOS: ``ru_maxrss``, in bytes there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def resident_bytes() -> int:
