@@ -2,23 +2,25 @@
 
 The bound a stage keeps (measured at two shard sizes in docs/multi-mac.md):
 
-    peak resident memory <= weights + KV budget + read transient + fixed overhead
+    peak resident memory <= weights + max(KV budget, read transient) + fixed overhead
 
 - weights: the range's tensors (``range_weights``: from the safetensors headers,
   nothing read; quantized on load, at the bits they get);
 - KV budget: the KV-cache cap the head asked for (``LoadRequest.max_cache_bytes``);
-- read transient: what loading adds for a moment. Reading as stored, one
-  block at a time, it is what warm-up's one token and MLX's allocator add
-  (a few MiB); quantizing on load, one module at full precision (MoE experts
-  stacked, through float32: ``quantize.py``);
+  caches fill it only once the stage serves;
+- read transient: what loading adds for a moment, before any cache exists.
+  Reading as stored, one block at a time, at most about the largest tensor
+  (warm-up's one token, MLX's allocator); quantizing on load, one module at
+  full precision (MoE experts stacked, through float32: ``quantize.py``);
 - fixed overhead: the interpreter and its libraries (about 100 MiB resident:
   MLX, mlx-lm with transformers, gRPC, protobuf, llguidance, numpy), on the last
   stage llguidance's tokenizer for grammars (about 20x its tokenizer.json: 70
   MiB for a 49k vocabulary), and the memory-bandwidth probe a node runs once,
   before any shard (``profile.memory_bandwidth``: 128 MiB, then given back).
 
-A stage refuses a plan whose weights, KV budget and read transient exceed the
-memory it offers (``--memory``, default 75% of RAM): ``check`` raises
+A stage refuses a plan whose weights and KV budget (or read transient) exceed
+the memory it offers (``--memory``; by default 75% of RAM, on Apple silicon at
+most 90% of what the GPU may wire: ``metal.py``): ``check`` raises
 ``MemoryShort`` before anything is read, and Load answers RESOURCE_EXHAUSTED.
 The fixed overhead comes on top of the budget; the default share leaves room.
 Pure Python and file reads (headers only): no MLX.
@@ -40,7 +42,6 @@ from mlxpipe.shards.quant_spec import QuantSpec, rung_bits
 from mlxpipe.shards.store import text_config
 from mlxpipe.shards.weights import LAYER_RE, model_units, units_for_range
 
-TOKENIZER_FACTOR = 20  # llguidance's tokenizer, resident, per byte of tokenizer.json (measured: 70 MiB / 3.5 MB)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
              "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
@@ -85,27 +86,26 @@ def load_peak_bytes(resident_before: int, mlx_peak_over_before: int) -> int:
 
 @dataclass(frozen=True)
 class StageNeed:
-    """What loading a shard will take, in bytes."""
+    """What a shard will take, in bytes: its weights, and beside them its KV budget (once
+    serving) or what reading adds (while loading, before any cache exists)."""
 
     weights: int
     kv: int
     transient: int
-    tokenizer: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.transient + self.tokenizer
+        return self.weights + max(self.kv, self.transient)
 
     def check(self, budget: int, what: str) -> None:
         """Raise ``MemoryShort`` when the shard does not fit ``budget``; ``what`` names it."""
         if self.total <= budget:
             return
-        parts = (f"{_size(self.weights)} of weights + {_size(self.kv)} of KV cache + {_size(self.transient)} "
-                 "while reading")
-        if self.tokenizer:
-            parts += f" + {_size(self.tokenizer)} for the grammar tokenizer"
-        raise MemoryShort(f"{what} needs {parts} = {_size(self.total)}, more than the {_size(budget)} this node offers "
-                          f"(mlxpipe node --memory): give it fewer layers or a smaller KV cache")
+        beside = (f"{_size(self.kv)} of KV cache" if self.kv >= self.transient
+                  else f"{_size(self.transient)} more while reading")
+        raise MemoryShort(f"{what} needs {_size(self.weights)} of weights + {beside} = {_size(self.total)}, more "
+                          f"than the {_size(budget)} this node offers (mlxpipe node --memory): give it fewer "
+                          "layers or a smaller KV cache")
 
 
 def _quantized_bytes(nbytes: int, dtype: str, shape, bits: int, group: int) -> int:
@@ -147,8 +147,6 @@ def check_load(path: Path, request: pb.LoadRequest, quant: Optional[QuantSpec], 
         need = range_weights(path, request.start, request.end, quant)
     except (OSError, ValueError, KeyError):
         return StageNeed(0, 0, 0)
-    last = not request.next_address and request.HasField("tokenizer")
-    need = replace(need, kv=request.max_cache_bytes,
-                   tokenizer=TOKENIZER_FACTOR * len(request.tokenizer.json) if last else 0)
+    need = replace(need, kv=request.max_cache_bytes)
     need.check(budget, f"layers [{request.start}, {request.end})")
     return need

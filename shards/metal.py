@@ -15,9 +15,10 @@ once loaded (``Metal.settle``, on the MLX thread):
   limit; a stage keeps at most what the working set leaves beside its weights
   and KV budget (at least ``MIN_CACHE``), so reuse never crowds them out;
 - a warning, in the node's log and in Load's reply (``mlxpipe status`` shows
-  it), when weights + KV budget pass 90% of the working set (mlx-lm's rule);
-- a stage's default KV budget (when the head names none) stays under that
-  90% too (``budget``).
+  it), when weights + KV budget pass 90% of the working set (mlx-lm's rule).
+
+And what a node offers by default (``profile.offered_memory``: the planner's
+budget, the head's KV caps, a stage's own) stays under that 90% (``budget``).
 
 Without Metal (Linux, CPU) every call here is a no-op. Tests drive it with a
 fake of the few MLX calls it makes (``MlxCalls``).
@@ -83,8 +84,8 @@ class Metal:
         return self.calls.device_info().get("max_recommended_working_set_size")
 
     def budget(self, offered: int) -> int:
-        """What a stage may fill with weights and KV cache when the head names no KV
-        budget: ``offered``, but under ``CLOSE`` of the working set on Metal."""
+        """The default memory a node offers: ``offered``, but under ``CLOSE`` of the
+        working set on Metal."""
         ws = self.working_set()
         return offered if ws is None else min(offered, int(CLOSE * ws))
 

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.slicing import layer_owner, load_stage
 from mlxpipe.shards.store import mlxpipe_home, text_config
@@ -45,8 +46,9 @@ def total_memory() -> int:
 
 
 def offered_memory(given: Optional[int] = None) -> int:
-    """Bytes this node offers for weights and caches: ``given``, or a share of physical memory."""
-    return given or int(total_memory() * MEMORY_SHARE)
+    """Bytes this node offers for weights and caches: ``given``, or a share of physical
+    memory (on Apple silicon, no more than 90% of what the GPU may wire: ``metal.py``)."""
+    return given or Metal().budget(int(total_memory() * MEMORY_SHARE))
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,7 +150,7 @@ class StageServicer(pb_grpc.StageServicer):
         quant = None if partial else QuantSpec.from_wire(request.quantization)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
-        offered = self.metal.budget(offered_memory(self.memory_bytes))
+        offered = offered_memory(self.memory_bytes)
         memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
         resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()

@@ -40,11 +40,15 @@ def test_quantized_weights_are_predicted_at_their_bits(sources):
 
 
 def test_a_shard_that_does_not_fit_is_refused_with_the_figures():
+    """Caches fill only once the stage serves: weights and the larger of KV budget and read transient."""
     need = memory.StageNeed(weights=60_000_000, kv=30_000_000, transient=5_000_000)
-    need.check(95_000_000, "layers [0, 4)")
+    need.check(90_000_000, "layers [0, 4)")
     with pytest.raises(memory.MemoryShort, match=r"layers \[0, 4\) needs 60.0 MB of weights \+ 30.0 MB of KV "
-                                                 r"cache \+ 5.0 MB while reading = 95.0 MB, more than the 94.0 MB"):
-        need.check(94_000_000, "layers [0, 4)")
+                                                 r"cache = 90.0 MB, more than the 89.0 MB this node offers"):
+        need.check(89_000_000, "layers [0, 4)")
+    reading = memory.StageNeed(weights=60_000_000, kv=0, transient=40_000_000)
+    with pytest.raises(memory.MemoryShort, match=r"60.0 MB of weights \+ 40.0 MB more while reading = 100.0 MB"):
+        reading.check(99_000_000, "layers [0, 4)")
 
 
 def _node(tmp_path, name, *args):

@@ -75,7 +75,7 @@ def test_close_to_the_working_set_warns_with_the_figures():
     assert metal.settle(80 * GB, 10 * GB - 1, "x") == ""  # 90% of the working set is still fine
 
 
-def test_default_kv_budget_stays_under_the_working_set():
+def test_default_budget_stays_under_the_working_set():
     metal, _ = _metal(FakeMlx())
     assert metal.budget(150 * GB) == int(CLOSE * 100 * GB)
     assert metal.budget(50 * GB) == 50 * GB
