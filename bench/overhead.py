@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.bench.common import Baseline, add_common_arguments, decode_window, median, pin_to, window_rate
 from mlxpipe.server.budget import STAGE_PARTS, KindTotals
@@ -182,21 +182,35 @@ def step_seconds(all_times: Sequence[Sequence[float]]) -> float:
     return median(gaps)
 
 
-async def measure_pipeline(path: Path, stages: int, streams: int, args) -> Dict:
-    cluster = await Cluster(ClusterConfig(model=str(path), stages=stages, split="even", speculate=False,
-                                          pin=args.pin)).start()
+async def start_clusters(path: Path, stage_counts: Sequence[int], args) -> Dict[int, Cluster]:
+    """One pipeline per stage count (an even split, speculation off), warmed up."""
+    clusters: Dict[int, Cluster] = {}
     try:
-        await run_streams(cluster, streams, 8, PROMPT)  # warm up: kernels, streams, caches
-        steps, rates, budgets = [], [], []
-        for _ in range(args.runs):
-            cluster.pipeline.budget.reset()
-            times = await run_streams(cluster, streams, args.max_tokens, PROMPT)
-            steps.append(step_seconds(times))
-            rates.append(window_rate(times))
-            budgets.append(cluster.pipeline.budget.kinds.get("decode", KindTotals()))
-    finally:
-        await cluster.stop()
-    return {"step_s": median(steps), "tokens_per_s": median(rates), "steps": steps, "budget": median_budget(budgets)}
+        for n in stage_counts:
+            clusters[n] = await Cluster(ClusterConfig(model=str(path), stages=n, split="even", speculate=False,
+                                                      pin=args.pin)).start()
+            await run_streams(clusters[n], 2, 8, PROMPT)  # kernels, streams, caches
+    except BaseException:
+        await stop_clusters(clusters)
+        raise
+    return clusters
+
+
+async def stop_clusters(clusters: Dict[int, Cluster]) -> None:
+    for c in clusters.values():
+        await c.stop()
+
+
+async def pipeline_run(cluster: Cluster, streams: int, args) -> Tuple[float, float, KindTotals]:
+    """One run: the step between a stream's tokens, the aggregate tokens/s, the decode frames' times."""
+    cluster.pipeline.budget.reset()
+    times = await run_streams(cluster, streams, args.max_tokens, PROMPT)
+    return step_seconds(times), window_rate(times), cluster.pipeline.budget.kinds.get("decode", KindTotals())
+
+
+def summarize(runs: Sequence[Tuple[float, float, KindTotals]]) -> Dict:
+    return {"step_s": median([r[0] for r in runs]), "tokens_per_s": median([r[1] for r in runs]),
+            "steps": [r[0] for r in runs], "budget": median_budget([r[2] for r in runs])}
 
 
 def median_budget(runs: Sequence[KindTotals]) -> Dict:
@@ -215,34 +229,34 @@ def median_budget(runs: Sequence[KindTotals]) -> Dict:
 
 
 async def bench_overhead(args) -> dict:
+    """Every configuration up at once, measured round-robin (a noisy neighbour slows all alike)."""
     import secrets
 
     path = tiny_model()
     stage_counts = [int(x) for x in args.stages.split(",")]
-    stream_counts = [int(x) for x in args.streams.split(",")]
+    configs = [(n, int(s)) for n in stage_counts for s in args.streams.split(",")]
+    frames = {(n, s): decode_frame(-(-s // n), TINY["hidden_size"], n) for n, s in configs}  # a group's rows
     result: Dict = {"model": str(path), "max_tokens": args.max_tokens, "runs": args.runs}
     secret = secrets.token_urlsafe(32)
     echo = EchoServer(secret, 0 if args.pin else None)
+    baseline = Baseline(str(path), 0 if args.pin else None)
+    clusters: Dict[int, Cluster] = {}
+    floors: Dict = {c: [] for c in configs}
+    runs: Dict = {c: [] for c in configs}
+    steps = []
     try:
-        floor = {}
-        for n in stage_counts:
-            for s in stream_counts:
-                rows = -(-s // n)  # a group's rows: streams over n groups
-                frame = decode_frame(rows, TINY["hidden_size"], n)
-                floor[(n, s)] = median([await ping_pong(echo.address, secret, frame, args.pings)
-                                        for _ in range(args.runs)])
+        clusters = await start_clusters(path, stage_counts, args)
+        for _ in range(args.runs):
+            steps.append(1 / baseline.run(PROMPT, args.max_tokens).decode_tps)
+            for n, s in configs:
+                floors[n, s].append(await ping_pong(echo.address, secret, frames[n, s], args.pings))
+                runs[n, s].append(await pipeline_run(clusters[n], s, args))
     finally:
         echo.close()
-    baseline = Baseline(str(path), 0 if args.pin else None)
-    try:
-        mlx_lm_step = median([1 / baseline.run(PROMPT, args.max_tokens).decode_tps for _ in range(args.runs)])
-    finally:
         baseline.close()
-    rows = []
-    for n in stage_counts:
-        for s in stream_counts:
-            m = await measure_pipeline(path, n, s, args)
-            rows.append(dict(stages=n, streams=s, floor_hop_s=floor[(n, s)], **m))
+        await stop_clusters(clusters)
+    mlx_lm_step = median(steps)
+    rows = [dict(stages=n, streams=s, floor_hop_s=median(floors[n, s]), **summarize(runs[n, s])) for n, s in configs]
     result.update(mlx_lm_step_s=mlx_lm_step, rows=rows)
     lines = [f"pipeline overhead: a {TINY['num_hidden_layers']}-layer random llama (hidden {TINY['hidden_size']}, "
              f"vocabulary {TINY['vocab_size']}), {args.max_tokens} tokens per stream, medians of {args.runs} runs",
@@ -275,8 +289,17 @@ async def real_budget(args, lines: List[str]) -> Dict:
                  "(each part summed over the stages):")
     parts = list(STAGE_PARTS) + ["wire", "head"]
     lines.append(f"{'streams':>8}" + "".join(f"{p:>9}" for p in parts) + f"{'token':>9}   per stage (q/d/c/e)")
-    for s in [int(x) for x in args.streams.split(",")]:
-        m = await measure_pipeline(path, 2, s, args)
+    streams = [int(x) for x in args.streams.split(",")]
+    clusters = await start_clusters(path, [2], args)
+    try:
+        measured = {s: [] for s in streams}
+        for _ in range(args.runs):
+            for s in streams:
+                measured[s].append(await pipeline_run(clusters[2], s, args))
+    finally:
+        await stop_clusters(clusters)
+    for s in streams:
+        m = summarize(measured[s])
         b = m["budget"]
         per_token = {p: b[p] / b["rows"] for p in parts}
         out[s] = dict(per_token, step_s=m["step_s"], rows=b["rows"], stages=b["stages"])
@@ -318,7 +341,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser(
         "overhead", help="the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC "
                          "ping-pong and mlx-lm; and where a real model's decode token goes"))
-    q.set_defaults(model="default")
     q.add_argument("--stages", default="2,3", help="stage counts to measure")
     q.add_argument("--streams", default="1,8", help="concurrent streams to measure")
     q.add_argument("--max-tokens", type=int, default=128, help="tokens per stream per run")
