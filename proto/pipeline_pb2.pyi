@@ -84,8 +84,20 @@ class SeqEntry(_message.Message):
     generated: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class StageTiming(_message.Message):
+    __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
+    QUEUED_US_FIELD_NUMBER: _ClassVar[int]
+    DECODE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_US_FIELD_NUMBER: _ClassVar[int]
+    queued_us: int
+    decode_us: int
+    compute_us: int
+    encode_us: int
+    def __init__(self, queued_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
+
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "timings")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -104,6 +116,7 @@ class Frame(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
     group: int
@@ -112,7 +125,8 @@ class Frame(_message.Message):
     hidden: Tensor
     free: _containers.RepeatedScalarFieldContainer[int]
     evict: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ...) -> None: ...
+    timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
@@ -133,12 +147,14 @@ class TokenResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("frame_id", "tokens")
+    __slots__ = ("frame_id", "tokens", "timings")
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
-    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ...) -> None: ...
+    timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
+    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class WeightUnit(_message.Message):
     __slots__ = ("name", "header", "data_bytes")
@@ -262,7 +278,7 @@ class LoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "mlx_peak_bytes", "memory_warning")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +293,8 @@ class LoadReply(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -291,7 +309,9 @@ class LoadReply(_message.Message):
     block_tokens: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     peak_bytes: int
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
+    mlx_peak_bytes: int
+    memory_warning: str
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

@@ -346,6 +346,11 @@ def raise_fd_limit(want: int = 65536) -> int:
     return soft
 
 
+def secured_server(security: Security) -> grpc.aio.Server:
+    """A gRPC server with the stages' options that checks the cluster secret, no service yet."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
+
+
 def _server(service: str, servicer, security: Security) -> grpc.aio.Server:
     """A gRPC server for ``servicer``'s implementation of ``service`` (from
     pipeline.proto) that checks the cluster secret. Each method parses its
@@ -365,7 +370,7 @@ def _server(service: str, servicer, security: Security) -> grpc.aio.Server:
         limit = _REQUEST_BYTES.get(m.name, _OTHER_REQUEST_BYTES)
         handlers[m.name] = kind(_releasing(getattr(servicer, m.name)),
                                 _parser(getattr(pb, m.input_type.name), limit), reply)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_SecretCheck(security)])
+    server = secured_server(security)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(f"mlxpipe.v1.{service}", handlers),))
     return server
 

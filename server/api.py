@@ -250,7 +250,7 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
     async def prometheus_metrics():
         health = await cluster.pipeline.health(timeout=2.0)
         return Response(metrics.render(health, engine.scheduler.live, engine.stats.recoveries,
-                                         engine.scheduler.drafts),
+                                         engine.scheduler.drafts, budget=cluster.pipeline.budget),
                         media_type=CONTENT_TYPE_LATEST)
 
     card = {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}
@@ -272,6 +272,8 @@ def create_app(cluster, options: ApiOptions, metrics: Optional[Metrics] = None) 
         stages = []
         for i, (st, reply, err) in enumerate(await cluster.pipeline.health()):
             info = {"stage": i, "address": st.address, "layers": [st.start, st.end]}
+            if st.load is not None and st.load.memory_warning:  # close to what the Mac's GPU may wire
+                info["memory_warning"] = st.load.memory_warning
             if reply is None:
                 info["state"] = "unreachable"
                 reasons.append(f"stage {i} at {st.address} is unreachable: {err}")

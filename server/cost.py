@@ -284,6 +284,22 @@ def _layer(cfg: dict, i: int, scheme: _Scheme, kv_bytes: int) -> LayerCost:
     return LayerCost("moe", parts.params, parts.active, parts.bytes, parts.read, kv, parts.qparams, parts.qbits)
 
 
+def _bits_and_group(cfg: dict, bits: Optional[int], group_size: Optional[int],
+                    quant: Optional[QuantSpec]) -> Tuple[Optional[int], int]:
+    """The bits (None: 16-bit) and group size to cost: ``quant``'s, else those given, else the config's own."""
+    if quant is not None:
+        bits, group_size = (int(quant.bits) if quant.layer_bits is None and quant.bits in BITS else None,
+                            quant.group_size)
+    stored = cfg.get("quantization") or {}
+    bits = stored.get("bits") if bits is None else bits
+    group_size = (stored.get("group_size") or 64) if group_size is None else group_size
+    if bits is not None and bits != 16 and not 1 <= bits <= 8:
+        raise ValueError(f"bits must be between 1 and 8 (or 16 for unquantized), not {bits}")
+    if group_size <= 0:
+        raise ValueError(f"group size must be positive, not {group_size}")
+    return (None if bits == 16 else bits), int(group_size)
+
+
 def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] = None,
                kv_dtype_bytes: Optional[int] = None, name: Optional[str] = None,
                quant: Optional[QuantSpec] = None) -> ModelCost:
@@ -306,21 +322,8 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
     all of the head. ``quant`` (which wins over ``bits`` and ``group_size``)
     gives each layer its own rung, and mixed recipes their bits module by module.
     """
-    if quant is not None:
-        bits, group_size = (int(quant.bits) if quant.layer_bits is None and quant.bits in BITS else None,
-                            quant.group_size)
+    bits, group_size = _bits_and_group(cfg, bits, group_size, quant)
     try:
-        stored = cfg.get("quantization") or {}
-        if bits is None:
-            bits = stored.get("bits")
-        if group_size is None:
-            group_size = stored.get("group_size") or 64
-        if bits == 16:
-            bits = None
-        if bits is not None and not 1 <= bits <= 8:
-            raise ValueError(f"bits must be between 1 and 8 (or 16 for unquantized), not {bits}")
-        if group_size <= 0:
-            raise ValueError(f"group size must be positive, not {group_size}")
         num_layers = int(cfg["num_hidden_layers"])
         if quant is not None:
             quant.check_layers(num_layers)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.budget import STAGE_PARTS
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -60,6 +61,34 @@ class _Stages:
         yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed)
 
 
+class _Budget:
+    """The head's totals of where frames' time went (``budget.FrameBudget``), at scrape time."""
+
+    def __init__(self):
+        self.budget = None
+
+    def collect(self):
+        labels = ["kind", "part"]
+        seconds = CounterMetricFamily(
+            "mlxpipe_frame_seconds", "Seconds timed frames took, by part: queued, decode, compute, encode (summed "
+            "over the stages), wire (the round trip less those), head (handling the result), round_trip", labels=labels)
+        per_stage = CounterMetricFamily("mlxpipe_stage_frame_seconds", "Seconds timed frames took on each stage",
+                                        labels=["kind", "stage", "part"])
+        frames = CounterMetricFamily("mlxpipe_frames_timed", "Frames timed, by kind", labels=["kind"])
+        tokens = CounterMetricFamily("mlxpipe_frame_tokens_timed", "Positions the timed frames carried", labels=["kind"])
+        for kind, t in (self.budget.kinds.items() if self.budget is not None else ()):
+            for part in STAGE_PARTS:
+                seconds.add_metric([kind, part], t.part(part))
+            for part in ("wire", "head", "round_trip"):
+                seconds.add_metric([kind, part], getattr(t, part))
+            for i, parts in enumerate(t.stages):
+                for part, value in zip(STAGE_PARTS, parts):
+                    per_stage.add_metric([kind, str(i), part], value)
+            frames.add_metric([kind], t.frames)
+            tokens.add_metric([kind], t.tokens)
+        yield from (seconds, per_stage, frames, tokens)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -80,6 +109,8 @@ class Metrics:
         self.accepted = Gauge("mlxpipe_draft_tokens_accepted", "Drafted tokens the last stage accepted", registry=r)
         self.stages = _Stages()
         r.register(self.stages)
+        self.budget = _Budget()
+        r.register(self.budget)
 
     # The engine calls these as tokens arrive (see Engine.observer).
     def first_token(self, seconds: float) -> None:
@@ -90,9 +121,11 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    def render(self, health, live: int, recoveries: int, drafts=None) -> bytes:
+    def render(self, health, live: int, recoveries: int, drafts=None, budget=None) -> bytes:
         """The text exposition, with ``health`` (``Pipeline.health()``'s answer) and the
-        engine's live requests, recoveries and draft counts (``DraftStats``) as of now."""
+        engine's live requests, recoveries and draft counts (``DraftStats``) as of now,
+        and the pipeline's frame times (``budget.FrameBudget``: they restart with a rebuilt pipeline)."""
+        self.budget.budget = budget
         self.live.set(live)
         self.recoveries.set(recoveries)
         if drafts is not None:

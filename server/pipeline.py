@@ -25,6 +25,7 @@ import grpc
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import SECRET_ENV, Security, culprits_of
+from mlxpipe.server.budget import FrameBudget
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
 from mlxpipe.shards.store import mlxpipe_home
@@ -256,6 +257,7 @@ class Pipeline:
         self._results = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._writer: Optional[asyncio.Task] = None
+        self.budget = FrameBudget()  # where frames' time goes (server/budget.py)
 
     async def profile(self, indices: Sequence[int], batch: int,
                       quant: Optional[QuantSpec] = None) -> List[pb.ProfileReply]:
@@ -399,6 +401,7 @@ class Pipeline:
         try:
             while True:
                 frame = await self._outbox.get()
+                self.budget.sent(frame)
                 await self._forward.write(frame)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
             # The stream broke; watch_forward reports why.
@@ -413,7 +416,9 @@ class Pipeline:
         last = len(self.stages) - 1
         try:
             async for result in self._results:
+                arrived = time.perf_counter()
                 yield result
+                self.budget.done(result, arrived)
         except grpc.aio.AioRpcError as err:
             raise PipelineError(f"results stream of the last stage at {self.stages[last].address} broke: "
                                 f"{err.code().name}: {err.details()}", [self.stages[last].address]) from err

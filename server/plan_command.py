@@ -10,11 +10,12 @@ from typing import List, Optional, Tuple
 
 from mlxpipe.server.cost import ModelCost, load_model_cost
 from mlxpipe.server.options import table
-from mlxpipe.server.planner import BitsChoice, NodeSpec, Plan, plan, plan_bits
+from mlxpipe.server.planner import BitsChoice, NodeSpec, Plan, Workload, plan, plan_bits
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.units import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
+DEFAULT_FLOPS = 25e12          # flop/s it assumes without --flops (about an M2/M3 Ultra's GPU at 16 bits)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
                         f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")
     p.add_argument("--hop-ms", type=float, default=0.0, help="link time per stage hop in ms (default 0)")
+    p.add_argument("--flops", default=None,
+                   help="compute for prefill, one for all nodes or one per node, e.g. 25TFLOPS "
+                        f"(default {DEFAULT_FLOPS / 1e12:.0f}TFLOPS)")
+    p.add_argument("--prompt-ratio", type=float, default=Workload.prompt_ratio,
+                   help="prompt tokens per generated token the split is balanced for (default "
+                        f"{Workload.prompt_ratio:g}: chat and agents; 0: decode alone)")
+    p.add_argument("--prompt-tokens", type=int, default=2048,
+                   help="the prompt whose time to first token is predicted (default 2048)")
+    p.add_argument("--chunk", type=int, default=Workload.chunk_tokens,
+                   help=f"prefill tokens per frame, as serve's --chunk-size (default {Workload.chunk_tokens})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def parse_flops(text: str) -> float:
+    """Flop/s from '25TFLOPS', '25T', '2.5e13' (K, M, G, T, P: powers of 1000)."""
+    t = text.strip().upper().removesuffix("/S").removesuffix("FLOPS").strip()
+    scale = 1000 ** ("KMGTP".index(t[-1]) + 1) if t and t[-1] in "KMGTP" else 1
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"cannot read compute {text!r}: use e.g. 25TFLOPS") from None
+    if not value > 0:
+        raise ValueError(f"compute {text!r} must be positive")
+    return value
+
+
+def _per_node(given: Optional[str], default: float, parse, count: int, what: str) -> List[float]:
+    values = [default] if given is None else [parse(v) for v in expand_list(given)]
+    if len(values) == 1:
+        values *= count
+    if len(values) != count:
+        raise ValueError(f"{what} gives {len(values)} values for {count} nodes: give one, or one per node")
+    return values
 
 
 def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
@@ -47,18 +80,16 @@ def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
         name, _, size = item.rpartition("=")
         names.append(name.strip() or f"node{i}")
         sizes.append(parse_size(size))
-    assumed = args.bandwidth is None
-    bws = [DEFAULT_BANDWIDTH] if assumed else [parse_bandwidth(b) for b in expand_list(args.bandwidth)]
-    if len(bws) == 1:
-        bws *= len(items)
-    if len(bws) != len(items):
-        raise ValueError(f"--bandwidth gives {len(bws)} values for {len(items)} nodes: give one, or one per node")
-    return [NodeSpec(n, m, bandwidth_bytes_per_s=b) for n, m, b in zip(names, sizes, bws)], assumed
+    bws = _per_node(args.bandwidth, DEFAULT_BANDWIDTH, parse_bandwidth, len(items), "--bandwidth")
+    flops = _per_node(args.flops, DEFAULT_FLOPS, parse_flops, len(items), "--flops")
+    return ([NodeSpec(n, m, bandwidth_bytes_per_s=b, flops_per_s=f) for n, m, b, f in zip(names, sizes, bws, flops)],
+            args.bandwidth is None)
 
 
 def _cost_and_plan(args, nodes: List[NodeSpec]) -> Tuple[ModelCost, Plan, Optional[BitsChoice]]:
     """The model's cost at the bits asked for, and its plan (``--bits auto``: the choice of bits too)."""
-    kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000)
+    kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000,
+              workload=Workload(args.prompt_ratio, args.chunk))
     bits = None if args.bits is None else args.bits.strip()
     if bits == "auto":
         choice = plan_bits(lambda spec: load_model_cost(args.model, quant=spec), nodes,
@@ -98,6 +129,8 @@ def run(args) -> int:
     try:
         nodes, assumed = _nodes_from_args(args)
         cost, result, choice = _cost_and_plan(args, nodes)
+        decode_only = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
+                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk))
         summary = _summary(cost, args)
     except ValueError as e:
         if args.json:
@@ -105,12 +138,13 @@ def run(args) -> int:
         else:
             print(f"mlxpipe plan: {e}", file=sys.stderr)
         return 2
-    note = (f"bandwidth: {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s assumed for every node (no --bandwidth given)"
-            if assumed else None)
     stage_bits = [cost.stage_mean_bits(s.start, s.end) for s in result.stages]
     if args.json:
-        out = {"feasible": True, **summary, "bandwidth_assumed": assumed,
-               "nodes": [asdict(n) for n in nodes], **result.to_dict()}
+        out = {"feasible": True, **summary, "bandwidth_assumed": assumed, "flops_assumed": args.flops is None,
+               "nodes": [asdict(n) for n in nodes], **result.to_dict(), "ttft_s": result.ttft(args.prompt_tokens),
+               "workload": {"prompt_ratio": args.prompt_ratio, "chunk_tokens": args.chunk,
+                            "prompt_tokens": args.prompt_tokens},
+               "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens))}
         for st, b in zip(out["stages"], stage_bits):
             st["mean_bits"] = b
         if choice is not None:
@@ -123,8 +157,11 @@ def run(args) -> int:
     print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token; "
           f"KV cache {summary['kv_bytes_per_token'] / 1e3:.1f} KB per token x {args.context} tokens "
           f"x {args.concurrency} stream(s)")
-    if note:
-        print(note)
+    for what, given, value in (("bandwidth", args.bandwidth, f"{DEFAULT_BANDWIDTH / 1e9:.0f} GB/s"),
+                               ("compute", args.flops, f"{DEFAULT_FLOPS / 1e12:.0f} TFLOPS")):
+        if given is None:
+            print(f"{what}: {value} assumed for every node (no --{'bandwidth' if what == 'bandwidth' else 'flops'} "
+                  "given)")
     print()
     rows = [["stage", "node", "layers", "#layers", "bits", "weights GB", "KV GB", "ms/token"]]
     for i, (s, b) in enumerate(zip(result.stages, stage_bits)):
@@ -137,9 +174,26 @@ def run(args) -> int:
     print(f"predicted decode: {result.tokens_per_s_one_stream:.1f} tokens/s for one stream, "
           f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
           f"(one per stage); bandwidth-bound estimate, an upper bound")
+    print("\n".join(_mix_lines(args, result, decode_only)))
     if choice is not None:
         print(f"quality: {choice.trade()}")
     return 0
+
+
+def _mix_lines(args, chosen: Plan, decode_only: Plan) -> List[str]:
+    """The split chosen for the workload beside the one balanced for decode alone."""
+    mix = f"{args.prompt_ratio:g} prompt tokens per generated token" if args.prompt_ratio else "decode alone"
+    lines = [f"balanced for {mix} (--prompt-ratio); time to first token of a {args.prompt_tokens}-token prompt "
+             "alone, compute-bound estimate, a lower bound:"]
+    plans = (("this split", chosen), ("decode-only split", decode_only))[:2 if args.prompt_ratio else 1]
+    split = {name: " / ".join(str(s.num_layers) for s in p.stages) for name, p in plans}
+    width = max(map(len, split.values()))
+    for name, p in plans:
+        ttft = p.ttft(args.prompt_tokens)
+        lines.append(f"  {name + ':':19}layers {split[name]:{width}}  TTFT {ttft:6.2f} s   decode "
+                     f"{p.tokens_per_s_one_stream:.1f} tokens/s one stream, {p.tokens_per_s_pipeline:.1f} in all"
+                     if ttft is not None else f"  {name}: prefill not costed")
+    return lines
 
 
 def _bits_cell(cost: ModelCost, stage, mean: Optional[float]) -> str:

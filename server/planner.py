@@ -7,7 +7,9 @@ takes a cost per layer (``cost.py``) and a profile per node, and chooses
 contiguous half-open ranges ``[start, end)`` over the nodes in the order
 given, each within its node's memory (weights + KV cache), minimizing the
 slowest stage's time per decode step; ties go to the smaller sum of stage
-times, then to fewer stages. A node may be left out.
+times, then to fewer stages. A node may be left out. For a workload that also
+prefills (``Workload``) on nodes of known compute, a stage's time is a decode
+step plus that many prompt tokens of prefill (where the last stage runs no head).
 
 Pure Python, no I/O: ``plan_command.py`` is ``mlxpipe plan``.
 """
@@ -22,6 +24,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from mlxpipe.server.cost import ModelCost
 from mlxpipe.shards.quant_spec import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.units import gb
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The work a split is balanced for (chat and agents resend long contexts every turn)."""
+
+    prompt_ratio: float = 10.0  # prompt tokens per generated token (0: balance decode alone)
+    chunk_tokens: int = 256     # prefill tokens per frame (the head's chunk size)
+
+    def __post_init__(self) -> None:
+        if self.prompt_ratio < 0 or self.chunk_tokens < 1:
+            raise ValueError("the prompt ratio must not be negative, and a chunk holds at least one token")
 
 
 class PlanInfeasible(ValueError):
@@ -39,6 +53,7 @@ class NodeSpec:
     ``embed_seconds`` the embedding; measured figures win where both are given.
     ``profiled``: the cost of the model as it was measured (say, at 4 bits); a
     cost of other bits then scales each measured time by the bytes it reads.
+    ``flops_per_s``: compute, for prefill on paper (None: prefill is not costed).
     """
 
     name: str
@@ -48,6 +63,17 @@ class NodeSpec:
     embed_seconds: float = 0.0
     head_seconds: Optional[float] = None
     profiled: Optional[ModelCost] = None
+    flops_per_s: Optional[float] = None
+
+    def prefill_times(self, cost: ModelCost, chunk: int) -> Tuple[List[float], float]:
+        """Seconds per prompt token of each layer and the embedding at ``chunk`` tokens a frame: 2 flops
+        per active parameter, the layer's weights read once a chunk (the head runs for a prompt's last
+        token only: a decode step). Zeros without ``flops_per_s``."""
+        if not self.flops_per_s:
+            return [0.0] * cost.num_layers, 0.0
+        bw = self.bandwidth_bytes_per_s or math.inf
+        layers = [2 * l.active_params / self.flops_per_s + l.weight_bytes / (bw * chunk) for l in cost.layers]
+        return layers, cost.embed_read_bytes / bw
 
     def times(self, cost: ModelCost) -> Tuple[List[float], float, float]:
         """Seconds per decoded token: of each layer, of the embedding, of the head."""
@@ -94,6 +120,7 @@ class PlannedStage:
     weight_bytes: int
     kv_bytes: int
     seconds: float            # predicted seconds per decode step, hop included
+    prefill_seconds: float = 0.0  # per prompt token (a chunk's hop shared among its tokens); 0: not costed
 
     @property
     def num_layers(self) -> int:
@@ -107,6 +134,7 @@ class Plan:
     stages: Tuple[PlannedStage, ...]
     num_layers: int
     unused: Tuple[str, ...]   # nodes given no layers
+    chunk_tokens: int = 256   # prefill tokens per frame
 
     @property
     def ranges(self) -> List[Tuple[int, int]]:
@@ -130,6 +158,16 @@ class Plan:
         """One stream per stage-group in flight, every stage busy: the slowest stage sets the pace."""
         n = len(self.stages)
         return n / max(self.sum_seconds, n * self.max_seconds)
+
+    def ttft(self, prompt_tokens: int) -> Optional[float]:
+        """Seconds to one prompt's first token, alone: chunks of all but its last token follow each
+        other through the stages (the first crosses every stage, each later one adds the slowest
+        stage's chunk), then the last token goes as a decode step. None if prefill is not costed."""
+        if not any(s.prefill_seconds for s in self.stages):
+            return None
+        chunks = -(-max(prompt_tokens - 1, 0) // self.chunk_tokens)
+        chunk = [self.chunk_tokens * s.prefill_seconds for s in self.stages]
+        return (sum(chunk) + (chunks - 1) * max(chunk) if chunks else 0.0) + self.sum_seconds
 
     def to_dict(self) -> dict:
         return {
@@ -207,7 +245,7 @@ class _Problem:
     """Precomputed stage times and memory of one (model, nodes, context) question."""
 
     def __init__(self, cost: ModelCost, nodes: Sequence[NodeSpec], context: int,
-                 concurrency: int, hop_seconds: float) -> None:
+                 concurrency: int, hop_seconds: float, workload: Workload = Workload(0)) -> None:
         if not nodes:
             raise ValueError("no nodes given")
         if cost.num_layers < 1:
@@ -219,17 +257,20 @@ class _Problem:
         for node in nodes:
             if node.memory_bytes <= 0:
                 raise ValueError(f"node {node.name}: memory must be positive")
-        self.cost, self.nodes, self.hop = cost, list(nodes), hop_seconds
+        self.cost, self.nodes, self.hop, self.work = cost, list(nodes), hop_seconds, workload
         self.L, self.N = cost.num_layers, len(nodes)
         tokens = context * concurrency
         self.weights = cost.stage_weight_bytes    # (start, end) -> bytes: the one formula, on prefix sums
         self.kvpre = list(itertools.accumulate((l.kv_bytes_per_token * tokens for l in cost.layers), initial=0))
-        self.tpre, self.embed_t, self.head_t = [], [], []
+        self.tpre, self.embed_t, self.head_t, self.ppre, self.pembed = [], [], [], [], []
         for node in nodes:
             layers, embed, head = node.times(cost)
             self.tpre.append(list(itertools.accumulate(layers, initial=0.0)))
             self.embed_t.append(embed)
             self.head_t.append(head)
+            layers, embed = node.prefill_times(cost, workload.chunk_tokens)
+            self.ppre.append(list(itertools.accumulate(layers, initial=0.0)))
+            self.pembed.append(embed)
 
     def kv(self, s: int, e: int) -> int:
         return self.kvpre[e] - self.kvpre[s]
@@ -237,19 +278,24 @@ class _Problem:
     def fits(self, n: int, s: int, e: int) -> bool:
         return self.weights(s, e) + self.kv(s, e) <= self.nodes[n].memory_bytes
 
+    def decode_time(self, n: int, s: int, e: int) -> float:
+        ends = (self.embed_t[n] if s == 0 else 0.0) + (self.head_t[n] if e == self.L else 0.0)
+        return self.tpre[n][e] - self.tpre[n][s] + self.hop + ends
+
+    def prefill_time(self, n: int, s: int, e: int) -> float:  # per prompt token; 0: not costed
+        t = self.ppre[n][e] - self.ppre[n][s] + (self.pembed[n] if s == 0 else 0.0)
+        return t + self.hop / self.work.chunk_tokens if t else 0.0
+
     def time(self, n: int, s: int, e: int) -> float:
-        t = self.tpre[n][e] - self.tpre[n][s] + self.hop
-        if s == 0:
-            t += self.embed_t[n]
-        if e == self.L:
-            t += self.head_t[n]
-        return t
+        """What the planner balances: a decode step and the workload's prompt tokens of prefill."""
+        return self.decode_time(n, s, e) + self.work.prompt_ratio * self.prefill_time(n, s, e)
 
     def plan(self, stages: Sequence[Tuple[int, int, int]]) -> Plan:
         out = tuple(PlannedStage(n, self.nodes[n].name, s, e, self.weights(s, e), self.kv(s, e),
-                                 self.time(n, s, e)) for n, s, e in stages)
+                                 self.decode_time(n, s, e), self.prefill_time(n, s, e)) for n, s, e in stages)
         used = {n for n, _, _ in stages}
-        return Plan(out, self.L, tuple(node.name for i, node in enumerate(self.nodes) if i not in used))
+        return Plan(out, self.L, tuple(node.name for i, node in enumerate(self.nodes) if i not in used),
+                    self.work.chunk_tokens)
 
     def infeasible(self) -> PlanInfeasible:
         need = self.weights(0, self.L) + self.kv(0, self.L)
@@ -270,7 +316,7 @@ class _Problem:
 
 
 def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
-         hop_seconds: float = 0.0, every_node: bool = False) -> Plan:
+         hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
     """The best contiguous split of the model's layers over ``nodes``, in the order given.
 
     Every layer runs exactly once; each stage's weights plus KV cache for
@@ -279,12 +325,14 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, con
     the head on the last, and ``hop_seconds`` for sending its output on. The
     slowest stage is minimized, then the sum of stage times, then the number of
     stages; a node may get no layers, unless ``every_node`` (stages that are
-    already running, such as local stage processes). Raises ``PlanInfeasible``
-    when nothing fits.
+    already running, such as local stage processes). With ``workload``, each
+    stage's time also counts its prefill of ``prompt_ratio`` prompt tokens, on
+    nodes whose prefill is costed (``NodeSpec.flops_per_s``). Raises
+    ``PlanInfeasible`` when nothing fits.
     """
     if every_node and len(nodes) > cost.num_layers:
         raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of {cost.num_layers} layers")
-    prob = _Problem(cost, nodes, context, concurrency, hop_seconds)
+    prob = _Problem(cost, nodes, context, concurrency, hop_seconds, workload)
     stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node)
     if stages is None:
         raise prob.infeasible()

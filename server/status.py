@@ -46,7 +46,8 @@ def from_head(url: str, key: str = "") -> str:
             f"requests, {h.get('recoveries', 0)} recoveries")
     if h.get("reason"):
         head += f"\n{h['reason']}"
-    return head + "\n\n" + table(rows)
+    warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]
+    return head + "\n\n" + table(rows) + "".join(f"\n{w}" for w in warnings)
 
 
 async def from_nodes(addresses: List[str], security) -> str:

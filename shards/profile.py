@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.slicing import layer_owner, load_stage
 from mlxpipe.shards.store import mlxpipe_home, text_config
@@ -45,19 +46,25 @@ def total_memory() -> int:
 
 
 def offered_memory(given: Optional[int] = None) -> int:
-    """Bytes this node offers for weights and caches: ``given``, or a share of physical memory."""
-    return given or int(total_memory() * MEMORY_SHARE)
+    """Bytes this node offers for weights and caches: ``given``, or a share of physical
+    memory (on Apple silicon, no more than 90% of what the GPU may wire: ``metal.py``)."""
+    return given or Metal().budget(int(total_memory() * MEMORY_SHARE))
 
 
 @functools.lru_cache(maxsize=None)
-def memory_bandwidth(megabytes: int = 256) -> float:
-    """Bytes per second this node moves through memory (read + write), measured once per process."""
+def memory_bandwidth(megabytes: int = 128) -> float:
+    """Bytes per second this node moves through memory (read + write), measured once per process.
+
+    ``a = a + 1`` on an array nothing else holds: MLX donates the input's buffer to the
+    output, so the probe streams through one buffer in place (larger than any Apple
+    silicon system cache) and never holds two; nor does a fresh output's first touch count."""
     a = mx.ones((megabytes << 18,), dtype=mx.float32)
     mx.eval(a)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(4):
         t0 = time.perf_counter()
-        mx.eval(a + 1)
+        a = a + 1
+        mx.eval(a)
         best = min(best, time.perf_counter() - t0)
     del a
     mx.clear_cache()

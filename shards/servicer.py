@@ -14,6 +14,7 @@ Activations go straight from a stage to the next, never through the head.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import itertools
 import logging
@@ -30,7 +31,9 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, malformed, refuse_malformed
+from mlxpipe.shards import memory
 from mlxpipe.shards.grammar import tokenizer_from_json
+from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
@@ -57,7 +60,8 @@ def _rss_bytes() -> int:
 def _model_status(err: ValueError) -> grpc.StatusCode:
     """The status for a model a node cannot profile or load, by why."""
     for kind, code in ((ModelNotFound, grpc.StatusCode.NOT_FOUND),
-                       (BrokenModel, grpc.StatusCode.FAILED_PRECONDITION)):
+                       (BrokenModel, grpc.StatusCode.FAILED_PRECONDITION),
+                       (memory.MemoryShort, grpc.StatusCode.RESOURCE_EXHAUSTED)):
         if isinstance(err, kind):
             return code
     return grpc.StatusCode.INVALID_ARGUMENT  # a range outside the model, a missing or misshapen tensor
@@ -93,6 +97,7 @@ class StageServicer(pb_grpc.StageServicer):
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
+        self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -145,21 +150,23 @@ class StageServicer(pb_grpc.StageServicer):
         quant = None if partial else QuantSpec.from_wire(request.quantization)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
-        before = mx.get_active_memory()
+        offered = offered_memory(self.memory_bytes)
+        memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
+        resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()
         stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
         read_weights(stage, progress=self.progress)
-        peak_bytes = max(mx.get_peak_memory() - before, 0)
+        mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = text_config(config)
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         kv_bytes_per_token = warm_up(stage, hidden)
         weight_bytes = max(mx.get_active_memory() - before, 0)
+        peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(
             f.stat().st_size for f in path.glob("*.safetensors")
         )
-        offered = offered_memory(self.memory_bytes)
         limits = ShardLimits(
             max_batch=request.max_batch or ShardLimits.max_batch,
             max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
@@ -186,6 +193,9 @@ class StageServicer(pb_grpc.StageServicer):
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
+            mlx_peak_bytes=mlx_peak_bytes,
+            memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
+                                             f"layers [{request.start}, {request.end})"),
         )
         return _Loaded(shard, reply, request)
 
@@ -368,6 +378,7 @@ class _ForwardStream:
         self.servicer, self.loaded, self.requests, self.session = servicer, loaded, request_iterator, session
         self.last = not loaded.request.next_address
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
+        self.arrivals: collections.deque = collections.deque()  # when each frame in the inbox was read
         self.outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         self.downstream = None
         if not self.last:
@@ -389,6 +400,7 @@ class _ForwardStream:
             if (why := malformed(frame)) is not None:
                 raise FrameError(why)
             self.servicer._queued += 1
+            self.arrivals.append(time.perf_counter())
             await self.inbox.put(frame)
         await self.inbox.put(None)
 
@@ -397,7 +409,7 @@ class _ForwardStream:
         while (frame := await self.inbox.get()) is not None:
             self.servicer._queued -= 1
             try:
-                out = await self.servicer._mlx(shard.run, frame, self.session)
+                out = await self.servicer._mlx(shard.run, frame, self.session, self.arrivals.popleft())
             except FrameError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure to run an accepted frame

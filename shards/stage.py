@@ -49,6 +49,8 @@ from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
 
+MAX_TIMINGS = 256  # stage timings a frame may carry (one per stage it passed)
+
 
 class FrameError(ValueError):
     """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
@@ -164,6 +166,17 @@ class ShardView:
     clock: ClockView = field(default_factory=lambda: BusyClock().view())
 
 
+def _timing(arrived: Optional[float], started: float, decoded: float,
+            computed: Optional[float] = None) -> pb.StageTiming:
+    """This stage's part of a frame's time (``time.perf_counter`` readings)."""
+    now = time.perf_counter()
+    computed = now if computed is None else computed
+    us = lambda seconds: max(int(seconds * 1e6), 0)  # noqa: E731
+    return pb.StageTiming(queued_us=us(started - arrived) if arrived is not None else 0,
+                          decode_us=us(decoded - started), compute_us=us(computed - decoded),
+                          encode_us=us(now - computed))
+
+
 def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
     token, logprob, top = pick
     r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
@@ -261,6 +274,8 @@ class Shard:
         lim = self.limits
         if frame.evict and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
+        if len(frame.timings) > MAX_TIMINGS:
+            raise FrameError(f"a frame carries the timings of at most {MAX_TIMINGS} stages, not {len(frame.timings)}")
         if frame.kind == pb.Frame.CONTROL:
             if frame.seqs or frame.tokens or frame.HasField("hidden"):
                 raise FrameError("a CONTROL frame carries only `free` and `evict`")
@@ -366,9 +381,11 @@ class Shard:
 
     # -- work --------------------------------------------------------------
 
-    def run(self, frame: pb.Frame, session: int = 0):
-        """Do one frame from Forward stream ``session``. Returns the Frame for
-        the next stage, or, on the last stage, the Result for the head."""
+    def run(self, frame: pb.Frame, session: int = 0, arrived: Optional[float] = None):
+        """Do one frame from Forward stream ``session`` (read off it at ``arrived``, a
+        ``time.perf_counter`` reading). Returns the Frame for the next stage, or, on
+        the last stage, the Result for the head; either carries this stage's timing."""
+        started = time.perf_counter()
         rows, n = self._check(frame)
         hidden = None
         if rows and not self.model.first:  # the activations' dtype, shape and size
@@ -376,6 +393,7 @@ class Shard:
                 hidden = codec.decode(frame.hidden, expect_shape=(rows, n, self.hidden_size))
             except codec.WireError as err:
                 raise FrameError(str(err)) from err
+        decoded = time.perf_counter()
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
         if frame.evict:
@@ -397,7 +415,9 @@ class Shard:
             self.stats.end(rows * n)
             self.publish()
         if self.model.last:
-            return pb.Result(frame_id=frame.frame_id, tokens=out or [])
+            return pb.Result(frame_id=frame.frame_id, tokens=out or [],
+                             timings=[*frame.timings, _timing(arrived, started, decoded)])
+        computed = time.perf_counter()
         nxt = pb.Frame(
             frame_id=frame.frame_id,
             kind=frame.kind,
@@ -406,9 +426,11 @@ class Shard:
             tokens=frame.tokens,
             free=frame.free,
             evict=frame.evict,
+            timings=frame.timings,
         )
         if out is not None:
-            nxt.hidden.CopyFrom(codec.encode(out))
+            codec.encode(out, into=nxt.hidden)
+        nxt.timings.append(_timing(arrived, started, decoded, computed))
         return nxt
 
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:

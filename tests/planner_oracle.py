@@ -6,13 +6,13 @@ import itertools
 from typing import Sequence
 
 from mlxpipe.server.cost import ModelCost
-from mlxpipe.server.planner import NodeSpec, Plan, PlanInfeasible, _Problem
+from mlxpipe.server.planner import NodeSpec, Plan, PlanInfeasible, Workload, _Problem
 
 
 def brute_force(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
-                hop_seconds: float = 0.0, every_node: bool = False) -> Plan:
+                hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
     """The best plan by trying every choice of nodes and every cut (every node, with ``every_node``)."""
-    prob = _Problem(cost, nodes, context, concurrency, hop_seconds)
+    prob = _Problem(cost, nodes, context, concurrency, hop_seconds, workload)
     L, N = prob.L, prob.N
     if every_node and N > L:
         raise PlanInfeasible(f"cannot give each of {N} nodes one of {L} layers")

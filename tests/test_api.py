@@ -343,6 +343,15 @@ def test_metrics_move_with_a_request(server, client):
         assert delta("mlxpipe_stage_busy_seconds_total", **dict(labels)) > 0
         assert after[("mlxpipe_stage_weight_bytes", labels)] > 10e6
     assert after[("mlxpipe_live_requests", ())] == 0
+    # Where the frames' time went: the stages' parts fit in the round trip, both stages report.
+    kinds = {dict(labels)["kind"] for (name, labels) in after if name == "mlxpipe_frames_timed_total"}
+    assert sum(delta("mlxpipe_frames_timed_total", kind=k) for k in kinds) >= 3  # a chunk, the last token, more
+    for k in kinds:
+        compute = delta("mlxpipe_frame_seconds_total", kind=k, part="compute")
+        stages = sum(delta("mlxpipe_frame_seconds_total", kind=k, part=p) for p in ("queued", "decode", "encode"))
+        assert 0 < compute + stages <= delta("mlxpipe_frame_seconds_total", kind=k, part="round_trip")
+    assert all(delta("mlxpipe_stage_frame_seconds_total", kind="prefill", stage=i, part="compute") > 0
+               for i in ("0", "1"))
 
 
 def test_status_command_shows_the_cluster(server):

@@ -26,7 +26,8 @@ def toy_model(rng: random.Random, num_layers: int) -> ModelCost:
     for _ in range(num_layers):
         kind = rng.choice(["dense", "moe"])
         w = rng.randint(1, 10) * GB
-        layers.append(LayerCost(kind, 0, 0, w, w if kind == "dense" else w // 4, rng.randint(0, 3) * 1000))
+        read = w if kind == "dense" else w // 4
+        layers.append(LayerCost(kind, w // 2, read // 2, w, read, rng.randint(0, 3) * 1000))
     tied = rng.random() < 0.3
     embed = rng.randint(0, 3) * GB
     head = embed + rng.randint(0, 2) * GB if tied else rng.randint(0, 4) * GB
@@ -42,8 +43,9 @@ def toy_nodes(rng: random.Random, n: int) -> list:
             nodes.append(P.NodeSpec(f"n{i}", mem, layer_seconds={"dense": rng.uniform(0.001, 0.02),
                                                                   "moe": rng.uniform(0.001, 0.02)},
                                     embed_seconds=rng.uniform(0, 0.005), head_seconds=rng.uniform(0, 0.03)))
-        else:                    # on paper
-            nodes.append(P.NodeSpec(f"n{i}", mem, bandwidth_bytes_per_s=rng.choice([100, 273, 400, 800]) * GB))
+        else:                    # on paper; prefill costed on some
+            nodes.append(P.NodeSpec(f"n{i}", mem, bandwidth_bytes_per_s=rng.choice([100, 273, 400, 800]) * GB,
+                                    flops_per_s=rng.choice([None, 10e12, 30e12])))
     return nodes
 
 
@@ -71,14 +73,16 @@ def test_dp_matches_brute_force_on_random_instances(every_node):
         cost = toy_model(rng, rng.randint(1, 7))
         nodes = toy_nodes(rng, rng.randint(1, 4))
         context, hop = rng.choice([1, 1000, 100_000]), rng.choice([0.0, 0.002])
+        kw = dict(context=context, hop_seconds=hop, every_node=every_node,
+                  workload=P.Workload(rng.choice([0.0, 10.0]), rng.choice([1, 256])))
         try:
-            want = brute_force(cost, nodes, context=context, hop_seconds=hop, every_node=every_node)
+            want = brute_force(cost, nodes, **kw)
         except P.PlanInfeasible:
             with pytest.raises(P.PlanInfeasible):
-                P.plan(cost, nodes, context=context, hop_seconds=hop, every_node=every_node)
+                P.plan(cost, nodes, **kw)
             infeasible += 1
             continue
-        got = P.plan(cost, nodes, context=context, hop_seconds=hop, every_node=every_node)
+        got = P.plan(cost, nodes, **kw)
         check_plan(got, cost, nodes, context)
         check_plan(want, cost, nodes, context)
         if every_node:
@@ -311,8 +315,81 @@ def test_cli_auto_shows_bits_per_stage_and_the_trade(capsys):
                                   "--bandwidth", "800GB/s")) == 0
     out = capsys.readouterr().out
     assert "--bits auto:" in out and "quality: 4-bit everywhere" in out
-    assert "bits" in out.splitlines()[3].split() and "x4 + " in out
+    assert "bits" in next(l for l in out.splitlines() if l.startswith("stage")).split() and "x4 + " in out
     assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto", "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mean_bits"] > 3 and len(out["layer_bits"]) == 61 and all(s["mean_bits"] > 3 for s in out["stages"])
     assert sum(s["weight_bytes"] for s in out["stages"]) == out["weight_bytes"]
+
+
+# -- balancing for prefill and decode ---------------------------------------------------------
+
+
+def _macs(n, memory_gb=144, flops=25e12):
+    return [P.NodeSpec(f"m{i}", memory_gb * GB, 800 * GB, flops_per_s=flops) for i in range(n)]
+
+
+def test_prefill_mix_gives_the_last_stage_more_layers_and_a_shorter_ttft():
+    """The head costs nothing in prefill chunks: weighted 10 prompt tokens per generated one,
+    the last stage takes more layers than a decode-only split gives it, and the first token
+    comes sooner, at some decode speed."""
+    cost = _dsv3_cost(QuantSpec("4"))
+    nodes = _macs(3)
+    mixed = P.plan(cost, nodes)  # Workload(): 10 prompt tokens per generated token
+    decode = P.plan(cost, nodes, workload=P.Workload(0))
+    check_plan(mixed, cost, nodes, 8192)
+    assert mixed.stages[-1].num_layers > decode.stages[-1].num_layers
+    assert mixed.ttft(2048) < decode.ttft(2048)
+    assert mixed.tokens_per_s_pipeline < decode.tokens_per_s_pipeline
+    assert mixed.stages[-1].prefill_seconds < mixed.stages[-1].seconds  # no head, and compute at a chunk
+    # Each is the best at what it balances for: the slowest stage's decode + 10 x prefill time.
+    def objective(p):
+        return max(s.seconds + 10 * s.prefill_seconds for s in p.stages)
+
+    assert objective(mixed) <= objective(decode)
+    assert decode.max_seconds <= mixed.max_seconds
+
+
+def test_without_compute_figures_the_workload_changes_nothing():
+    cost = _dsv3_cost(QuantSpec("4"))
+    paper = [P.NodeSpec(f"m{i}", 144 * GB, 800 * GB) for i in range(3)]  # no flops: prefill not costed
+    assert P.plan(cost, paper).ranges == P.plan(cost, paper, workload=P.Workload(0)).ranges
+    assert P.plan(cost, paper).ttft(2048) is None
+    assert P.plan(cost, _macs(3), workload=P.Workload(0)).ranges == P.plan(cost, paper).ranges
+    with pytest.raises(ValueError, match="prompt ratio must not be negative"):
+        P.Workload(-1)
+
+
+def test_ttft_is_the_pipeline_fill_and_the_slowest_stage_per_later_chunk():
+    cost = ModelCost("t", "t", tuple(LayerCost("dense", 10**9, 10**9, GB, GB, 0) for _ in range(4)),
+                     0, 0, 0, 0, 0, 0, False, None, 64, "config")
+    nodes = [P.NodeSpec(f"n{i}", 10 * GB, 1000 * GB, flops_per_s=f) for i, f in enumerate((2e12, 1e12))]
+    p = P.plan(cost, nodes, workload=P.Workload(10, chunk_tokens=100), hop_seconds=0.001)
+    prefill = [s.prefill_seconds for s in p.stages]
+    # Per token: 2 GFLOP per layer over the node's flops, a layer's GB read once per 100-token chunk.
+    assert prefill == pytest.approx([s.num_layers * (2e9 / f + 1e9 / 1e14) + 0.001 / 100
+                                     for s, f in zip(p.stages, (2e12, 1e12))])
+    chunk = [100 * x for x in prefill]
+    # 1001 tokens: 10 chunks of the first 1000, then the last token as a decode step.
+    assert p.ttft(1001) == pytest.approx(sum(chunk) + 9 * max(chunk) + p.sum_seconds)
+    assert p.ttft(1) == pytest.approx(p.sum_seconds)
+
+
+def test_cli_shows_the_chosen_and_the_decode_only_split_for_deepseek_v3(capsys):
+    args = ("--model", str(DSV3), "--nodes", "3x144GB", "--bits", "4", "--bandwidth", "800GB/s")
+    assert plan_command.run(_args(*args)) == 0
+    out = capsys.readouterr().out
+    assert "compute: 25 TFLOPS assumed" in out and "balanced for 10 prompt tokens per generated token" in out
+    chosen, decode_only = [l for l in out.splitlines() if "TTFT" in l]
+    assert chosen.split("layers")[1].split()[:5] == ["21", "/", "20", "/", "20"]
+    assert decode_only.split("layers")[1].split()[:5] == ["21", "/", "21", "/", "19"]
+    assert plan_command.run(_args(*args, "--json", "--flops", "30TFLOPS", "--prompt-tokens", "512")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["flops_assumed"] is False and out["workload"]["prompt_tokens"] == 512
+    assert 0 < out["ttft_s"] < out["decode_only"]["ttft_s"]
+    assert out["decode_only"]["tokens_per_s_pipeline"] >= out["tokens_per_s_pipeline"]
+    assert plan_command.run(_args(*args, "--prompt-ratio", "0")) == 0
+    assert "balanced for decode alone" in capsys.readouterr().out
+    assert plan_command.parse_flops("25TFLOPS") == 25e12 == plan_command.parse_flops("2.5e13")
+    with pytest.raises(ValueError, match="cannot read compute"):
+        plan_command.parse_flops("fast")

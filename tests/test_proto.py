@@ -72,3 +72,34 @@ def test_codec_refuses_malformed_tensors(tensor, message):
 def test_codec_bytes_are_little_endian_model_dtype():
     t = codec.encode(mx.array([1.0, -2.0], dtype=mx.float16))
     assert t.data == np.array([1.0, -2.0], dtype="<f2").tobytes()
+
+
+@pytest.mark.parametrize("dtype,edges", [
+    (mx.float32, [3.4028235e38, -3.4028235e38, 1e-45, -0.0]),
+    (mx.float16, [65504.0, -65504.0, 6e-8, -0.0]),
+    (mx.bfloat16, [3.3895e38, -3.3895e38, 1e-40, -0.0]),
+])
+def test_codec_takes_every_finite_value_and_refuses_every_nonfinite_one(dtype, edges):
+    """The finiteness check reads exponent bits: the largest finite values, subnormals and
+    signed zeros pass; infinities and NaNs of either sign, with any payload, do not."""
+    x = mx.array(edges, dtype=mx.float32).astype(dtype)
+    assert mx.all(mx.isfinite(x)).item()
+    assert mx.array_equal(codec.decode(codec.encode(x)), x).item()
+    width = {mx.float32: np.uint32}.get(dtype, np.uint16)
+    bits = np.frombuffer(codec.encode(x).data, dtype=width).copy()
+    inf = np.frombuffer(codec.encode(mx.array([np.inf], dtype=mx.float32).astype(dtype)).data, dtype=width)[0]
+    quiet = (inf >> 1) & ~inf  # the top mantissa bit
+    for bad in (inf, inf | (1 << (8 * bits.itemsize - 1)), inf | 1, inf | quiet):  # +-inf, NaNs
+        data = bits.copy()
+        data[1] = bad
+        t = pb.Tensor(shape=[len(edges)], dtype=codec.dtype_name(dtype), data=data.tobytes())
+        with pytest.raises(codec.WireError, match="not finite"):
+            codec.decode(t)
+
+
+def test_codec_encodes_slices_and_transposes_in_c_order():
+    x = mx.arange(24, dtype=mx.float32).reshape(2, 3, 4)
+    for view in (x[:, -1, :], x.transpose(1, 0, 2), x[:, ::2]):
+        t = codec.encode(view)
+        assert t.data == np.asarray(view).tobytes(order="C")
+        assert mx.array_equal(codec.decode(t), view).item()

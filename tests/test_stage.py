@@ -94,6 +94,9 @@ BAD_FRAMES = [
     ("NaN activations", _prefill(1, 3, hidden=_hidden(1, 3, data=np.full((1, 3, HIDDEN), np.nan, np.float32)
                                                      .tobytes())),
      grpc.StatusCode.INVALID_ARGUMENT, "not finite"),
+    ("timings of too many stages", pb.Frame(kind=pb.Frame.PREFILL, seqs=[pb.SeqEntry(seq_id=1, num_tokens=1)],
+                                            tokens=[1], hidden=_hidden(1, 1), timings=[pb.StageTiming()] * 257),
+     grpc.StatusCode.INVALID_ARGUMENT, "timings of at most 256 stages"),
     ("infinite bfloat16 activations", _prefill(1, 2, hidden=_hidden(1, 2, dtype="bfloat16", data=np.full(
         (1, 2, HIDDEN), 0x7F80, np.uint16).tobytes())),
      grpc.StatusCode.INVALID_ARGUMENT, "not finite"),
@@ -112,9 +115,14 @@ def test_bad_frames_are_refused_and_the_stage_keeps_serving(stage, default_model
     frames = queue.Queue()
     call = stage.Forward.future(iter(frames.get, None), timeout=60)
     frames.put(_prefill(7, 4))
-    frames.put(_prefill(7, 1, offset=4, sample=True))
+    last = _prefill(7, 1, offset=4, sample=True)
+    last.timings.add(compute_us=1234)  # as if an earlier stage had passed it on
+    frames.put(last)
     first, second = next(results), next(results)
     assert not first.tokens and len(second.tokens) == 1 and 0 <= second.tokens[0].token < 49152
+    # Each result carries the timings of the stages its frame passed, this one's last.
+    assert len(first.timings) == 1 and first.timings[0].compute_us > 0
+    assert [t.compute_us for t in second.timings][0] == 1234 and second.timings[1].compute_us > 0
     assert stage.Health(pb.HealthRequest()).live_seqs == [7]  # held while its stream is open
     assert stage.Free(pb.FreeRequest(seq_ids=[7])).freed == 1
     frames.put(_prefill(8, 2))
