@@ -17,10 +17,10 @@ POISON = int(sys.argv.pop(1))
 _run = stage.Shard.run
 
 
-def run(self, frame, session=0):
+def run(self, frame, *args, **kwargs):
     if POISON in frame.tokens:
         raise RuntimeError(f"injected failure: frame {frame.frame_id} carries token {POISON}")
-    return _run(self, frame, session)
+    return _run(self, frame, *args, **kwargs)
 
 
 stage.Shard.run = run
