@@ -21,7 +21,7 @@ from typing import Dict, List
 import mlx.core as mx
 
 from mlxpipe.bench.common import median, percentile, progress_bar
-from mlxpipe.server.structured import response_format_grammar, tokenizer_json
+from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import Constraint, tokenizer_from_json
 from mlxpipe.shards.sampling import Sampling, SeqSampler, pick_batch
 from mlxpipe.shards.store import resolve_model

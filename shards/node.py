@@ -29,7 +29,7 @@ from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security
                                stage_server)
 from mlxpipe.shards.profile import memory_bandwidth, offered_memory
 from mlxpipe.shards.servicer import StageServicer
-from mlxpipe.shards.units import parse_size
+from mlxpipe.shards.sizes import parse_size
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig, Sequence as Seq
 from mlxpipe.shards.slicing import load_stage
 from mlxpipe.shards.stage import ShardLimits, Shard
 

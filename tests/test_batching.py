@@ -9,8 +9,8 @@ import httpx
 from conftest import run_async
 from server_proc import ServerProcess
 
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.core.engine import collect
 
 
 def _prompts(n, seed=0):

@@ -26,14 +26,14 @@ def mlx_lm_text(default_model):
 
 
 def _commands():
-    from mlxpipe.server.cli import build_parser
+    from mlxpipe.server.cli.main import build_parser
 
     (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
     return sorted(sub.choices)
 
 
 def test_help_lists_every_command(capsys):
-    from mlxpipe.server.cli import main
+    from mlxpipe.server.cli.main import main
 
     out = mlxpipe("--help")
     assert out.returncode == 0, out.stderr

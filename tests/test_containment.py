@@ -28,8 +28,8 @@ from conftest import SECRET, run_async
 from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import SequenceFailed, Supervision
+from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.core.engine import SequenceFailed, Supervision
 
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from conftest import PROMPTS, REPEAT_CODE, run_async
 
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.core.engine import collect
 
 NEW_TOKENS = 32
 

@@ -7,8 +7,8 @@ import pytest
 from inproc import InProcess
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.prefix import PrefixIndex, chain_hashes
-from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from mlxpipe.shards.sampling import Sampling
 
 B = 4  # block tokens in the pure tests

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.scheduler import Phase, QueueFull, Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.core.scheduler import Phase, QueueFull, Scheduler, SchedulerConfig, Sequence
 
 
 def seq(i, prompt_len=5, max_tokens=4, eos=()):

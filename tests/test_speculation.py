@@ -8,9 +8,9 @@ from conftest import REPEAT_CODE
 from inproc import InProcess
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import verify_positions
-from mlxpipe.server.draft import PromptLookup
-from mlxpipe.server.scheduler import Phase, Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.cluster.assembly import verify_positions
+from mlxpipe.server.core.drafting import PromptLookup
+from mlxpipe.server.core.scheduler import Phase, Scheduler, SchedulerConfig, Sequence
 from mlxpipe.shards.sampling import Sampling
 
 

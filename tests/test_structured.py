@@ -10,8 +10,8 @@ import jsonschema_rs
 import pytest
 from inproc import InProcess
 
-from mlxpipe.server.scheduler import SchedulerConfig
-from mlxpipe.server.structured import response_format_grammar, tokenizer_json
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.sampling import Sampling
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import SECRET, node_process, run_async
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.core.engine import collect
 from mlxpipe.shards.store import fingerprint
 from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
 
@@ -115,7 +115,7 @@ def test_a_corrupted_chunk_is_sent_again(dsv3_model, tmp_path, reference):
                                 security=Security(secret=SECRET))
             cluster = Cluster(cfg)
             # Garble the first chunk of layer 1 once, as if a bit flipped on the way.
-            from mlxpipe.server import pipeline
+            from mlxpipe.server.cluster import stage_client as pipeline
 
             original = pipeline.WeightSource.__post_init__
 

@@ -17,12 +17,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.draft_model import load_draft_model
-from mlxpipe.server.engine import Engine, Observer, Rebuilt, Supervision
-from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
+from mlxpipe.server.core.draft_model import load_draft_model
+from mlxpipe.server.core.engine import Engine, Observer, Rebuilt, Supervision
+from mlxpipe.server.cluster.stage_client import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
                                      probe, split_from_sizes)
-from mlxpipe.server.scheduler import SchedulerConfig
-from mlxpipe.server.structured import tokenizer_json
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.api.structured import tokenizer_json
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.store import fingerprint, text_config
 
@@ -209,7 +209,7 @@ class Cluster:
                 self.weights = WeightSource(self.model_path, fingerprint(self.model_path), self.num_layers,
                                             rate=cfg.weights_rate)
                 if cfg.join_listen:
-                    from mlxpipe.server.join import start_join_server
+                    from mlxpipe.server.cluster.join import start_join_server
 
                     self.join_server = await start_join_server(self, cfg.join_listen, self.security)
                     while len(self.addresses) < max(cfg.wait_nodes, 1):
@@ -368,8 +368,8 @@ class Cluster:
         each profile themselves; the planner may leave a node out when the
         pipeline is faster without it.
         """
-        from mlxpipe.server import planner
-        from mlxpipe.server.cost import load_model_cost
+        from mlxpipe.server.cluster import planner
+        from mlxpipe.server.cluster.cost import load_model_cost
 
         cfg = self.config
         count = len(pipeline.stages)

@@ -30,14 +30,14 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxpipe.server.chat import Reply, render, thinks_first
-from mlxpipe.server.completions import ChatFormat, Generation, TextFormat, events
-from mlxpipe.server.engine import GenerationFailed, SequenceFailed
-from mlxpipe.server.join import joined_table
-from mlxpipe.server.metrics import Metrics
-from mlxpipe.server.scheduler import QueueFull
-from mlxpipe.server.schemas import ChatCompletionRequest, CompletionRequest
-from mlxpipe.server.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
+from mlxpipe.server.api.chat_template import Reply, render, thinks_first
+from mlxpipe.server.api.openai_objects import ChatFormat, Generation, TextFormat, events
+from mlxpipe.server.core.engine import GenerationFailed, SequenceFailed
+from mlxpipe.server.cluster.join import joined_table
+from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.core.scheduler import QueueFull
+from mlxpipe.server.api.schemas import ChatCompletionRequest, CompletionRequest
+from mlxpipe.server.api.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
                                        tool_call_grammar)
 from mlxpipe.shards.grammar import in_worker
 from mlxpipe.shards.sampling import SamplingError

@@ -7,9 +7,9 @@ import os
 from typing import Container, List, Optional
 
 from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
-from mlxpipe.server.cluster import ClusterConfig
+from mlxpipe.server.cluster.assembly import ClusterConfig
 from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.units import parse_size
+from mlxpipe.shards.sizes import parse_size
 
 
 def count(text: str) -> int:

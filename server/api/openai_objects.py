@@ -12,9 +12,9 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, List, Tuple
 
-from mlxpipe.server.chat import Delta, Reply
-from mlxpipe.server.engine import GenerationFailed, RequestStream, SequenceFailed
-from mlxpipe.server.textgen import TextChunk, stream_text
+from mlxpipe.server.api.chat_template import Delta, Reply
+from mlxpipe.server.core.engine import GenerationFailed, RequestStream, SequenceFailed
+from mlxpipe.server.api.textgen import TextChunk, stream_text
 
 
 class Generation:

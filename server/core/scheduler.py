@@ -63,8 +63,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.draft import Drafter, PromptLookup
-from mlxpipe.server.prefix import PrefixIndex, chain_hashes
+from mlxpipe.server.core.drafting import Drafter, PromptLookup
+from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 
 
 class QueueFull(RuntimeError):

@@ -15,8 +15,8 @@ from typing import List
 import httpx
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
-from mlxpipe.server.options import api_key, table
-from mlxpipe.server.pipeline import Pipeline
+from mlxpipe.server.cli.options import api_key, table
+from mlxpipe.server.cluster.stage_client import Pipeline
 
 
 def _mb(n) -> str:

@@ -12,11 +12,11 @@ from pathlib import Path
 import uvicorn
 
 from mlxpipe.proto.rpc import raise_fd_limit
-from mlxpipe.server.api import ApiOptions, create_app
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
-from mlxpipe.server.metrics import Metrics
-from mlxpipe.server.options import api_key, count, port
+from mlxpipe.server.api.app import ApiOptions, create_app
+from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.api.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
+from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.cli.options import api_key, count, port
 from mlxpipe.shards.store import is_repo_id
 
 logger = logging.getLogger(__name__)

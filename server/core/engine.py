@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mlxpipe.server.draft import SOURCES, Drafter, Either, PromptLookup
-from mlxpipe.server.pipeline import Pipeline, PipelineError
-from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
+from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
+from mlxpipe.server.cluster.stage_client import Pipeline, PipelineError
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
 from mlxpipe.shards.sampling import Sampling
 
 logger = logging.getLogger(__name__)

@@ -8,11 +8,11 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional, Tuple
 
-from mlxpipe.server.cost import ModelCost, load_model_cost
-from mlxpipe.server.options import table
-from mlxpipe.server.planner import BitsChoice, NodeSpec, Plan, plan, plan_bits
+from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cli.options import table
+from mlxpipe.server.cluster.planner import BitsChoice, NodeSpec, Plan, plan, plan_bits
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
-from mlxpipe.shards.units import expand_list, gb, parse_bandwidth, parse_size
+from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
 

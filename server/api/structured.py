@@ -17,7 +17,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import llguidance as llg
 
-from mlxpipe.server.schema_limits import check_schema, check_schemas
+from mlxpipe.server.api.schema_limits import check_schema, check_schemas
 from mlxpipe.shards.grammar import GrammarError, check_output, tokenizer_from_json
 
 # One separator style and no free whitespace: a sampled model cannot pad with

@@ -19,9 +19,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cost import ModelCost
+from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.shards.quant_spec import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
-from mlxpipe.shards.units import gb
+from mlxpipe.shards.sizes import gb
 
 
 class PlanInfeasible(ValueError):
