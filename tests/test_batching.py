@@ -10,7 +10,7 @@ from conftest import run_async
 from server_proc import ServerProcess
 
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import collect
+from mlxpipe.server.core.streams import collect
 
 
 def _prompts(n, seed=0):

@@ -29,7 +29,8 @@ from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import SequenceFailed, Supervision
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.streams import SequenceFailed
 
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 

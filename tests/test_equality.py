@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPTS, REPEAT_CODE, run_async
 
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import collect
+from mlxpipe.server.core.streams import collect
 
 NEW_TOKENS = 32
 

@@ -23,7 +23,8 @@ from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import Supervision, collect
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.streams import collect
 from mlxpipe.server.cluster.stage_client import Pipeline
 
 STREAMS = 8

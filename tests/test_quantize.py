@@ -17,7 +17,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
 from mlxpipe.server.cluster.cost import load_model_cost
-from mlxpipe.server.core.engine import collect
+from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.quant_spec import RECIPES, QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, quantize_range, stage_units
 from mlxpipe.shards.store import fingerprint

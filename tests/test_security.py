@@ -22,7 +22,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import CHANNEL_OPTIONS, Security
 from mlxpipe.server.cli.certs import make_cluster
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import collect
+from mlxpipe.server.core.streams import collect
 from mlxpipe.server.cluster.stage_client import LocalStages
 
 HIDDEN = 576

@@ -16,7 +16,7 @@ from conftest import SECRET, node_process, run_async
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
-from mlxpipe.server.core.engine import collect
+from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.store import fingerprint
 from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
 

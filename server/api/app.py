@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.api.chat_template import Reply, render, thinks_first
 from mlxpipe.server.api.openai_objects import ChatFormat, Generation, TextFormat, events
-from mlxpipe.server.core.engine import GenerationFailed, SequenceFailed
+from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 from mlxpipe.server.cluster.join import joined_table
 from mlxpipe.server.api.metrics import Metrics
-from mlxpipe.server.core.scheduler import QueueFull
+from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxpipe.server.api.structured import (GrammarError, Grammars, forced_functions, response_format_grammar,
                                        tool_call_grammar)

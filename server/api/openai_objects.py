@@ -13,7 +13,7 @@ import uuid
 from typing import AsyncIterator, Callable, List, Tuple
 
 from mlxpipe.server.api.chat_template import Delta, Reply
-from mlxpipe.server.core.engine import GenerationFailed, RequestStream, SequenceFailed
+from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed
 from mlxpipe.server.api.textgen import TextChunk, stream_text
 
 

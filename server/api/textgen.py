@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
 
-from mlxpipe.server.core.engine import RequestStream, Token
+from mlxpipe.server.core.streams import RequestStream, Token
 
 
 @dataclass

@@ -12,9 +12,9 @@ from pathlib import Path
 from mlxpipe.bench import command as bench
 from mlxpipe.server.cli import certs, plan as plan_command, serve, status
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.core.engine import GenerationFailed
+from mlxpipe.server.core.streams import GenerationFailed
 from mlxpipe.server.cli.options import add_cluster_arguments, cluster_config
-from mlxpipe.server.cluster.stage_client import PipelineError
+from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.server.api.textgen import stream_text
 from mlxpipe.shards import node
 from mlxpipe.shards.quant_spec import QuantSpec

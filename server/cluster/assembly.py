@@ -19,8 +19,10 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.core.draft_model import load_draft_model
 from mlxpipe.server.core.engine import Engine, Observer, Rebuilt, Supervision
-from mlxpipe.server.cluster.stage_client import (LocalStages, Pipeline, PipelineError, QuantizedSource, WeightSource, even_split,
+from mlxpipe.server.cluster.stage_client import (LocalStages, Pipeline, QuantizedSource, WeightSource, even_split,
                                      probe, split_from_sizes)
+from mlxpipe.server.core.speculation import verify_positions
+from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.api.structured import tokenizer_json
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
@@ -97,18 +99,6 @@ def prefix_blocks(pipeline: Pipeline, max_kv_tokens: int, cache_bytes: Optional[
     if cache_bytes is None:
         return max_kv_tokens // 2 // block
     return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
-
-
-def verify_positions(row_cost: float, stages: int, depth: int = 4) -> int:
-    """Positions per VERIFY frame that get ``depth`` + 1 positions (a typical
-    window: the depth adapts) through ``stages`` stages soonest, when a frame of p
-    positions costs 1 + row_cost x (p - 1) one-row steps: 1 where rows cost about
-    in proportion (every stage works on its own frame, and a miss wastes least),
-    the whole window in one frame where rows are nearly free."""
-    def seconds(p: int) -> float:
-        return (-(-(depth + 1) // p) + stages - 1) * (1 + row_cost * (p - 1))
-
-    return min(range(1, depth + 2), key=lambda p: (seconds(p), -p))  # ties: fewer frames
 
 
 def fixed_ranges(num_layers: int, stages: int, split: str) -> List[Tuple[int, int]]:
@@ -248,7 +238,7 @@ class Cluster:
                                  eos_token_ids=sorted(self.tokenizer.eos_token_ids),
                                  max_context=pipeline.stages[0].load.max_context,
                                  rebuild=self.rebuild, supervision=cfg.supervision, observer=self.observer,
-                                 draft_model=self.draft)
+                                 draft_model=self.draft, vocab_size=self.vocab_size)
             await self.engine.start()
         except BaseException:
             if self.engine is None and pipeline is not None:

@@ -25,6 +25,7 @@ import grpc
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import SECRET_ENV, Security, culprits_of
+from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
 from mlxpipe.shards.store import mlxpipe_home
@@ -34,17 +35,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 900.0
 CALL_TIMEOUT_S = 10.0
-
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot take or finish work; the message says where and why.
-    ``suspects`` lists the addresses of the stages at fault, when known;
-    ``culprits`` the sequences whose frame a stage failed on, when one says so."""
-
-    def __init__(self, message: str, suspects: Sequence[str] = (), culprits: Sequence[int] = ()):
-        super().__init__(message)
-        self.suspects = list(suspects)
-        self.culprits = list(culprits)
 
 
 def even_split(num_layers: int, stages: int) -> List[Tuple[int, int]]:
@@ -451,6 +441,10 @@ class Pipeline:
                 return self.stages[i], None, "the call was cancelled: the pipeline is being rebuilt"
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
+
+    def held_blocks(self) -> List[List[int]]:
+        """The prefix-cache blocks each stage reported holding when it loaded."""
+        return [list(st.load.blocks) for st in self.stages]
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -1,5 +1,6 @@
-"""Generation on a pipeline: token ids in, token streams out. Knows nothing of HTTP
-or text; ``textgen.py`` turns its streams into text.
+"""Generation on a pipeline: token ids in, token streams out. Knows nothing of HTTP,
+of text (``api/textgen.py`` turns its streams into text) or of gRPC: it drives a
+``Transport`` (``transport.py``), and ``frames.py`` speaks the wire for it.
 
 The engine runs on the event loop and owns the ``Scheduler``. Every change
 (a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
@@ -19,67 +20,14 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
-from mlxpipe.server.cluster.stage_client import Pipeline, PipelineError
-from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
+from mlxpipe.server.core.sequence import Seq, TokenEvent
+from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
+from mlxpipe.server.core.transport import PipelineError, StageHealth, Transport
+from mlxpipe.shards.sampling import INT32, Sampling
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Token:
-    """One generated token as a request sees it."""
-
-    id: int
-    logprob: float
-    top: Optional[Tuple[List[int], List[float]]]
-    finish_reason: Optional[str]  # "stop", "length", or None while generating
-
-
-class GenerationFailed(RuntimeError):
-    """The pipeline could not finish this request; the message says why."""
-
-
-class SequenceFailed(RuntimeError):
-    """This request, and only it, failed on a stage because of what it asked (its
-    grammar, its sampling); the message says why. It is never replayed."""
-
-
-class RequestStream:
-    """The tokens of one request, as an async iterator. ``cancel()`` ends it and
-    frees its caches on every stage."""
-
-    def __init__(self, engine: "Engine", seq_id: int):
-        self.engine = engine
-        self.seq_id = seq_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done = False
-        self.submitted = time.monotonic()
-        self.first_token_at: Optional[float] = None
-        self.last_token_at: Optional[float] = None
-        self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Token:
-        if self.done and self.queue.empty():
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is None:  # cancelled
-            raise StopAsyncIteration
-        if isinstance(item, Exception):
-            self.done = True
-            raise item
-        if item.finish_reason is not None:
-            self.done = True
-        return item
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.queue.put_nowait(None)  # wakes a consumer waiting for the next token
-            self.engine.cancel(self.seq_id)
 
 
 @dataclass
@@ -103,7 +51,7 @@ class StageDown(RuntimeError):
 class Rebuilt:
     """What a rebuild changed: the new pipeline, and the KV positions its stages hold."""
 
-    pipeline: Pipeline
+    pipeline: Transport
     max_kv_tokens: int
     prefix_blocks: int  # blocks each stage may keep for the prefix cache
 
@@ -140,15 +88,17 @@ class Engine:
     end, with ``GenerationFailed``.
     """
 
-    def __init__(self, pipeline: Pipeline, config: SchedulerConfig,
+    def __init__(self, pipeline: Transport, config: SchedulerConfig,
                  eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
                  rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None,
-                 observer: Optional[Observer] = None, draft_model=None):
+                 observer: Optional[Observer] = None, draft_model=None, vocab_size: int = INT32):
         self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
         self.draft_model = draft_model  # draft_model.DraftModel, or None
         self.scheduler = Scheduler(config, drafters=self._drafter)
+        self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context
+        self.vocab_size = vocab_size  # sampling parameters are checked against it (top_k, logit_bias)
         self.rebuild = rebuild
         self.supervision = supervision or Supervision()
         self.streams: Dict[int, RequestStream] = {}
@@ -174,11 +124,12 @@ class Engine:
         return Either(PromptLookup(), self.draft_model.drafter())
 
     def check_speculation(self, speculation: str) -> None:
-        """Raise ValueError unless this engine can draft from ``speculation``."""
+        """Raise InvalidRequest unless this engine can draft from ``speculation``."""
         if speculation not in SOURCES:
-            raise ValueError(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}")
+            raise InvalidRequest(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}",
+                                 "speculation")
         if speculation == "draft_model" and self.draft_model is None:
-            raise ValueError("this server has no draft model (start it with --draft-model)")
+            raise InvalidRequest("this server has no draft model (start it with --draft-model)", "speculation")
 
     def speculation(self) -> dict:
         """Drafted and accepted tokens since start, and the draft model's work."""
@@ -186,6 +137,25 @@ class Engine:
         if self.draft_model is not None:
             out["draft_model"] = self.draft_model.as_dict()
         return out
+
+    @property
+    def live(self) -> int:
+        """Requests waiting or generating."""
+        return self.scheduler.live
+
+    @property
+    def recoveries(self) -> int:
+        """Pipelines rebuilt after a fault."""
+        return self.stats.recoveries
+
+    @property
+    def drafts(self):
+        """Drafted tokens judged and accepted since start (``DraftStats``)."""
+        return self.scheduler.drafts
+
+    async def health(self, timeout: float = 10.0) -> List[StageHealth]:
+        """Every stage of the running pipeline: (stage, Health reply or None, why not)."""
+        return await self.pipeline.health(timeout=timeout)
 
     async def start(self) -> None:
         if self.draft_model is not None:  # drafts are ready: schedule again
@@ -196,7 +166,7 @@ class Engine:
 
     def _held_blocks(self, capacity: int) -> None:
         """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
-        self.scheduler.reset_prefix([list(st.load.blocks) for st in self.pipeline.stages], capacity)
+        self.scheduler.reset_prefix(self.pipeline.held_blocks(), capacity)
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event
@@ -220,27 +190,30 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = "auto", max_drafts: Optional[int] = None) -> RequestStream:
-        """Queue a request (``sampling`` validated by the caller). ``speculation``:
-        what to draft from (``draft.SOURCES``), ``max_drafts``: drafted positions in
-        flight at most (0: none). Raises
-        ``QueueFull`` when the server is at capacity, ``GenerationFailed`` when
-        the pipeline is down. While it recovers, requests queue and wait."""
+        """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
+        ``max_drafts``: drafted positions in flight at most (0: none). ``sampling`` is
+        checked here, the head's one check of it (the last stage checks what
+        arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
+        ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
+        when the server is at capacity, ``GenerationFailed`` when the pipeline is
+        down. While it recovers, requests queue and wait."""
         if self.state in ("failed", "stopping"):
             raise GenerationFailed(self.failure)
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "prompt")
+        sampling.validate(self.vocab_size)
         self.check_speculation(speculation)
         if sampling.seed is None:
             # Unseeded requests still get a seed, chosen here, so a request
             # replayed after a failure draws the same tokens again.
             sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
         seq_id = next(self._ids)
-        seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling.to_wire(),
+        seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts)
         if seq.reserve > self.scheduler.max_kv_tokens:
-            raise ValueError(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
-                             f"have room for {self.scheduler.max_kv_tokens}")
+            raise InvalidRequest(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
+                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream
@@ -254,7 +227,7 @@ class Engine:
 
     def _pump(self) -> None:
         if self.state == "ready":
-            for frame in self.scheduler.schedule():
+            for frame in self.framer.schedule():
                 self.pipeline.send(frame)
         if self.scheduler.idle or self.state == "failed":
             self._idle.set()
@@ -292,7 +265,7 @@ class Engine:
 
     async def _read(self) -> None:
         async for result in self.pipeline.results():
-            self._deliver(self.scheduler.on_result(result))
+            self._deliver(self.framer.on_result(result))
             self._pump()
 
     async def _monitor(self) -> None:
@@ -386,8 +359,3 @@ class Engine:
         self.streams.clear()
         self.scheduler.replay_all()  # forget what the dead pipeline held
         self._pump()
-
-
-async def collect(stream: RequestStream) -> List[Token]:
-    """All tokens of a request."""
-    return [t async for t in stream]
