@@ -7,7 +7,8 @@ import argparse
 import asyncio
 
 from mlxpipe.bench.common import add_common_arguments
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 

@@ -6,7 +6,8 @@ import argparse
 from typing import Dict, List
 
 from mlxpipe.bench.common import add_common_arguments, chat_prompt, long_text, median, pipeline_run
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 

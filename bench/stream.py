@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import (DEFAULT_PROMPT, Baseline, RunResult, add_common_arguments, chat_prompt, median,
                                   pipeline_run, progress_bar)
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import mlxpipe_home, resolve_model
 
 RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", "known_for": '

@@ -9,7 +9,8 @@ import httpx
 from conftest import run_async
 from server_proc import ServerProcess
 
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
 
 

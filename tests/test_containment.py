@@ -28,7 +28,8 @@ from conftest import SECRET, run_async
 from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.streams import SequenceFailed
 

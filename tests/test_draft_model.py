@@ -16,7 +16,8 @@ from conftest import PROMPTS, SECRET, node_process, run_async
 from faultproxy import FaultProxy
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.draft_model import DraftModelError, load_draft_model
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.streams import collect

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.quant_spec import RECIPES, QuantSpec, quantized_fingerprint

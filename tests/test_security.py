@@ -21,9 +21,10 @@ from server_proc import ServerProcess
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import CHANNEL_OPTIONS, Security
 from mlxpipe.server.cli.certs import make_cluster
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.server.cluster.stage_client import LocalStages
+from mlxpipe.server.cluster.local import LocalStages
 
 HIDDEN = 576
 

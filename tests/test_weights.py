@@ -15,7 +15,9 @@ import pytest
 from conftest import SECRET, node_process, run_async
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.cluster import weights
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.store import fingerprint
 from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
@@ -115,19 +117,20 @@ def test_a_corrupted_chunk_is_sent_again(dsv3_model, tmp_path, reference):
                                 security=Security(secret=SECRET))
             cluster = Cluster(cfg)
             # Garble the first chunk of layer 1 once, as if a bit flipped on the way.
-            from mlxpipe.server.cluster import stage_client as pipeline
+            original, garbled = weights.chunk_message, []
 
-            original = pipeline.WeightSource.__post_init__
+            def with_fault(source, unit, index, data):
+                message = original(source, unit, index, data)
+                if (unit, index) == ("layer-00001", 0) and not garbled:
+                    garbled.append(message)
+                    message.data = bytes([data[0] ^ 0xFF]) + data[1:]
+                return message
 
-            def with_fault(self):
-                original(self)
-                self.corrupt = frozenset({("layer-00001", 0)})
-
-            pipeline.WeightSource.__post_init__ = with_fault
+            weights.chunk_message = with_fault
             try:
                 await cluster.start()
             finally:
-                pipeline.WeightSource.__post_init__ = original
+                weights.chunk_message = original
             try:
                 out = [t.id for t in await collect(cluster.engine.submit(PROMPT, TOKENS))]
                 return out, [(st.start, st.end, st.weights_sent) for st in cluster.pipeline.stages]

@@ -9,7 +9,6 @@ enforced raises ``GrammarError`` while the request can still get a 400.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import threading
@@ -19,19 +18,11 @@ import llguidance as llg
 
 from mlxpipe.server.api.schema_limits import check_schema, check_schemas
 from mlxpipe.shards.grammar import GrammarError, check_output, tokenizer_from_json
+from mlxpipe.shards.tokenizer_json import tokenizer_json  # (re-exported: bench and tests take it from here)
 
 # One separator style and no free whitespace: a sampled model cannot pad with
 # spaces or newlines until it runs out of tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def tokenizer_json(tokenizer) -> str:
-    """The ``tokenizer.json`` of an mlx-lm ``TokenizerWrapper`` (as llguidance takes it:
-    no padding, no truncation)."""
-    backend = copy.copy(tokenizer._tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    return backend.to_str()
 
 
 def _schema_grammar(schema: Mapping[str, Any], strict: bool) -> str:

@@ -7,16 +7,18 @@ import contextlib
 import logging
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 
 from mlxpipe.proto.rpc import raise_fd_limit
-from mlxpipe.server.api.app import ApiOptions, create_app
-from mlxpipe.server.cluster.assembly import Cluster, ClusterConfig
+from mlxpipe.server.api.app import create_app
 from mlxpipe.server.api.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
 from mlxpipe.server.api.metrics import Metrics
-from mlxpipe.server.cli.options import api_key, count, port
+from mlxpipe.server.cluster import config as tree
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ApiOptions, ClusterConfig, Listen
 from mlxpipe.shards.store import is_repo_id
 
 logger = logging.getLogger(__name__)
@@ -53,13 +55,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> int:
+async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions) -> int:
     """Serve until SIGINT or SIGTERM; return the exit code the shell expects (130, 143)."""
     metrics = Metrics()
     cluster = await Cluster(config, observer=metrics).start()
     try:
-        api = ApiOptions(model_id=model_id(config.model, cluster.model_path), aliases=(config.model,),
-                         **options)
+        api = replace(options, model_id=model_id(config.model, cluster.model_path), aliases=(config.model,))
         app = create_app(cluster, api, metrics)
         # http: pinned (not "auto", which picks httptools when installed): uvicorn has no
         # deadline for a request's headers; GuardedH11Protocol adds one, and a cap.
@@ -101,36 +102,17 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: dict) -> in
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--max-tokens", type=count, default=512,
-                   help="tokens to generate when a request does not say (default 512)")
-    p.add_argument("--temp", type=float, default=1.0,
-                   help="temperature when a request does not say (default 1.0, as OpenAI)")
-    p.add_argument("--api-key-file", default=None,
-                   help="file with the API key clients must send as 'Authorization: Bearer <key>' "
-                        "(or set $MLXPIPE_API_KEY); default: no key")
-    p.add_argument("--cors-origin", action="append", default=[],
-                   help="an origin browsers may call the API from (repeat; default: none)")
-    p.add_argument("--max-body-bytes", type=count, default=4 << 20, help="largest request body (default 4 MiB)")
-    p.add_argument("--max-prompt-tokens", type=count, default=None,
-                   help="longest prompt a request may send (default: the model's context)")
-    p.add_argument("--join-listen", default=None, metavar="HOST:PORT",
-                   help="let nodes join here (`mlxpipe node --join HOST:PORT`), with the cluster secret")
-    p.add_argument("--wait-nodes", type=int, default=0,
-                   help="with --join-listen: nodes to wait for (listed and joined) before serving (default 1)")
-    p.add_argument("--max-tokens-limit", type=count, default=None,
-                   help="largest max_tokens a request may ask for (default: the model's context)")
+    tree.add_arguments(p, ClusterConfig)
+    tree.add_arguments(p, Listen)
+    tree.add_arguments(p, ApiOptions)
 
 
-def run(args, config: ClusterConfig) -> int:
-    key = api_key(args) or None
-    options = {"default_max_tokens": args.max_tokens, "default_temperature": args.temp, "api_key": key,
-               "cors_origins": tuple(args.cors_origin), "max_body_bytes": args.max_body_bytes,
-               "max_prompt_tokens": args.max_prompt_tokens, "max_tokens_limit": args.max_tokens_limit}
-    sock = listening_socket(args.host, args.port)
+def run(args) -> int:
+    config = tree.from_args(ClusterConfig, args)
+    options = tree.from_args(ApiOptions, args, model_id="")
+    listen = tree.from_args(Listen, args)
+    sock = listening_socket(listen.host, listen.port)
     try:
         return asyncio.run(serve(config, sock, options))
     except KeyboardInterrupt:  # before the handlers were set: while loading
         return 130
-

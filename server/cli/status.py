@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import List
 
 import httpx
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
+from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
 from mlxpipe.server.cli.options import api_key, table
 from mlxpipe.server.cluster.stage_client import Pipeline
 
 
 def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
-
-
-def get_head(url: str, key: str, path: str):
-    """GET ``path`` from the head at ``url`` (given with or without /v1)."""
-    r = httpx.get(url.rstrip("/").removesuffix("/v1") + path,
-                  headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
-    if r.status_code == 401:
-        raise ValueError("the head needs an API key: --api-key-file")
-    return r
 
 
 def from_head(url: str, key: str = "") -> str:
@@ -66,14 +57,8 @@ async def from_nodes(addresses: List[str], security) -> str:
     return table(rows)
 
 
-def add_nodes_arguments(p) -> None:
-    """The head to ask, and its key (`mlxpipe nodes`; `mlxpipe status` adds its own)."""
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running head (default http://127.0.0.1:8000)")
-    p.add_argument("--api-key-file", default=None, help="file with the head's API key (or $MLXPIPE_API_KEY)")
-
-
 def add_arguments(p) -> None:
-    add_nodes_arguments(p)
+    add_head_arguments(p)
     p.add_argument("--nodes", default="", help="ask these nodes (host:port,...) directly instead of a head")
     add_security_arguments(p)
     p.add_argument("--json", action="store_true", help="print the head's /health as JSON")
@@ -95,22 +80,4 @@ def _run(args) -> int:
         print(json.dumps(get_head(args.url, api_key(args), "/health").json(), indent=2))
         return 0
     print(from_head(args.url, api_key(args)))
-    return 0
-
-
-def run_nodes(args) -> int:
-    try:
-        r = get_head(args.url, api_key(args), "/nodes")
-    except httpx.HTTPError as err:
-        raise ValueError(f"cannot reach the head at {args.url}: {err}") from err
-    nodes = r.json()["nodes"]
-    if not nodes:
-        print("no node has joined this head")
-        return 0
-    rows = [["address", "name", "memory GB", "bandwidth GB/s", "in the pipeline", "joined"]]
-    for n in nodes:
-        rows.append([n["address"], n["name"], f"{n['memory_bytes'] / 1e9:.1f}",
-                     f"{n['bandwidth_bytes_per_s'] / 1e9:.1f}", "yes" if n["in_plan"] else "no",
-                     time.strftime("%H:%M:%S", time.localtime(n["joined_at"]))])
-    print(table(rows))
     return 0
