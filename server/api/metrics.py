@@ -10,12 +10,10 @@ own.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from mlxpipe.proto import pipeline_pb2 as pb
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -25,7 +23,7 @@ class _Stages:
     """Collects the stages' figures from the last Health snapshot."""
 
     def __init__(self):
-        self.snapshot: List[Tuple[int, str, Optional[pb.HealthReply]]] = []
+        self.snapshot: List[Tuple[int, str, Optional[Any]]] = []  # (stage, address, its HealthReply)
 
     def collect(self):
         busy = CounterMetricFamily("mlxpipe_stage_busy_seconds", "Seconds each stage spent computing frames",
@@ -91,7 +89,7 @@ class Metrics:
             self.inter_token.observe(since_previous)
 
     def render(self, health, live: int, recoveries: int, drafts=None) -> bytes:
-        """The text exposition, with ``health`` (``Pipeline.health()``'s answer) and the
+        """The text exposition, with ``health`` (``Engine.health()``'s answer) and the
         engine's live requests, recoveries and draft counts (``DraftStats``) as of now."""
         self.live.set(live)
         self.recoveries.set(recoveries)

@@ -1,82 +1,29 @@
-"""One request's ``n`` token streams as OpenAI objects: the fan-in of the
-streams, their text, log-probabilities, choices and usage, whole or as
-server-sent events. Knows OpenAI's shapes, nothing of HTTP: ``api.py`` routes
-requests here and sends what comes back.
+"""OpenAI's response objects: ``chat.completion`` and ``text_completion``, whole or as
+server-sent events, with log-probabilities and usage, made from ``generation.py``'s
+choices and events; ``respond`` sends them (``openai_chat.py`` and
+``openai_completions.py`` translate the requests).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable, List, Tuple
+from typing import AsyncIterator, Callable, List
 
-from mlxpipe.server.api.chat_template import Delta, Reply
-from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed
-from mlxpipe.server.api.textgen import TextChunk, stream_text
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 
-
-class Generation:
-    """One request's n streams, their text, and their usage."""
-
-    def __init__(self, tokenizer, prompt_tokens: int, streams: List[RequestStream], stops: List[str]):
-        self.tokenizer = tokenizer
-        self.prompt_tokens = prompt_tokens
-        self.streams = streams
-        self.stops = stops
-        self.completion_tokens = 0
-
-    def cancel(self) -> None:
-        for s in self.streams:
-            s.cancel()
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.streams[0].cached_tokens}}
-
-    async def chunks(self) -> AsyncIterator[Tuple[int, TextChunk]]:
-        """(choice index, chunk) from all n streams, as they come; the streams are
-        cancelled when this ends, however it ends."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream):
-            try:
-                async for c in stream_text(self.tokenizer, stream, self.stops):
-                    await queue.put((i, c))
-            except Exception as err:  # noqa: BLE001 - handed to the consumer
-                await queue.put((i, err))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
-        try:
-            open_ = len(tasks)
-            while open_:
-                i, item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    self.completion_tokens += len(item.tokens)
-                    yield i, item
-        finally:
-            self.cancel()
-            for t in tasks:
-                t.cancel()
-
-    async def collect(self) -> List[List[TextChunk]]:
-        """Every chunk of every choice."""
-        out: List[List[TextChunk]] = [[] for _ in self.streams]
-        async for i, c in self.chunks():
-            out[i].append(c)
-        return out
+from mlxpipe.server.api.chat_template import Delta
+from mlxpipe.server.api.generation import Choice, Event, Generation, Usage
+from mlxpipe.server.api.textgen import TextChunk
+from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed, Token
 
 
-def _finish(chunks: List[TextChunk]) -> str:
-    return chunks[-1].finish_reason if chunks else "stop"
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 class _Format:
@@ -97,24 +44,23 @@ class _Format:
         """Events a stream starts with, before any text."""
         return []
 
-    def usage_event(self, usage: dict) -> dict:
-        return self.base | {"object": self.chunk_object, "choices": [], "usage": usage}
+    def usage_event(self, u: Usage) -> dict:
+        return self.base | {"object": self.chunk_object, "choices": [], "usage": usage(u)}
 
 
 class ChatFormat(_Format):
     """``/v1/chat/completions``: ``chat.completion`` objects and their chunks; each
-    choice's text split into content, reasoning and tool calls by its ``Reply``."""
+    choice's text split into content, reasoning and tool calls."""
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool, replies: List[Reply]):
+    def __init__(self, tokenizer, model: str, logprobs: bool):
         super().__init__(tokenizer, model, "chatcmpl")
         self.logprobs = logprobs
-        self.replies = replies
 
-    def _logprobs(self, chunk: TextChunk) -> List[dict]:
+    def _logprobs(self, tokens: List[Token]) -> List[dict]:
         content = []
-        for t in chunk.tokens:
+        for t in tokens:
             top = [self.token_logprob(i, lp) for i, lp in zip(*t.top)] if t.top else []
             content.append(self.token_logprob(t.id, t.logprob) | {"top_logprobs": top})
         return content
@@ -133,25 +79,23 @@ class ChatFormat(_Format):
             m["tool_calls"] = d.tool_calls
         return m
 
-    def chunk(self, i: int, c: TextChunk) -> dict:
-        reply = self.replies[i]
+    def chunk(self, ev: Event) -> dict:
         return self.base | {"object": self.chunk_object, "choices": [{
-            "index": i, "delta": self._message(reply.feed(c.text, c.finish_reason is not None)),
-            "logprobs": {"content": self._logprobs(c)} if self.logprobs else None,
-            "finish_reason": reply.finish_reason(c.finish_reason)}]}
+            "index": ev.choice, "delta": self._message(ev.delta),
+            "logprobs": {"content": self._logprobs(ev.chunk.tokens)} if self.logprobs else None,
+            "finish_reason": ev.finish_reason}]}
 
-    def response(self, out: List[List[TextChunk]], usage: dict) -> dict:
+    def response(self, out: List[Choice], u: Usage) -> dict:
         choices = []
-        for i, cs in enumerate(out):
-            reply = self.replies[i]
-            message = {"role": "assistant", "content": None} | self._message(reply.feed("".join(c.text for c in cs), True))
+        for i, c in enumerate(out):
+            message = {"role": "assistant", "content": None} | self._message(c.delta)
             if not message["content"] and "tool_calls" not in message:
                 message["content"] = ""
             choices.append({
                 "index": i, "message": message,
-                "logprobs": {"content": [e for c in cs for e in self._logprobs(c)]} if self.logprobs else None,
-                "finish_reason": reply.finish_reason(_finish(cs))})
-        return self.base | {"object": "chat.completion", "choices": choices, "usage": usage}
+                "logprobs": {"content": self._logprobs(c.tokens)} if self.logprobs else None,
+                "finish_reason": c.finish_reason})
+        return self.base | {"object": "chat.completion", "choices": choices, "usage": usage(u)}
 
 
 class TextFormat(_Format):
@@ -176,26 +120,26 @@ class TextFormat(_Format):
                                  for t in chunk.tokens],
                 "text_offset": offsets}
 
-    def chunk(self, i: int, c: TextChunk) -> dict:
+    def chunk(self, ev: Event) -> dict:
+        i, c = ev.choice, ev.chunk
         lp = self._logprobs(c, self.offsets[i]) if self.logprobs else None
         self.offsets[i] += len(c.text)
         return self.base | {"object": self.chunk_object, "choices": [
             {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}]}
 
-    def response(self, out: List[List[TextChunk]], usage: dict) -> dict:
+    def response(self, out: List[Choice], u: Usage) -> dict:
         choices = []
-        for i, cs in enumerate(out):
+        for i, choice in enumerate(out):
             lp = None
             if self.logprobs:
                 parts, offset = [], 0
-                for c in cs:
+                for c in choice.chunks:
                     parts.append(self._logprobs(c, offset))
                     offset += len(c.text)
                 lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
                                                                     "text_offset")}
-            choices.append({"index": i, "text": "".join(c.text for c in cs), "logprobs": lp,
-                            "finish_reason": _finish(cs)})
-        return self.base | {"object": self.chunk_object, "choices": choices, "usage": usage}
+            choices.append({"index": i, "text": choice.text, "logprobs": lp, "finish_reason": choice.finish_reason})
+        return self.base | {"object": self.chunk_object, "choices": choices, "usage": usage(u)}
 
 
 def sse(obj) -> str:
@@ -209,8 +153,8 @@ async def events(gen: Generation, fmt: _Format, include_usage: bool,
     for obj in fmt.opening(len(gen.streams)):
         yield sse(obj)
     try:
-        async for i, c in gen.chunks():
-            yield sse(fmt.chunk(i, c))
+        async for ev in gen.events():
+            yield sse(fmt.chunk(ev))
     except (GenerationFailed, SequenceFailed) as err:
         yield sse(error_event(err))
         return
@@ -218,3 +162,13 @@ async def events(gen: Generation, fmt: _Format, include_usage: bool,
         yield sse(fmt.usage_event(gen.usage()))
     yield "data: [DONE]\n\n"
 
+
+async def respond(request: Request, gen: Generation, fmt: _Format, stream: bool, include_usage: bool):
+    """Server-sent events, or the whole response once every choice is done
+    (cancelled if the client goes away first)."""
+    if stream:
+        return StreamingResponse(events(gen, fmt, include_usage, lambda e: gen.generator.error(gen.req, e).body()),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    out = await gen.until_done(request.is_disconnected)
+    return fmt.response(out, gen.usage())

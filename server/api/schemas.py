@@ -1,9 +1,11 @@
-"""OpenAI request bodies, validated at the HTTP edge (pydantic lives only here).
+"""OpenAI request bodies, validated at the HTTP edge (pydantic lives only in the API),
+and the pieces other protocols' bodies may share (``bounded``, ``unicode_text``,
+``Function``, ``ResponseFormat``).
 
 Sampling bounds come from ``Sampling.BOUNDS`` (OpenAI's where it has them;
 the extensions mlx_lm.server accepts, ``top_k``, ``min_p`` and
 ``repetition_penalty``, are accepted too); ``sampling()`` turns a request into
-the ``Sampling`` the engine takes. Unknown fields are ignored, as
+the ``Sampling`` the engine takes (and checks). Unknown fields are ignored, as
 OpenAI-compatible servers do, except the ones whose meaning we cannot honour,
 which are refused.
 """
@@ -15,6 +17,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from mlxpipe.server.core.drafting import SOURCES
 from mlxpipe.shards.sampling import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
@@ -24,7 +27,7 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 300
 
 
-def _bounded(name: str, default=None):
+def bounded(name: str, default=None):
     """A field bounded as ``Sampling.BOUNDS`` says."""
     b = Sampling.BOUNDS[name]
     low = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
@@ -96,20 +99,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
-    """What chat and text completions share."""
+class OpenAIRequest(BaseModel):
+    """What chat and text completions share: the model, sampling, stops, streaming."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = _bounded("temperature")
-    top_p: Optional[float] = _bounded("top_p")
-    top_k: Optional[int] = _bounded("top_k")
-    min_p: Optional[float] = _bounded("min_p")
-    repetition_penalty: Optional[float] = _bounded("repetition_penalty")
-    presence_penalty: float = _bounded("presence_penalty", 0.0)
-    frequency_penalty: float = _bounded("frequency_penalty", 0.0)
+    temperature: Optional[float] = bounded("temperature")
+    top_p: Optional[float] = bounded("top_p")
+    top_k: Optional[int] = bounded("top_k")
+    min_p: Optional[float] = bounded("min_p")
+    repetition_penalty: Optional[float] = bounded("repetition_penalty")
+    presence_penalty: float = bounded("presence_penalty", 0.0)
+    frequency_penalty: float = bounded("frequency_penalty", 0.0)
     seed: Optional[int] = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: Union[str, List[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -118,7 +121,7 @@ class _Sampling(BaseModel):
     logit_bias: Optional[Dict[str, float]] = None
     # Speculative decoding (output is the same either way): what to draft from, and
     # mlx_lm.server's cap on drafted tokens (0: do not speculate).
-    speculation: Literal["auto", "prompt_lookup", "draft_model", "none"] = "auto"
+    speculation: Literal[SOURCES] = "auto"
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -162,8 +165,8 @@ class _Sampling(BaseModel):
         """(report the chosen tokens' log-probabilities, alternatives per token)."""
         raise NotImplementedError
 
-    def sampling(self, default_temperature: float, choice: int = 0) -> Sampling:
-        """The ``Sampling`` of choice ``choice`` (choices differ by seed)."""
+    def sampling(self, default_temperature: float) -> Sampling:
+        """The request's ``Sampling`` (its choices differ by seed: ``Generator.start``)."""
         logprobs, top = self.want_logprobs()
         return Sampling(
             temperature=default_temperature if self.temperature is None else self.temperature,
@@ -173,7 +176,7 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            seed=None if self.seed is None else self.seed + choice,
+            seed=self.seed,
             logprobs=logprobs,
             top_logprobs=top,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
@@ -233,11 +236,11 @@ RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "docume
                                     "continue_final_message", "padding", "truncation", "max_length"})
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(OpenAIRequest):
     messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Optional[int] = _bounded("top_logprobs")
+    top_logprobs: Optional[int] = bounded("top_logprobs")
     tools: Optional[List[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool = True
@@ -275,7 +278,7 @@ class ChatCompletionRequest(_Sampling):
         return self.logprobs, self.top_logprobs or 0
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(OpenAIRequest):
     prompt: Union[str, List[str], List[int]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     echo: StrictBool = False
