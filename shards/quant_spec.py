@@ -36,14 +36,6 @@ def check_rung(rung: str) -> str:
     return rung
 
 
-def rung_bits(rung: str) -> Tuple[int, int]:
-    """(low, high) bits of a rung: ``"4"`` -> (4, 4), ``"mixed_3_6"`` -> (3, 6)."""
-    if rung in RECIPES:
-        low, high = rung.split("_")[1:]
-        return int(low), int(high)
-    return int(rung), int(rung)
-
-
 @dataclass(frozen=True)
 class QuantSpec:
     """The rung of every part of a model (see the module docstring)."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model, a tiny DeepSeek-V3, mlx-lm references."""
+"""Shared fixtures: the embedded default model, a tiny DeepSeek-V3, mlx-lm references,
+and one server process per configuration that several test modules drive."""
 
 from __future__ import annotations
 
@@ -81,6 +82,18 @@ REPEAT_CODE = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\nde
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     return _link_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model):
+    """`mlxpipe serve` of the default model on 2 local stages, shared by every module that
+    drives this configuration (test_api, test_browser, test_containment): one process
+    for the session instead of one per module."""
+    from server_proc import ServerProcess
+
+    srv = ServerProcess("--model", str(default_model), "--stages", "2")
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +192,24 @@ def node_process(home: Path, *args, secret=None):
                             text=True, env=env)
     line = proc.stdout.readline()
     return proc, (line.split()[-1] if "listening on" in line else None)
+
+
+async def until(predicate, timeout: float, what: str, step: float = 0.01):
+    """Wait until ``predicate()`` (a value, or an awaitable one) is true and return it;
+    fail after ``timeout`` seconds saying ``what`` never came."""
+    import inspect
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(step)
 
 
 def run_async(coro, timeout: float = 300):

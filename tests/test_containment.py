@@ -25,7 +25,6 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SECRET, run_async
-from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
@@ -37,14 +36,12 @@ MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    srv = ServerProcess("--stages", "2")
+def server(default_server):
     # Warm: the first requests of a kind compile MLX's CPU kernels for their shapes
     # (seconds in which every stream waits): not what the canaries here measure.
     for body in ({}, _schema({"type": "object"})):
-        _chat(srv.root, **body)
-    yield srv
-    srv.stop()
+        _chat(default_server.root, **body)
+    return default_server
 
 
 class Canary:

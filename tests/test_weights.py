@@ -202,6 +202,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _await_listening(port, starter, timeout=240):
+    """Until something accepts connections on loopback ``port`` (or ``starter`` gave up)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and starter.is_alive():
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}: the head did not start taking joins")
+
+
 def _text(model, tokens):
     """What the API's completion text is for ``tokens`` (mlx-lm's streaming
     detokenizer, which drops the one space a text starts with)."""
@@ -230,7 +243,7 @@ def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, r
             "--model", str(dsv3_model), "--join-listen", f"127.0.0.1:{port}", "--wait-nodes", "2",
             "--secret-file", str(secret_file), "--split", "even", timeout=240)))
         starter.start()
-        time.sleep(3)
+        _await_listening(port, starter)  # the head takes joins once its model is loaded
         for i in range(2):
             joiners.append(_node(tmp_path / f"home{i}", "--join", f"127.0.0.1:{port}"))
         starter.join(240)

@@ -23,9 +23,10 @@ pick httptools when that is installed), and call rpc.raise_fd_limit() at start-u
 
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 import asyncio
+import logging
+import time
+from typing import Dict, Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -153,9 +154,6 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 60.0) 
     a traceback. (CPython 3.11-3.13 log it once per pending connection and
     re-arm the listener once per failed accept: a full backlog of 2048 gives
     thousands of tracebacks a second, 150 MB of log in 20 s.)"""
-    import logging
-    import time
-
     log = logging.getLogger("mlxpipe.server")
     last = [0.0]
     suppressed = [0]

@@ -16,10 +16,17 @@ the sequence (mlx-lm's trimmable caches) when a draft was rejected.
 
 from __future__ import annotations
 
+import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Set
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import load
+
+from mlxpipe.shards.store import ModelNotFound, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +66,6 @@ class DraftModel:
             raise
 
     def _load(self, tokenizer) -> None:
-        from mlx_lm.utils import load
-
         model, draft_tokenizer = load(str(self.path))
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise DraftModelError(f"the draft model {self.path} has another tokenizer than the served model: "
@@ -91,8 +96,6 @@ class DraftModel:
         for drafter in list(self.live):
             drafter._drop()
         self.model = None
-        import gc
-
         gc.collect()
 
     def _submit(self, fn, *args) -> Optional[Future]:
@@ -184,9 +187,6 @@ class ModelDrafter:
 
     def _draft(self, tokens: List[int], k: int) -> List[int]:
         """``tokens`` and the ``k`` tokens the draft model takes to follow them, greedily."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-
         model = self.owner.model
         keep = _common_prefix(self._held, tokens)
         if keep == len(tokens):  # logits for the last token are needed again
@@ -225,8 +225,6 @@ def load_draft_model(name: Optional[str], tokenizer) -> Optional[DraftModel]:
     """``--draft-model``: a folder, a cached or downloadable HF repo id, or "default"."""
     if not name:
         return None
-    from mlxpipe.shards.store import ModelNotFound, resolve_model
-
     try:
         path = resolve_model(name)
     except ModelNotFound as err:
