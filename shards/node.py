@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or this machine's address toward the head)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the parent process exits (for stages a head starts itself)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
 def run(args) -> int:

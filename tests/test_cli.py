@@ -47,6 +47,27 @@ def test_help_lists_every_command(capsys):
         assert capsys.readouterr().out.startswith(f"usage: mlxpipe {cmd}"), cmd
 
 
+def test_every_option_has_help():
+    import argparse
+
+    from mlxpipe.server.cli import build_parser
+
+    missing = []
+
+    def walk(parser, path):
+        if hasattr(parser, "_load"):
+            parser._load()  # a command's options are added when it is used
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif not action.help:
+                missing.append(" ".join(path + [action.option_strings[0] if action.option_strings else action.dest]))
+
+    walk(build_parser(), ["mlxpipe"])
+    assert not missing, missing
+
+
 @pytest.fixture
 def busy_port():
     import socket
