@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import AsyncIterator, Callable, List, Optional
 
 from jinja2 import TemplateError
@@ -208,10 +209,8 @@ class Generator:
                 s.cancel()
             raise ApiError(400, str(err), param=getattr(err, "param", None) or "max_tokens")
         thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
-        make_reply = None
-        if req.split_reply:
-            def make_reply(streaming: bool) -> Reply:
-                return Reply(self.tok, req.tools, thinking, req.parallel_tool_calls, streaming)
+        # (streaming) -> the Reply that splits a choice's text
+        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
         return Generation(self, req, prompt, streams, make_reply)
 
     async def prompt(self, req: GenerationRequest) -> List[int]:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
+from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.shards.sampling import Sampling
 
 
@@ -23,6 +24,27 @@ class Phase(enum.Enum):
     PREFILL = "prefill"
     RUNNING = "running"
     DONE = "done"
+
+
+@dataclass
+class SpeculationState:
+    """A sequence's speculative decoding. Its confirmed tokens are its prompt and
+    what it generated; the stages hold their positions but the last (C = tokens - 1).
+    ``fed`` positions after those are in flight: the last token, then guesses."""
+
+    depth: int                      # positions beyond the confirmed it may have in flight
+    cap: int                        # ... at most, however well its drafts do
+    drafter: Drafter
+    solo: bool = False              # verifying drafts, out of its group
+    fed: int = 0                    # positions C, C+1, ... sent and not yet judged
+    guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
+    epoch: int = 0
+    trim: int = 0                   # positions the stages hold beyond the confirmed: the next step drops them
+    inflight: int = 0               # its VERIFY steps in flight
+    judged: int = 0                 # drafted tokens judged since the last reset, and how many matched
+    matched: int = 0
+    streak: int = 0                 # drafts matched since the last miss or depth increase
+    cooldown: int = 0               # decode steps in its group before it may speculate again
 
 
 @dataclass
@@ -46,7 +68,7 @@ class Seq:
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
-    spec_state: Optional["SpeculationState"] = None  # speculative decoding (speculation.py), once it may
+    spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
     speculation: str = "auto"      # what it drafts from (``drafting.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence

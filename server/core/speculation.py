@@ -23,33 +23,12 @@ grammar never speculates: its grammar would have to take back rejected drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import Drafter, PromptLookup
 from mlxpipe.server.core.plan import Sample
-from mlxpipe.server.core.sequence import Seq
-
-
-@dataclass
-class SpeculationState:
-    """A sequence's speculative decoding. Its confirmed tokens are its prompt and
-    what it generated; the stages hold their positions but the last (C = tokens - 1).
-    ``fed`` positions after those are in flight: the last token, then guesses."""
-
-    depth: int                      # positions beyond the confirmed it may have in flight
-    cap: int                        # ... at most, however well its drafts do
-    drafter: Drafter
-    solo: bool = False              # verifying drafts, out of its group
-    fed: int = 0                    # positions C, C+1, ... sent and not yet judged
-    guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
-    epoch: int = 0
-    trim: int = 0                   # positions the stages hold beyond the confirmed: the next step drops them
-    inflight: int = 0               # its VERIFY steps in flight
-    judged: int = 0                 # drafted tokens judged since the last reset, and how many matched
-    matched: int = 0
-    streak: int = 0                 # drafts matched since the last miss or depth increase
-    cooldown: int = 0               # decode steps in its group before it may speculate again
+from mlxpipe.server.core.sequence import Seq, SpeculationState
 
 
 @dataclass
