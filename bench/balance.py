@@ -7,7 +7,8 @@ import argparse
 import asyncio
 
 from mlxpipe.bench.common import add_common_arguments
-from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 
@@ -49,8 +50,8 @@ async def _drain(stream) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("balance",
                                             help="per-stage step time under load: planner split vs even split"))
-    q.add_argument("--stages", type=int, default=2)
-    q.add_argument("--streams", type=int, default=8)
+    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--streams", type=int, default=8, help="concurrent streams (default %(default)s)")
     q.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     q.add_argument("--seconds", type=float, default=30.0, help="seconds measured")
     q.set_defaults(measure=bench_balance)

@@ -175,8 +175,9 @@ def report(results: Dict[str, Dict[str, list]], args) -> dict:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser(
         "chat", help="multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"))
-    q.add_argument("--stages", type=int, default=2)
-    q.add_argument("--pattern", choices=("conversation", "agent", "both"), default="both")
+    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--pattern", choices=("conversation", "agent", "both"), default="both",
+                   help="a chat that grows turn by turn, agents resending one long prefix, or both (default)")
     q.add_argument("--turns", type=int, default=6, help="turns of the conversation (default 6)")
     q.add_argument("--turn-tokens", type=int, default=160, help="tokens of the passage each user turn adds")
     q.add_argument("--prefix-tokens", type=int, default=1100, help="tokens of the agent's fixed prefix")

@@ -216,7 +216,7 @@ def free_port() -> int:
 
 def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options every mode takes."""
-    q.add_argument("--model", default="default")
+    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=3, help="runs per configuration; medians are reported")
     q.add_argument("--pin", action="store_true", help="pin stage i (and each baseline) to CPU core i")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")

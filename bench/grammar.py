@@ -21,7 +21,7 @@ from typing import Dict, List
 import mlx.core as mx
 
 from mlxpipe.bench.common import median, percentile, progress_bar
-from mlxpipe.server.structured import response_format_grammar, tokenizer_json
+from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import Constraint, tokenizer_from_json
 from mlxpipe.shards.sampling import Sampling, SeqSampler, pick_batch
 from mlxpipe.shards.store import resolve_model
@@ -129,8 +129,8 @@ async def bench_grammar(args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("grammar", help="per-token cost of a JSON-schema grammar on the last stage")
-    q.add_argument("--model", default="default")
+    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=20, help="constrained generations")
-    q.add_argument("--max-tokens", type=int, default=96)
+    q.add_argument("--max-tokens", type=int, default=96, help="tokens per answer, at most (default %(default)s)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     q.set_defaults(measure=bench_grammar)

@@ -207,10 +207,10 @@ def chart(result: dict, path: str) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("load", help="concurrent HTTP clients: mlxpipe serve vs mlx_lm.server"))
-    q.add_argument("--stages", type=int, default=2)
+    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--concurrency", default="1,2,4,8", help="concurrency levels")
-    q.add_argument("--prompt-tokens", type=int, default=64)
-    q.add_argument("--max-tokens", type=int, default=48)
+    q.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")
+    q.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default %(default)s)")
     q.add_argument("--url", default=None, help="drive this running mlxpipe server instead of starting one")
     q.add_argument("--serve-args", default="",
                    help="more options for the mlxpipe serve it starts, e.g. '--no-speculate'")

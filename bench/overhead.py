@@ -5,7 +5,7 @@ The stages run a random llama of negligible weights (hidden size 64, 6 layers,
 ``$MLXPIPE_HOME/models/overhead-llama``), so that a decode step is mostly
 pipeline: the head's scheduling and frames, protobuf, gRPC, the event loops and
 the hand-offs to each stage's MLX thread. Every frame carries each stage's
-timing (``server/budget.py``), so what remains is split exactly: per decode
+timing (``server/core/budget.py``, ``server/cluster/budget.py``), so what remains is split exactly: per decode
 frame, the stages' compute and queueing, and the rest (decoding, encoding, the
 wire, the head's handling) over the ``stages + 1`` hops of a round trip
 (head -> stage 0 -> ... -> last stage -> head): the pipeline's own cost per
@@ -19,7 +19,7 @@ hop. Beside it, in the same run:
 
 Then the per-token budget of a real model (``--model``, 2 stages): where a
 decode token's time goes, from the timings every frame carries
-(``server/budget.py``): each stage's queueing, decoding, compute and encoding,
+(``server/core/budget.py``, ``server/cluster/budget.py``): each stage's queueing, decoding, compute and encoding,
 the wire (the round trip less those) and the head.
 """
 
@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.bench.common import Baseline, add_common_arguments, decode_window, median, pin_to, window_rate
-from mlxpipe.server.budget import STAGE_PARTS, KindTotals
-from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.core.budget import STAGE_PARTS, KindTotals
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import mlxpipe_home, resolve_model
 
 TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=6,

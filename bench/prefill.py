@@ -6,7 +6,8 @@ import argparse
 from typing import Dict, List
 
 from mlxpipe.bench.common import add_common_arguments, chat_prompt, long_text, median, pipeline_run
-from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 
@@ -38,7 +39,7 @@ async def bench_prefill(args) -> dict:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("prefill",
                                             help="time to first token of a long prompt: chunked prefill vs not"))
-    q.add_argument("--stages", type=int, default=2)
-    q.add_argument("--prompt-tokens", type=int, default=1500)
-    q.add_argument("--chunk-size", type=int, default=256)
+    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of the prompt (default %(default)s)")
+    q.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per frame (default %(default)s)")
     q.set_defaults(measure=bench_prefill)

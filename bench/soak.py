@@ -231,8 +231,8 @@ def _print(r: SoakResult) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("soak", help="a bounded soak: streaming clients, random hang-ups, stages killed on a clock")
-    q.add_argument("--model", default="default")
-    q.add_argument("--stages", type=int, default=2)
+    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
+    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
     q.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
     q.add_argument("--kill-every", type=float, default=120,
@@ -242,6 +242,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="share of requests whose client hangs up after a few chunks (default 0.1)")
     q.add_argument("--max-tokens", type=int, default=48, help="longest answer asked for (default 48)")
     q.add_argument("--prompts", type=int, default=24, help="prompts in the pool (default 24)")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=int, default=0, help="seed of the clients' random choices (default %(default)s)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     q.set_defaults(measure=bench_soak)

@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import (DEFAULT_PROMPT, Baseline, RunResult, add_common_arguments, chat_prompt, median,
                                   pipeline_run, progress_bar)
-from mlxpipe.server.cluster import Cluster, ClusterConfig
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import mlxpipe_home, resolve_model
 
 RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", "known_for": '
@@ -162,8 +163,8 @@ async def measure(args) -> dict:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("stream", help="one stream: mlx-lm vs the pipeline at 1, 2, 3 stages"))
     q.add_argument("--stages", default="1,2,3", help="stage counts to measure (--speculative: the last one)")
-    q.add_argument("--max-tokens", type=int, default=64)
-    q.add_argument("--prompt", default=DEFAULT_PROMPT)
+    q.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default %(default)s)")
+    q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (a user message)")
     q.add_argument("--speculative", action="store_true",
                    help="a repetition-heavy and a chat prompt, speculation off and on, beside mlx-lm's own")
     q.add_argument("--draft-layers", type=int, default=4,

@@ -30,7 +30,7 @@ import atexit
 import logging
 from typing import Optional
 
-from mlxpipe.shards.units import gb
+from mlxpipe.shards.sizes import gb
 
 logger = logging.getLogger(__name__)
 

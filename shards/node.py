@@ -29,7 +29,7 @@ from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security
                                stage_server)
 from mlxpipe.shards.profile import memory_bandwidth, offered_memory
 from mlxpipe.shards.servicer import StageServicer
-from mlxpipe.shards.units import parse_size
+from mlxpipe.shards.sizes import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or this machine's address toward the head)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the parent process exits (for stages a head starts itself)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
 def run(args) -> int:

@@ -124,6 +124,14 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalty_lookback(self) -> int:
+        """Tokens of history the penalties look back at (0 when none is on); a context
+        size of 0 means the default, 20, as it does on the wire (``from_wire``)."""
+        if self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty:
+            return 0
+        return max(self.repetition_context_size or 20, self.penalty_context_size or 20)
+
     def to_wire(self) -> pb.SamplingParams:
         p = pb.SamplingParams(
             temperature=self.temperature,

@@ -116,7 +116,7 @@ def pull_default(progress: Optional[bool] = None) -> Path:
     out = default_model_dir()
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from mlxpipe.shards.gguf import convert_gguf
+    from mlxpipe.shards.gguf import convert_gguf  # (imports mlx: only to convert, which saves start-up time)
 
     if progress is None:
         progress = sys.stderr.isatty()

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model, a tiny DeepSeek-V3, mlx-lm references."""
+"""Shared fixtures: the embedded default model, a tiny DeepSeek-V3, mlx-lm references,
+and one server process per configuration that several test modules drive."""
 
 from __future__ import annotations
 
@@ -81,6 +82,26 @@ REPEAT_CODE = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\nde
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     return _link_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model):
+    """`mlxpipe serve` of the default model on 2 local stages, shared by every module that
+    drives this configuration (test_api, test_browser, test_containment, test_protocols):
+    one process for the session instead of one per module. Requests that name no
+    temperature are greedy and those that name no budget get 64 tokens (agents name
+    neither, and the tests need them brief). Warmed: the first requests of a kind
+    compile MLX's CPU kernels for their shapes, seconds in which every stream waits,
+    which the canary tests must not measure."""
+    import httpx
+    from server_proc import ServerProcess
+
+    srv = ServerProcess("--model", str(default_model), "--stages", "2", "--max-tokens", "64", "--temp", "0")
+    for extra in ({}, {"response_format": {"type": "json_object"}}):
+        httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
+            "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
@@ -181,6 +202,24 @@ def node_process(home: Path, *args, secret=None):
     return proc, (line.split()[-1] if "listening on" in line else None)
 
 
+async def until(predicate, timeout: float, what: str, step: float = 0.01):
+    """Wait until ``predicate()`` (a value, or an awaitable one) is true and return it;
+    fail after ``timeout`` seconds saying ``what`` never came."""
+    import inspect
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(step)
+
+
 def run_async(coro, timeout: float = 300):
     """Run a coroutine to completion with a deadline (tests must never hang)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
@@ -231,20 +270,3 @@ def stage_stub(address, secret=SECRET, credentials=None):
         channel = grpc.intercept_channel(channel, _WithSecret(secret))
     return pb_grpc.StageStub(channel)
 
-
-@pytest.fixture(scope="session")
-def api_server(default_model):
-    """One real `mlxpipe serve --stages 2` of the default model for the tests of the
-    HTTP APIs (requests that name no temperature are greedy and those that name no
-    budget get 64 tokens: agents name neither, and the tests need them brief), warmed
-    (the first requests of a kind compile MLX's CPU kernels for their shapes: seconds
-    in which every stream waits, which canary tests must not measure)."""
-    import httpx
-    from server_proc import ServerProcess
-
-    srv = ServerProcess("--stages", "2", "--max-tokens", "64", "--temp", "0")
-    for extra in ({}, {"response_format": {"type": "json_object"}}):
-        httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
-            "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
-    yield srv
-    srv.stop()

@@ -1,15 +1,37 @@
-"""A pipeline in one process: the real Scheduler and real StageRuntimes, frames
-handed from one to the next by a loop instead of gRPC. For fast tests of the
-data path's logic (the end-to-end tests start real processes)."""
+"""A pipeline in one process: the real Scheduler (through core/frames.py, as the
+engine drives it) and real Shards, frames handed from one to the next by a loop
+instead of gRPC. For fast tests of the data path's logic (the end-to-end tests
+start real processes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq
+from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
+from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.slicing import load_stage
 from mlxpipe.shards.stage import ShardLimits, Shard
+
+
+class WiredScheduler:
+    """A ``Scheduler`` as the engine drives it: its steps through ``core/frames.py``,
+    so that tests read the frames the stages get and answer with results. Everything
+    else is the scheduler's own."""
+
+    def __init__(self, config: SchedulerConfig, **kw):
+        self.core = Scheduler(config, **kw)
+        self.framer = Framer(self.core)
+
+    def schedule(self):
+        return self.framer.schedule()
+
+    def on_result(self, result):
+        return self.framer.on_result(result)
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
 
 
 class InProcess:
@@ -23,7 +45,7 @@ class InProcess:
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
                                      tokenizer if model.last else None))
-        self.scheduler = Scheduler(config)
+        self.scheduler = WiredScheduler(config)
         self.reset_prefix()
         self._ids = 0
 
@@ -44,7 +66,7 @@ class InProcess:
         for p, sp in zip(prompts, samplings):
             self._ids += 1
             seqs.append(Seq(seq_id=self._ids, prompt=list(p), max_tokens=max_tokens, eos=self.eos,
-                            sampling=(sp or Sampling(seed=0)).to_wire()))
+                            sampling=sp or Sampling(seed=0)))
             self.scheduler.add(seqs[-1])
         out: Dict[int, List[int]] = {s.seq_id: [] for s in seqs}
         results = 0

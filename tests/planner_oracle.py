@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from mlxpipe.server.cost import ModelCost
-from mlxpipe.server.planner import NodeSpec, Plan, PlanInfeasible, Workload, _Problem
+from mlxpipe.server.cluster.cost import ModelCost
+from mlxpipe.server.cluster.planner import NodeSpec, Plan, PlanInfeasible, Workload, _Problem
 
 
 def brute_force(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,

@@ -9,17 +9,14 @@ import time
 import httpx
 import openai
 import pytest
-from server_proc import ServerProcess
 
 SYSTEM = "You are a terse assistant."
 QUESTION = "Why is the sky blue?"
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    srv = ServerProcess("--model", str(default_model), "--stages", "2")
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

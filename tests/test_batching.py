@@ -6,11 +6,12 @@ import asyncio
 import random
 
 import httpx
-from conftest import run_async
+from conftest import run_async, until
 from server_proc import ServerProcess
 
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
 
 
 def _prompts(n, seed=0):
@@ -29,8 +30,10 @@ def test_16_concurrent_requests_equal_each_run_alone(dsv3_model, reference):
         async with Cluster(cfg) as cluster:
             streams = []
             for p, n in zip(prompts, budgets):
+                if streams:  # arrivals spread out: each joins while the one before it decodes
+                    before = streams[-1]
+                    await until(lambda: before.first_token_at is not None, 60, "the previous request's first token")
                 streams.append(cluster.engine.submit(p, n))
-                await asyncio.sleep(0.01)  # arrivals spread out: later ones join running groups
             outs = await asyncio.gather(*map(collect, streams))
             await cluster.engine.drain()
             return [[t.id for t in o] for o in outs], await cluster.pipeline.health()
@@ -53,11 +56,11 @@ def test_cancelled_request_is_freed_while_others_continue(dsv3_model, reference)
             for _ in range(3):
                 await doomed.__anext__()
             doomed.cancel()
-            for _ in range(200):  # the free rides on the next frame through every stage
+            async def freed():  # the free rides on the next frame through every stage
                 live = [set(h.live_seqs) for _, h, _ in await cluster.pipeline.health()]
-                if all(doomed.seq_id not in x for x in live):
-                    break
-                await asyncio.sleep(0.05)
+                return live if all(doomed.seq_id not in x for x in live) else None
+
+            live = await until(freed, 60, "the cancelled sequence to be freed on every stage")
             running = not any(o.done() for o in outs)
             out_a, out_b = await asyncio.gather(*outs)
             return [t.id for t in out_a], [t.id for t in out_b], live, running, (keep_a.seq_id, keep_b.seq_id)

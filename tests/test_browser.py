@@ -39,10 +39,8 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    srv = ServerProcess("--model", str(default_model), "--stages", "2")
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

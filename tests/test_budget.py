@@ -1,12 +1,12 @@
-"""The head's account of where a frame's time goes (server/budget.py), from the timings stages add."""
+"""The head's account of where a frame's time goes (server/cluster/budget.py), from the timings stages add."""
 
 from __future__ import annotations
 
 import pytest
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server import budget as budget_mod
-from mlxpipe.server.budget import FrameBudget
+from mlxpipe.server.cluster import budget as budget_mod
+from mlxpipe.server.cluster.budget import FrameBudget
 
 
 def _decode(frame_id: int, rows: int) -> pb.Frame:

@@ -26,14 +26,14 @@ def mlx_lm_text(default_model):
 
 
 def _commands():
-    from mlxpipe.server.cli import build_parser
+    from mlxpipe.server.cli.main import build_parser
 
     (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
     return sorted(sub.choices)
 
 
 def test_help_lists_every_command(capsys):
-    from mlxpipe.server.cli import main
+    from mlxpipe.server.cli.main import main
 
     out = mlxpipe("--help")
     assert out.returncode == 0, out.stderr
@@ -45,6 +45,27 @@ def test_help_lists_every_command(capsys):
             main([cmd, "--help"])
         assert info.value.code == 0, cmd
         assert capsys.readouterr().out.startswith(f"usage: mlxpipe {cmd}"), cmd
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from mlxpipe.server.cli import build_parser
+
+    missing = []
+
+    def walk(parser, path):
+        if hasattr(parser, "_load"):
+            parser._load()  # a command's options are added when it is used
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif not action.help:
+                missing.append(" ".join(path + [action.option_strings[0] if action.option_strings else action.dest]))
+
+    walk(build_parser(), ["mlxpipe"])
+    assert not missing, missing
 
 
 @pytest.fixture

@@ -27,15 +27,17 @@ import pytest
 from conftest import SECRET, run_async
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import SequenceFailed, Supervision
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.streams import SequenceFailed
 
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 
 
 @pytest.fixture(scope="module")
-def server(api_server):
-    return api_server
+def server(default_server):
+    return default_server
 
 
 class Canary:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxpipe.server import cost as C
+from mlxpipe.server.cluster import cost as C
 
 CONFIGS = Path(__file__).parent / "configs"
 

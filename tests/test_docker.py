@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from mlxpipe.server.cli import build_parser
+from mlxpipe.server.cli.main import build_parser
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 

@@ -16,9 +16,11 @@ from conftest import PROMPTS, SECRET, node_process, run_async
 from faultproxy import FaultProxy
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.draft_model import DraftModelError, load_draft_model
-from mlxpipe.server.engine import Supervision, collect
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.draft_model import DraftModelError, load_draft_model
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.sampling import Sampling
 
 NEW_TOKENS = 32

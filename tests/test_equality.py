@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from conftest import PROMPTS, REPEAT_CODE, run_async
 
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
 
 NEW_TOKENS = 32
 

@@ -22,9 +22,11 @@ from faultproxy import FaultProxy
 from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import Supervision, collect
-from mlxpipe.server.pipeline import Pipeline
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.streams import collect
+from mlxpipe.server.cluster.stage_client import Pipeline
 
 STREAMS = 8
 NEW_TOKENS = 60
@@ -510,7 +512,8 @@ def test_a_pipeline_lost_mid_stream_ends_with_an_error_event_and_health_503(dsv3
     over uvicorn, in this process)."""
     import uvicorn
 
-    from mlxpipe.server.api import ApiOptions, create_app
+    from mlxpipe.server.api.app import create_app
+    from mlxpipe.server.cluster.config import ApiOptions
 
     async def main():
         cfg = ClusterConfig(model=str(dsv3_model), stages=1, restart=False, supervision=FAST)

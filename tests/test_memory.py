@@ -28,7 +28,7 @@ def test_range_weights_come_from_the_headers(default_model):
 
 
 def test_quantized_weights_are_predicted_at_their_bits(sources):
-    from mlxpipe.server.cost import load_model_cost
+    from mlxpipe.server.cluster.cost import load_model_cost
 
     src = sources("llama")
     cost = load_model_cost(src, quant=QuantSpec("4"))

@@ -100,7 +100,7 @@ def test_this_machine_without_metal_makes_no_call():
 
 def test_mlxpipe_status_shows_a_stage_memory_warning(monkeypatch):
     """Load's reply carries the warning; the head's /health passes it on; `mlxpipe status` prints it."""
-    from mlxpipe.server import status
+    from mlxpipe.server.cli import status
 
     health = {"model": "m", "status": "ok", "state": "ready", "stages": [
         {"stage": 0, "address": "a:1", "layers": [0, 30], "state": "ready"},

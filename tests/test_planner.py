@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from planner_oracle import brute_force
 
-from mlxpipe.server import plan_command
-from mlxpipe.server import planner as P
-from mlxpipe.server.cost import LayerCost, ModelCost, load_model_cost
+from mlxpipe.server.cli import plan as plan_command
+from mlxpipe.server.cluster import planner as P
+from mlxpipe.server.cluster.cost import LayerCost, ModelCost, load_model_cost
 from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.units import expand_list, parse_bandwidth, parse_size
+from mlxpipe.shards.sizes import expand_list, parse_bandwidth, parse_size
 
 CONFIGS = Path(__file__).parent / "configs"
 GB = 10**9

@@ -4,11 +4,12 @@ greedy equality with mlx-lm when prompts start from cached blocks."""
 from __future__ import annotations
 
 import pytest
-from inproc import InProcess
+from inproc import InProcess, WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.prefix import PrefixIndex, chain_hashes
-from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.sampling import Sampling
 
 B = 4  # block tokens in the pure tests
@@ -51,8 +52,8 @@ def test_the_index_evicts_least_recently_used_blocks_but_not_protected_ones():
 
 
 def _seq(i, prompt, max_tokens=3, **sampling):
-    return Sequence(seq_id=i, prompt=list(prompt), max_tokens=max_tokens,
-                    sampling=Sampling(**sampling).to_wire())
+    return Seq(seq_id=i, prompt=list(prompt), max_tokens=max_tokens,
+                    sampling=Sampling(**sampling))
 
 
 def _finish(s, frames, token=7):

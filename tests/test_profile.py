@@ -10,8 +10,9 @@ from pathlib import Path
 from conftest import SECRET, run_async, stage_stub
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.pipeline import LocalStages
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.local import LocalStages
 
 CONFIGS = Path(__file__).parent / "configs"
 

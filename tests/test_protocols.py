@@ -35,8 +35,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def root(api_server):
-    return api_server.root
+def root(default_server):
+    return default_server.root
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from mlx.utils import tree_flatten
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.cost import load_model_cost
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.cost import load_model_cost
+from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.quant_spec import RECIPES, QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, quantize_range, stage_units
 from mlxpipe.shards.store import fingerprint
@@ -114,7 +115,7 @@ def test_layer_bits_read_back_and_each_layer_is_converts_at_its_bits(sources, co
     """Per-layer rungs become per-module entries of mlx-lm's config: mlx_lm.load reads
     the folder back, it equals what stages quantize, and each layer is what convert
     writes at that layer's rung; the cost model predicts every unit's size exactly."""
-    from mlxpipe.server.cli import main
+    from mlxpipe.server.cli.main import main
 
     src = sources("llama")
     out = tmp_path / "mixed"
@@ -137,7 +138,7 @@ def test_layer_bits_read_back_and_each_layer_is_converts_at_its_bits(sources, co
 
 
 def test_quantize_command_writes_what_convert_writes(sources, converted, tmp_path):
-    from mlxpipe.server.cli import main
+    from mlxpipe.server.cli.main import main
 
     out = tmp_path / "q4"
     assert main(["quantize", "--model", str(sources("dsv3-fp8")), "--bits", "4", str(out)]) == 0

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from inproc import WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.scheduler import Phase, QueueFull, Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.core.sequence import Phase, QueueFull, Seq
+from mlxpipe.shards.sampling import Sampling
 
 
 def seq(i, prompt_len=5, max_tokens=4, eos=()):
-    return Sequence(seq_id=i, prompt=list(range(10, 10 + prompt_len)), max_tokens=max_tokens,
-                    sampling=pb.SamplingParams(), eos=frozenset(eos))
+    return Seq(seq_id=i, prompt=list(range(10, 10 + prompt_len)), max_tokens=max_tokens,
+                    sampling=Sampling(), eos=frozenset(eos))
 
 
 def result(frame, token=7):

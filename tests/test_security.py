@@ -20,10 +20,11 @@ from server_proc import ServerProcess
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import CHANNEL_OPTIONS, Security
-from mlxpipe.server.certs import make_cluster
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
-from mlxpipe.server.pipeline import LocalStages
+from mlxpipe.server.cli.certs import make_cluster
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
+from mlxpipe.server.cluster.local import LocalStages
 
 HIDDEN = 576
 
@@ -521,7 +522,7 @@ def test_slow_headers_are_cut_off_and_capped(guarded):
     """Connections that never finish their headers used to be kept for ever:
     ~2,000 of them exhausted the file descriptors and locked the API out. Now
     each has HEADER_TIMEOUT_S, and past MAX_READING of them the oldest go."""
-    from mlxpipe.server import http_guard
+    from mlxpipe.server.api import http_guard
 
     import time
 

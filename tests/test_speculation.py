@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import REPEAT_CODE
-from inproc import InProcess
+from inproc import InProcess, WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import verify_positions
-from mlxpipe.server.draft import PromptLookup
-from mlxpipe.server.scheduler import Phase, Scheduler, SchedulerConfig, Sequence
+from mlxpipe.server.core.drafting import PromptLookup
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.core.sequence import Phase, Seq
+from mlxpipe.server.core.speculation import verify_positions
 from mlxpipe.shards.sampling import Sampling
 
 
@@ -38,7 +39,7 @@ def test_frames_per_verify_follow_what_rows_cost():
 
 def _running(s, prompt, max_tokens=40):
     """A sequence through its prefill, decoding in a group, with token 50 sampled."""
-    seq = Sequence(seq_id=1, prompt=list(prompt), max_tokens=max_tokens, sampling=Sampling().to_wire())
+    seq = Seq(seq_id=1, prompt=list(prompt), max_tokens=max_tokens, sampling=Sampling())
     s.add(seq)
     for f in s.schedule():
         s.on_result(pb.Result(frame_id=f.frame_id, tokens=[pb.TokenResult(seq_id=1, token=50)] if f.seqs[0].sample else []))
@@ -90,7 +91,7 @@ def test_speculation_stops_when_the_pipeline_fills_and_rejoins_with_a_trim():
     _running(s, [50, 51, 52, 9])  # 50 sampled: drafts 51 52
     (f1, f2, f3) = s.schedule()
     _answer(s, f1, [51]), _answer(s, f2, [99]), _answer(s, f3, [1])  # a miss at the second position
-    s.add(Sequence(seq_id=2, prompt=[5, 6, 7], max_tokens=4, sampling=Sampling().to_wire()))
+    s.add(Seq(seq_id=2, prompt=[5, 6, 7], max_tokens=4, sampling=Sampling()))
     frames = s.schedule()  # two sequences now: more than spec_max_running
     decode = [f for f in frames if f.kind == pb.Frame.DECODE]
     assert decode and decode[0].seqs[0].seq_id == 1 and decode[0].seqs[0].trim == 1
@@ -125,7 +126,7 @@ def test_speculative_tokens_equal_plain_decoding(model, ranges, positions, reque
         (out,), (seq,) = pipe.generate([prompt], 40)
         assert out == reference(path, prompt, 40)
         if prompt is code and model == "default_model":
-            assert seq.spec is not None and seq.spec.matched > 0, "the code block should be copied from the prompt"
+            assert seq.spec_state is not None and seq.spec_state.matched > 0, "the code block should be copied from the prompt"
     # Sampled, with a seed: the same tokens as without speculation.
     plain = InProcess(path, ranges, SchedulerConfig(chunk_size=64, num_groups=len(ranges)), eos=tok.eos_token_ids)
     sampling = Sampling(temperature=0.8, top_p=0.95, seed=7, repetition_penalty=1.1)

@@ -12,7 +12,7 @@ from conftest import SECRET, stage_stub
 from tiny_models import tensor_bytes
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.pipeline import LocalStages
+from mlxpipe.server.cluster.local import LocalStages
 
 HIDDEN = 576
 

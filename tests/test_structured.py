@@ -10,8 +10,8 @@ import jsonschema_rs
 import pytest
 from inproc import InProcess
 
-from mlxpipe.server.scheduler import SchedulerConfig
-from mlxpipe.server.structured import response_format_grammar, tokenizer_json
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.sampling import Sampling
 
@@ -67,7 +67,7 @@ def test_constrained_sequences_do_not_speculate(chat_model, tok):
     ps = prompts(tok, 1)
     plain, _ = pipeline(chat_model, tok).generate(ps, 60, [constrained(3)])
     out, seqs = pipeline(chat_model, tok, speculate=True).generate(ps, 60, [constrained(3)])
-    assert out == plain and seqs[0].spec is None
+    assert out == plain and seqs[0].spec_state is None
 
 
 def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):

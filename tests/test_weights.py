@@ -15,8 +15,10 @@ import pytest
 from conftest import SECRET, node_process, run_async
 
 from mlxpipe.proto.rpc import Security
-from mlxpipe.server.cluster import Cluster, ClusterConfig
-from mlxpipe.server.engine import collect
+from mlxpipe.server.cluster import weights
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.store import fingerprint
 from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
 
@@ -115,19 +117,20 @@ def test_a_corrupted_chunk_is_sent_again(dsv3_model, tmp_path, reference):
                                 security=Security(secret=SECRET))
             cluster = Cluster(cfg)
             # Garble the first chunk of layer 1 once, as if a bit flipped on the way.
-            from mlxpipe.server import pipeline
+            original, garbled = weights.chunk_message, []
 
-            original = pipeline.WeightSource.__post_init__
+            def with_fault(source, unit, index, data):
+                message = original(source, unit, index, data)
+                if (unit, index) == ("layer-00001", 0) and not garbled:
+                    garbled.append(message)
+                    message.data = bytes([data[0] ^ 0xFF]) + data[1:]
+                return message
 
-            def with_fault(self):
-                original(self)
-                self.corrupt = frozenset({("layer-00001", 0)})
-
-            pipeline.WeightSource.__post_init__ = with_fault
+            weights.chunk_message = with_fault
             try:
                 await cluster.start()
             finally:
-                pipeline.WeightSource.__post_init__ = original
+                weights.chunk_message = original
             try:
                 out = [t.id for t in await collect(cluster.engine.submit(PROMPT, TOKENS))]
                 return out, [(st.start, st.end, st.weights_sent) for st in cluster.pipeline.stages]
@@ -199,6 +202,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _await_listening(port, starter, timeout=240):
+    """Until something accepts connections on loopback ``port`` (or ``starter`` gave up)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and starter.is_alive():
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}: the head did not start taking joins")
+
+
 def _text(model, tokens):
     """What the API's completion text is for ``tokens`` (mlx-lm's streaming
     detokenizer, which drops the one space a text starts with)."""
@@ -227,7 +243,7 @@ def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, r
             "--model", str(dsv3_model), "--join-listen", f"127.0.0.1:{port}", "--wait-nodes", "2",
             "--secret-file", str(secret_file), "--split", "even", timeout=240)))
         starter.start()
-        time.sleep(3)
+        _await_listening(port, starter)  # the head takes joins once its model is loaded
         for i in range(2):
             joiners.append(_node(tmp_path / f"home{i}", "--join", f"127.0.0.1:{port}"))
         starter.join(240)

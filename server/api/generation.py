@@ -1,0 +1,336 @@
+"""From a ``GenerationRequest`` to its running streams, and back as events: what every
+protocol shares.
+
+``Generator.start`` renders and tokenizes the prompt (in a worker thread, so a
+huge prompt never stalls the event loop), builds and checks the grammar (on the
+grammar thread), fixes the token budget, and submits ``n`` streams to the
+engine (which checks the sampling parameters). The ``Generation`` it returns
+fans the streams in: ``events()`` as they come (text split into content,
+reasoning and tool calls as it streams), ``collect()`` whole. Every failure is
+an ``ApiError`` saying what to change; no MLX work happens in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import AsyncIterator, Callable, List, Optional
+
+from jinja2 import TemplateError
+
+from mlxpipe.server.api.chat_template import Delta, ForcedReply, Reply, render, thinks_first
+from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
+                                           marked_calls, response_format_grammar, tool_call_grammar)
+from mlxpipe.server.api.textgen import TextChunk, stream_text
+from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.core.sequence import QueueFull
+from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
+from mlxpipe.shards.grammar import in_worker
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # server-sent events, unbuffered
+
+
+@dataclass
+class OutputPlan:
+    """What a request's output must follow."""
+
+    grammar: str = ""                       # llguidance grammar ("": free text)
+    bare: Optional[List[dict]] = None       # a forced call written as bare JSON: the functions (any model)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+
+
+@dataclass
+class Event:
+    """What one choice's stream adds: its text (``delta``: split into content, reasoning
+    and tool calls, or all content without ``split_reply``), the tokens it came from,
+    and, on the last event of the choice, why it ended ("tool_calls" once it called one)."""
+
+    choice: int
+    chunk: TextChunk
+    delta: Delta
+    finish_reason: Optional[str]
+
+
+@dataclass
+class Choice:
+    """One choice, whole: its chunks as they came, its text split, why it ended."""
+
+    chunks: List[TextChunk]
+    delta: Delta
+    finish_reason: str
+    tokens: List[Token] = field(init=False)
+
+    def __post_init__(self):
+        self.tokens = [t for c in self.chunks for t in c.tokens]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+class Generation:
+    """One request's ``n`` streams, their text, and their usage."""
+
+    def __init__(self, generator: "Generator", req: GenerationRequest, prompt: List[int],
+                 streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
+        self.generator, self.req = generator, req
+        self.tokenizer = generator.tok
+        self.prompt_tokens = len(prompt)
+        self.streams = streams
+        self.completion_tokens = 0
+        self._make_reply = make_reply  # (streaming) -> a Reply; None: plain text
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens, self.streams[0].cached_tokens)
+
+    async def chunks(self) -> AsyncIterator[tuple]:
+        """(choice index, chunk) from all n streams, as they come; the streams are
+        cancelled when this ends, however it ends."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for c in stream_text(self.tokenizer, stream, self.req.stop):
+                    await queue.put((i, c))
+            except Exception as err:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, err))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    self.completion_tokens += len(item.tokens)
+                    yield i, item
+        finally:
+            self.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Each choice's text as it streams. Raises ``GenerationFailed`` or
+        ``SequenceFailed`` (``Generator.error`` turns them into an ApiError)."""
+        replies = [self._make_reply(True) if self._make_reply else None for _ in self.streams]
+        async for i, c in self.chunks():
+            reply, final = replies[i], c.finish_reason is not None
+            if reply is None:
+                yield Event(i, c, Delta(content=c.text), c.finish_reason)
+            else:
+                yield Event(i, c, reply.feed(c.text, final), reply.finish_reason(c.finish_reason))
+
+    async def collect(self) -> List[Choice]:
+        """Every choice, whole."""
+        out: List[List[TextChunk]] = [[] for _ in self.streams]
+        async for i, c in self.chunks():
+            out[i].append(c)
+        choices = []
+        for cs in out:
+            text, finish = "".join(c.text for c in cs), cs[-1].finish_reason if cs else "stop"
+            reply = self._make_reply(False) if self._make_reply else None
+            if reply is None:
+                choices.append(Choice(cs, Delta(content=text), finish))
+            else:
+                choices.append(Choice(cs, reply.feed(text, True), reply.finish_reason(finish)))
+        return choices
+
+    async def until_done(self, disconnected: Callable) -> List[Choice]:
+        """``collect()``, cancelled if ``disconnected()`` (awaited) turns true first."""
+        async def watch():
+            while not await disconnected():
+                await asyncio.sleep(0.25)
+
+        work, watcher = asyncio.ensure_future(self.collect()), asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                self.cancel()
+        if work not in done:
+            raise ApiError(499, "client closed the request")
+        try:
+            return work.result()
+        except (GenerationFailed, SequenceFailed) as err:
+            raise self.generator.error(self.req, err) from None
+
+
+class Generator:
+    """The API's one way to run a request on the engine (``head``: the started
+    ``Cluster``, or anything with its ``engine``, ``tokenizer``, ``vocab_size`` and
+    ``model_facts()``)."""
+
+    def __init__(self, head, options: ApiOptions):
+        self.head = head
+        self.options = options
+        self.engine = head.engine
+        self.tok = head.tokenizer
+        self.vocab = head.vocab_size
+        self.names = {options.model_id, "default", *options.aliases}
+        self.retry_after = {"Retry-After": str(options.retry_after_s)}
+        self.grammars = Grammars(head.tokenizer, self.vocab)
+
+    def model_facts(self) -> dict:
+        """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
+        return self.head.model_facts()
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{self.options.model_id}'", param="model", code="model_not_found")
+
+    async def start(self, req: GenerationRequest) -> Generation:
+        """The request's ``n`` streams on the engine, or an ApiError."""
+        constrained = req.response_format is not None or req.forced_tool_call
+        plan = await self.plan(req) if constrained else OutputPlan()
+        if plan.bare is not None:  # a template that cannot show the model its tools: a note says the call
+            req = replace(req, messages=ForcedReply.instruct(req.messages or [], plan.bare))
+        prompt = await self.prompt(req)
+        grammar = plan.grammar
+        max_tokens = self.budget(req, len(prompt))
+        streams = []
+        try:
+            for i in range(req.n):
+                sampling = replace(req.sampling, grammar=grammar)
+                if sampling.seed is not None:
+                    sampling = replace(sampling, seed=sampling.seed + i)
+                streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
+                                                  max_drafts=req.max_drafts))
+        except QueueFull as err:
+            for s in streams:
+                s.cancel()
+            raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
+                           code="server_busy", headers=self.retry_after)
+        except GenerationFailed as err:
+            raise self.error(req, err)
+        except ValueError as err:  # what the engine refuses: sampling, speculation, more KV cache than there is
+            for s in streams:
+                s.cancel()
+            raise ApiError(400, str(err), param=getattr(err, "param", None) or "max_tokens")
+        thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
+        # (streaming) -> the Reply that splits a choice's text
+        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
+        if plan.bare is not None:
+            make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
+        return Generation(self, req, prompt, streams, make_reply)
+
+    async def prompt(self, req: GenerationRequest) -> List[int]:
+        """The prompt's token ids: messages through the chat template, text tokenized, or ids checked."""
+        if req.token_ids is not None:
+            bad = [t for t in req.token_ids if not 0 <= t < self.vocab]
+            if bad:
+                raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {self.vocab})",
+                               param="prompt")
+            prompt = list(req.token_ids)
+        elif req.messages is not None:
+            prompt = await self._encode(render, self.tok, req.messages, req.tools, req.template_kwargs)
+        else:
+            prompt = await self._encode(self.tok.encode, req.text)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return prompt
+
+    async def _encode(self, fn, *args) -> List[int]:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
+            raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+
+    async def plan(self, req: GenerationRequest) -> OutputPlan:
+        """What the request's output must follow, or a 400. A forced call is written in
+        the template's format where that is JSON between markers, as bare JSON for any
+        other model (vLLM's way). Built, compiled and checked on the grammar thread (a
+        deep stack, off the event loop)."""
+        param = "tool_choice" if req.forced_tool_call else "response_format"
+
+        def build() -> OutputPlan:
+            functions = forced_functions(req.tools or [], req.tool_choice)
+            if functions is None:
+                return OutputPlan(self.grammars.check(response_format_grammar(req.response_format)))
+            if marked_calls(self.tok):
+                return OutputPlan(self.grammars.check(tool_call_grammar(self.tok, functions,
+                                                                        req.parallel_tool_calls)))
+            return OutputPlan(self.grammars.check(bare_call_grammar(functions, req.parallel_tool_calls)),
+                              bare=functions)
+
+        try:
+            return await in_worker(build)
+        except GrammarError as err:
+            raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
+
+    def budget(self, req: GenerationRequest, prompt_len: int) -> int:
+        """The request's token budget, or a 400 saying what to change."""
+        options, context, asked = self.options, self.engine.max_context, req.max_tokens
+        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
+            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
+                                f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
+        limit = options.max_tokens_limit
+        if limit and (asked or 0) > limit and not req.clamp_max_tokens:
+            raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
+        if prompt_len >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+                                f"prompt is {prompt_len} tokens. Please shorten it.",
+                           param="messages", code="context_length_exceeded")
+        if asked is None:
+            return min(options.default_max_tokens, limit or context, context - prompt_len)
+        if req.clamp_max_tokens:
+            return min(asked, limit or context, context - prompt_len)
+        if prompt_len + asked > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
+                                f"for the completion). Please reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    def error(self, req: GenerationRequest, err: Exception) -> ApiError:
+        """A failure after the request started: the pipeline's (503, retry), or the
+        request's own on a stage (its grammar, its sampling: a 400 naming what it asked;
+        no other request noticed)."""
+        if isinstance(err, SequenceFailed):
+            return ApiError(400, f"generation failed for this request: {err}", param=req.constrained_param(),
+                            code="generation_failed")
+        return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable", headers=self.retry_after)
+
+
+async def keepalive(items: AsyncIterator, every: float) -> AsyncIterator:
+    """``items``, with a None whenever ``every`` seconds pass without one (for the
+    keep-alive events of a stream waiting out a long prefill)."""
+    it = items.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            nxt = asyncio.ensure_future(it.__anext__())
+    finally:
+        nxt.cancel()
+        await asyncio.gather(nxt, return_exceptions=True)
+        await it.aclose()

@@ -1,0 +1,69 @@
+"""What the head says about itself: ``/health`` (the engine and every stage, 503 with
+the reason while anything is not ready), ``/metrics`` (Prometheus, ``metrics.py``)
+and ``/nodes`` (the nodes that joined)."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.cluster.config import ApiOptions
+
+
+def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
+    """One stage of /health, and why it is not ready (if so)."""
+    info = {"stage": i, "address": st.address, "layers": [st.start, st.end]}
+    if reply is None:
+        info["state"] = "unreachable"
+        return info, [f"stage {i} at {st.address} is unreachable: {err}"]
+    s = reply.stats
+    info.update(state=reply.state, live_sequences=len(reply.live_seqs),
+                weight_bytes=reply.weight_bytes, cache_bytes=reply.cache_bytes,
+                busy_seconds=s.busy_seconds, uptime_seconds=s.uptime_seconds,
+                busy_fraction=s.busy_fraction,
+                tokens_per_s=s.tokens_per_s, queue_depth=s.queue_depth,
+                frames=s.frames, tokens=s.tokens,
+                prefix_cache_bytes=reply.prefix_bytes, prefix_cache_blocks=reply.prefix_blocks,
+                prefix_hit_rate=s.reused_tokens / max(s.reused_tokens + s.prefilled_tokens, 1))
+    load = getattr(st, "load", None)  # the stage's Load reply, when the transport keeps it
+    if load is not None and load.memory_warning:  # close to what the Mac's GPU may wire
+        info["memory_warning"] = load.memory_warning
+    if reply.state != "ready":
+        return info, [f"stage {i} at {st.address} is {reply.state}: {reply.detail}"]
+    return info, []
+
+
+def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> None:
+    engine = head.engine
+
+    @app.get("/health")
+    async def health():
+        reasons = []
+        if engine.state != "ready":
+            reasons.append(f"pipeline {engine.state}: {engine.failure}")
+        stages = []
+        for i, (st, reply, err) in enumerate(await engine.health()):
+            info, why = _stage(i, st, reply, err)
+            stages.append(info)
+            reasons += why
+        body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
+                "state": engine.state, "stages": stages, "live_requests": engine.live,
+                "recoveries": engine.recoveries, "generated_tokens": engine.generated_tokens,
+                "speculation": engine.speculation()}
+        if reasons:
+            body["reason"] = "; ".join(reasons)
+        return JSONResponse(body, status_code=200 if not reasons else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        stages = await engine.health(timeout=2.0)
+        return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget()),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/nodes")
+    async def joined_nodes():
+        return {"nodes": head.joined_nodes()}

@@ -1,0 +1,136 @@
+"""``/metrics`` in Prometheus's text format, through ``prometheus-client``.
+
+Head-side figures are observed as they happen (requests, time to first token,
+time between tokens, tokens generated: the engine is given a ``Metrics`` as its
+observer); the engine's gauges and the stage figures (busy seconds, queue
+depth, KV-cache bytes, weights, state) are handed to ``render`` at scrape
+time, from the engine and every stage's Health. Each app has a registry of its
+own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mlxpipe.server.core.budget import STAGE_PARTS
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _Stages:
+    """Collects the stages' figures from the last Health snapshot."""
+
+    def __init__(self):
+        self.snapshot: List[Tuple[int, str, Optional[Any]]] = []  # (stage, address, its HealthReply)
+
+    def collect(self):
+        busy = CounterMetricFamily("mlxpipe_stage_busy_seconds", "Seconds each stage spent computing frames",
+                                   labels=["stage", "address"])
+        frames = CounterMetricFamily("mlxpipe_stage_frames", "Frames each stage computed", labels=["stage", "address"])
+        queue = GaugeMetricFamily("mlxpipe_stage_queue_depth", "Frames waiting at each stage",
+                                  labels=["stage", "address"])
+        kv = GaugeMetricFamily("mlxpipe_stage_kv_cache_bytes", "KV-cache bytes each stage holds",
+                               labels=["stage", "address"])
+        weights = GaugeMetricFamily("mlxpipe_stage_weight_bytes", "Weight bytes each stage holds",
+                                    labels=["stage", "address"])
+        up = GaugeMetricFamily("mlxpipe_stage_up", "1 when the stage answers and is ready", labels=["stage", "address"])
+        prefix = GaugeMetricFamily("mlxpipe_stage_prefix_cache_bytes", "Bytes of cached prefix blocks each stage holds",
+                                   labels=["stage", "address"])
+        reused = CounterMetricFamily("mlxpipe_stage_prompt_tokens_reused",
+                                     "Prompt positions each stage took from its prefix cache", labels=["stage", "address"])
+        computed = CounterMetricFamily("mlxpipe_stage_prompt_tokens_computed",
+                                       "Prompt positions each stage computed", labels=["stage", "address"])
+        for i, address, reply in self.snapshot:
+            labels = [str(i), address]
+            up.add_metric(labels, 1.0 if reply is not None and reply.state == "ready" else 0.0)
+            if reply is None:
+                continue
+            busy.add_metric(labels, reply.stats.busy_seconds)
+            frames.add_metric(labels, reply.stats.frames)
+            queue.add_metric(labels, reply.stats.queue_depth)
+            kv.add_metric(labels, reply.cache_bytes)
+            weights.add_metric(labels, reply.weight_bytes)
+            prefix.add_metric(labels, reply.prefix_bytes)
+            reused.add_metric(labels, reply.stats.reused_tokens)
+            computed.add_metric(labels, reply.stats.prefilled_tokens)
+        yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed)
+
+
+class _Budget:
+    """The head's totals of where frames' time went (``core/budget.KindTotals`` per kind), at scrape time."""
+
+    def __init__(self):
+        self.kinds: dict = {}
+
+    def collect(self):
+        labels = ["kind", "part"]
+        seconds = CounterMetricFamily(
+            "mlxpipe_frame_seconds", "Seconds timed frames took, by part: queued, decode, compute, encode (summed "
+            "over the stages), wire (the round trip less those), head (handling the result), round_trip", labels=labels)
+        per_stage = CounterMetricFamily("mlxpipe_stage_frame_seconds", "Seconds timed frames took on each stage",
+                                        labels=["kind", "stage", "part"])
+        frames = CounterMetricFamily("mlxpipe_frames_timed", "Frames timed, by kind", labels=["kind"])
+        tokens = CounterMetricFamily("mlxpipe_frame_tokens_timed", "Positions the timed frames carried", labels=["kind"])
+        for kind, t in self.kinds.items():
+            for part in STAGE_PARTS:
+                seconds.add_metric([kind, part], t.part(part))
+            for part in ("wire", "head", "round_trip"):
+                seconds.add_metric([kind, part], getattr(t, part))
+            for i, parts in enumerate(t.stages):
+                for part, value in zip(STAGE_PARTS, parts):
+                    per_stage.add_metric([kind, str(i), part], value)
+            frames.add_metric([kind], t.frames)
+            tokens.add_metric([kind], t.tokens)
+        yield from (seconds, per_stage, frames, tokens)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxpipe_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("mlxpipe_time_to_first_token_seconds", "From submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("mlxpipe_inter_token_seconds", "Between consecutive tokens of a request",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated", registry=r)
+        # These two are set from the engine when scraped; the stages, from their Health.
+        self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
+        self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
+                                registry=r)
+        self.drafted = Gauge("mlxpipe_draft_tokens_judged", "Drafted tokens (speculative decoding) the last stage judged",
+                             registry=r)
+        self.accepted = Gauge("mlxpipe_draft_tokens_accepted", "Drafted tokens the last stage accepted", registry=r)
+        self.stages = _Stages()
+        r.register(self.stages)
+        self.budget = _Budget()
+        r.register(self.budget)
+
+    # The engine calls these as tokens arrive (see Engine.observer).
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def token(self, since_previous: Optional[float]) -> None:
+        self.tokens.inc()
+        if since_previous is not None:
+            self.inter_token.observe(since_previous)
+
+    def render(self, health, live: int, recoveries: int, drafts=None, budget=None) -> bytes:
+        """The text exposition, with ``health`` (``Engine.health()``'s answer) and the
+        engine's live requests, recoveries and draft counts (``DraftStats``) as of now,
+        and the pipeline's frame times (``Engine.frame_budget()``: kind -> totals; they
+        restart with a rebuilt pipeline)."""
+        self.budget.kinds = budget or {}
+        self.live.set(live)
+        self.recoveries.set(recoveries)
+        if drafts is not None:
+            self.drafted.set(drafts.judged)
+            self.accepted.set(drafts.accepted)
+        self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
+        return generate_latest(self.registry)
+

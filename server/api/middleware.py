@@ -1,0 +1,140 @@
+"""The API's ASGI middleware, all plain ASGI (none buffers or re-wraps a response):
+counting and answering failures (``Outcomes``), CORS, the API key, the body limit.
+(``http_guard.py`` guards the connection below them: deadlines for reading a request.)"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Optional
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+
+from mlxpipe.server.api.errors import error_response
+from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.cluster.config import ApiOptions
+
+logger = logging.getLogger(__name__)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413, by
+    Content-Length or while they stream in, before anything parses them."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"the request body is larger than {self.limit} bytes",
+                                  code="request_too_large", path=scope.get("path", ""))
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Outcomes:
+    """ASGI middleware, the outermost of ours: counts every response by route and
+    status, and answers what a route let escape. (A middleware built on
+    ``call_next`` sees no response for an exception, so 5xx went uncounted.)
+    While the pipeline is recovering, routes fail because its channels close
+    under them: that is a 503 with the reason, as for a request that waits too
+    long for the recovery; anything else is a bug, logged, and a 500."""
+
+    def __init__(self, app, metrics: Metrics, engine, retry_after_s: int):
+        self.app, self.metrics, self.engine, self.retry_after_s = app, metrics, engine, retry_after_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            if status is not None:  # mid-response (a stream): too late to answer; count what was sent
+                self._count(scope, status)
+                raise
+            await self._failure(scope.get("path", ""))(scope, receive, watched)
+        self._count(scope, status)
+
+    def _failure(self, path: str) -> JSONResponse:
+        if self.engine.state != "ready":
+            return error_response(503, f"pipeline {self.engine.state}: {self.engine.failure}", type_="server_error",
+                                  code="pipeline_unavailable", headers={"Retry-After": str(self.retry_after_s)},
+                                  path=path)
+        logger.exception("unhandled error")
+        return error_response(500, "internal error", type_="server_error", path=path)
+
+    def _count(self, scope, status: Optional[int]) -> None:
+        route = scope.get("route")  # set by the router on the shared scope
+        self.metrics.requests.labels(route.path if route is not None else "unmatched", str(status or 500)).inc()
+
+
+class ApiKey:
+    """ASGI middleware: every API (/v1/*, Anthropic's /messages, Ollama's /api/*),
+    /health, /metrics and /nodes need the API key, when one is set: as
+    ``Authorization: Bearer <key>`` or (Anthropic's SDKs) ``x-api-key: <key>``."""
+
+    PROTECTED = ("/health", "/metrics", "/nodes")
+
+    def __init__(self, app, key: str):
+        self.app, self.bearer, self.key = app, f"Bearer {key}".encode(), key.encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith(("/v1/", "/api/", "/messages")) or path in self.PROTECTED):
+            headers = dict(scope.get("headers") or [])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                response = error_response(401, "this server needs an API key: send Authorization: Bearer <key> "
+                                               "(or x-api-key: <key>)", code="invalid_api_key", path=path)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) -> None:
+    """Middleware added last runs first. From the outside in: outcomes (so 401s,
+    413s, preflights and failures count too), CORS (it answers preflights before
+    the key is asked for, and puts its headers on refusals), the API key, the
+    body limit. All plain ASGI: none buffers or re-wraps a response."""
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    if options.api_key:
+        app.add_middleware(ApiKey, key=options.api_key)
+    if options.cors_origins:
+        # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
+        # and the origin is what CORS guards. Retry-After is read by SDKs that back off.
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
+    app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)

@@ -1,0 +1,268 @@
+"""Ollama's API (``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``,
+``/api/ps``, ``/api/version``): what Open WebUI's Ollama connection, the
+``ollama`` clients and many Mac apps speak. A translator only: bodies become the
+internal request (``request.GenerationRequest``: chat, or with ``raw`` plain text); replies stream
+back as newline-delimited JSON (``stream`` defaults to true, as in Ollama).
+
+``options`` map to sampling (temperature, top_p, top_k, min_p, num_predict,
+stop, seed, repeat_penalty, presence/frequency_penalty); options about Ollama's
+own runtime (num_ctx, num_gpu, keep_alive, ...) mean nothing here and are
+ignored. ``format`` ("json" or a JSON schema) is enforced by the grammar, as
+``response_format`` is. Any model name is served by the one model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.generation import Generation, Generator
+from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.schemas import stop_strings
+from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
+from mlxpipe.shards.sampling import Sampling
+
+VERSION = "0.12.0"  # the Ollama API this follows (clients check that /api/version answers)
+# Ollama's options that are sampling parameters, by their name in ``Sampling``.
+_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+            "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: Optional[List[str]] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_name: Optional[str] = None
+
+
+class Options(BaseModel):
+    """Ollama's ``options``: those that mean something here (the rest, Ollama's runtime, ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    repeat_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    num_predict: Optional[int] = None   # -1: until the context is full, -2: fill it
+    stop: Optional[List[str]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        return stop_strings(v)
+
+    def sampling(self, default_temperature: float) -> Sampling:
+        given = {ours: getattr(self, theirs) for theirs, ours in _OPTIONS.items() if getattr(self, theirs) is not None}
+        return Sampling(**{"temperature": default_temperature, **given})
+
+    def max_tokens(self) -> Optional[int]:
+        return self.num_predict if self.num_predict and self.num_predict > 0 else None
+
+
+class ChatBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: List[Message] = []
+    tools: Optional[List[Dict[str, Any]]] = None
+    format: Union[str, Dict[str, Any], None] = None
+    options: Options = Options()
+    stream: bool = True
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str = ""
+    system: Optional[str] = None
+    raw: bool = False
+    images: Optional[List[str]] = None
+    format: Union[str, Dict[str, Any], None] = None
+    options: Options = Options()
+    stream: bool = True
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _format(fmt) -> Optional[Dict[str, Any]]:
+    """Ollama's ``format`` as OpenAI's response_format."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise ApiError(400, f"format must be \"json\" or a JSON schema, not {fmt!r}")
+
+
+def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
+    """Ollama messages as OpenAI chat messages: calls get ids, results answer them by name."""
+    out, pending = [], []
+    for i, m in enumerate(messages):
+        if m.images:
+            raise ApiError(400, f"messages.{i}.images: images are not supported: this model takes text only")
+        if m.role == "assistant" and m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                f = c.get("function") or {}
+                call_id = f"call_{i}_{len(calls)}"
+                pending.append((f.get("name"), call_id))
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": f.get("name") or "", "arguments": json.dumps(f.get("arguments") or {})}})
+            out.append({"role": "assistant", "content": m.content or None, "tool_calls": calls})
+        elif m.role == "tool":
+            match = next((p for p in pending if m.tool_name in (None, p[0])), None)
+            if match is not None:
+                pending.remove(match)
+            out.append({"role": "tool", "tool_call_id": match[1] if match else "", "content": m.content})
+        else:
+            out.append({"role": m.role, "content": m.content})
+    return out
+
+
+
+
+def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
+    """The internal request of an Ollama chat or generate body."""
+    common = dict(sampling=body.options.sampling(options.default_temperature),
+                  max_tokens=body.options.max_tokens(), stop=body.options.stop or [],
+                  response_format=_format(body.format))
+    if isinstance(body, ChatBody):
+        return GenerationRequest(messages=_messages(body.messages), tools=body.tools, **common)
+    if body.images:
+        raise ApiError(400, "images are not supported: this model takes text only")
+    if body.raw:  # the prompt as it is, no template
+        return GenerationRequest(text=body.prompt, split_reply=False, **common)
+    messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+        {"role": "user", "content": body.prompt}]
+    return GenerationRequest(messages=messages, **common)
+
+
+def _calls(calls: List[dict]) -> List[dict]:
+    out = []
+    for c in calls:
+        try:
+            arguments = json.loads(c["function"]["arguments"])
+        except json.JSONDecodeError:  # cut off by num_predict: what there is
+            arguments = {}
+        out.append({"function": {"name": c["function"]["name"], "arguments": arguments}})
+    return out
+
+
+def _message(delta) -> Dict[str, Any]:
+    message = {"role": "assistant", "content": delta.content}
+    if delta.reasoning:
+        message["thinking"] = delta.reasoning
+    if delta.tool_calls:
+        message["tool_calls"] = _calls(delta.tool_calls)
+    return message
+
+
+def _done(gen: Generation, finish: str, started: float) -> Dict[str, Any]:
+    """The last line's ending and Ollama's counters (durations in nanoseconds)."""
+    s, u = gen.streams[0], gen.usage()
+    first = s.first_token_at or time.monotonic()
+    last = s.last_token_at or first
+    return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+            "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": int((first - s.submitted) * 1e9),
+            "eval_count": u.completion_tokens, "eval_duration": int(max(last - first, 0) * 1e9)}
+
+
+async def _lines(gen: Generation, model: str, key: str, started: float, on_error) -> AsyncIterator[str]:
+    """Newline-delimited JSON: one object per event, the last with ``done`` and the counters."""
+    try:
+        async for ev in gen.events():
+            line = {"model": model, "created_at": _now(),
+                    key: _message(ev.delta) if key == "message" else ev.delta.content, "done": False}
+            if ev.finish_reason is not None:
+                line.update(_done(gen, ev.finish_reason, started))
+            yield json.dumps(line, separators=(",", ":")) + "\n"
+    except (GenerationFailed, SequenceFailed) as err:
+        yield json.dumps(on_error(err)) + "\n"
+
+
+async def _whole(gen: Generation, request: Request, model: str, key: str, started: float) -> Dict[str, Any]:
+    choice = (await gen.until_done(request.is_disconnected))[0]
+    return {"model": model, "created_at": _now(),
+            key: _message(choice.delta) if key == "message" else choice.delta.content,
+            **_done(gen, choice.finish_reason, started)}
+
+
+def _card(name: str, generator: Generator) -> Dict[str, Any]:
+    """The one model as Ollama's model listings describe one."""
+    facts = generator.model_facts()
+    return {"name": name, "model": name, "modified_at": _now(), "size": facts["model_bytes"],
+            "digest": facts["fingerprint"], "details": {
+                "parent_model": "", "format": "mlx", "family": facts["model_type"], "families": [facts["model_type"]],
+                "parameter_size": "", "quantization_level": f"Q{facts['bits']}" if facts["bits"] else "unquantized"}}
+
+
+def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
+    name = f"{options.model_id}:latest"
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/api/tags")
+    async def tags():
+        return {"models": [_card(name, generator)]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": [_card(name, generator) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
+                                                      "context_length": generator.engine.max_context}]}
+
+    @app.post("/api/show")
+    async def show(body: Dict[str, Any]):
+        card, facts = _card(name, generator), generator.model_facts()
+        return {"modelfile": "", "parameters": "", "template": getattr(generator.tok, "chat_template", None) or "",
+                "details": card["details"], "modified_at": card["modified_at"],
+                "model_info": {"general.architecture": facts["model_type"],
+                               f"{facts['model_type']}.context_length": generator.engine.max_context,
+                               "general.block_count": facts["num_layers"]},
+                "capabilities": ["completion", "tools"]}
+
+    async def answer(body, request: Request, key: str):
+        started = time.monotonic()
+        req = request_of(body, options)
+        gen = await generator.start(req)
+        if body.stream:
+            return StreamingResponse(_lines(gen, body.model, key, started,
+                                            lambda e: generator.error(req, e).body("ollama")),
+                                     media_type="application/x-ndjson")
+        return await _whole(gen, request, body.model, key, started)
+
+    @app.post("/api/chat")
+    async def chat(body: ChatBody, request: Request):
+        if not body.messages:  # Ollama's way to load a model: nothing to say
+            return {"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                    "done_reason": "load", "done": True}
+        return await answer(body, request, "message")
+
+    @app.post("/api/generate")
+    async def generate(body: GenerateBody, request: Request):
+        if not body.prompt:
+            return {"model": body.model, "created_at": _now(), "response": "", "done_reason": "load", "done": True}
+        return await answer(body, request, "response")

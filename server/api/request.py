@@ -1,0 +1,61 @@
+"""The one internal request every HTTP protocol translates to.
+
+A protocol module (``openai_chat.py``, ``openai_completions.py``, ...) reads its
+own body, fills a ``GenerationRequest``, hands it to ``Generator.start``
+(``generation.py``) and formats what comes back; the prompt's rendering, the
+grammar, the token budget, sampling, stop strings, speculation and the
+splitting of replies into content, reasoning and tool calls are shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mlxpipe.shards.sampling import Sampling
+
+
+@dataclass
+class GenerationRequest:
+    # The prompt: exactly one of these. ``messages`` and ``tools`` go through the
+    # model's chat template (``chat_template.render``), as OpenAI's chat messages
+    # ({"role", "content"} with text content; an assistant's "tool_calls" with JSON
+    # text arguments; a tool result's "tool_call_id"; roles system, developer,
+    # user, assistant, tool) and function tools ({"type": "function",
+    # "function": {"name", "description", "parameters", "strict"}}).
+    messages: Optional[List[Dict[str, Any]]] = None
+    text: Optional[str] = None                 # tokenized as it is
+    token_ids: Optional[List[int]] = None      # checked against the vocabulary
+    tools: Optional[List[Dict[str, Any]]] = None
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    # What to generate. Choices differ by seed only: choice i draws with seed + i.
+    sampling: Sampling = field(default_factory=Sampling)
+    max_tokens: Optional[int] = None           # None: the server's default, within the context
+    clamp_max_tokens: bool = False             # a budget past the context becomes what it leaves (else a 400)
+    n: int = 1
+    stop: List[str] = field(default_factory=list)
+    # What the output must follow (a grammar, built and checked on the head):
+    # OpenAI's ``response_format`` ({"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"schema", "strict"}}), or a forced tool call: ``tool_choice``
+    # "required" or {"type": "function", "function": {"name"}} ("auto", "none" or None: free).
+    response_format: Optional[Dict[str, Any]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    # How the output is read back: split into content, reasoning (between the
+    # template's think markers) and tool calls (between its tool-call markers), or,
+    # without ``split_reply``, plain text.
+    split_reply: bool = True
+    # Speculative decoding (the output is the same either way): what to draft from
+    # (``core/drafting.SOURCES``) and drafted positions in flight at most (0: none).
+    speculation: str = "auto"
+    max_drafts: Optional[int] = None
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return self.tool_choice not in (None, "auto", "none")
+
+    def constrained_param(self) -> Optional[str]:
+        """The request field that put a grammar on the output, for errors that name it."""
+        if self.forced_tool_call:
+            return "tool_choice"
+        return "response_format" if self.response_format is not None else None

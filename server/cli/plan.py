@@ -1,0 +1,207 @@
+"""``mlxpipe plan``: the best split of a model over nodes given on the command line, on paper."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import List, Optional, Tuple
+
+from mlxpipe.server.cli.options import table
+from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cluster.planner import BitsChoice, NodeSpec, Plan, Workload, plan, plan_bits
+from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
+
+DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
+DEFAULT_FLOPS = 25e12          # flop/s it assumes without --flops (about an M2/M3 Ultra's GPU at 16 bits)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``mlxpipe plan``."""
+    p.add_argument("--model", required=True,
+                   help="model folder (config.json, and *.safetensors if present) or a config.json file")
+    p.add_argument("--nodes", required=True,
+                   help="memory budget per node for weights + KV cache, in pipeline order, "
+                        "e.g. 144GB,144GB or 3x144GB or studio=384GB,mini=48GB")
+    p.add_argument("--bits", default=None,
+                   help="quantize to this many bits, or by one of mlx-lm's mixed recipes (mixed_3_6, ...), or "
+                        "'auto': per layer the most bits that fit the nodes (default: the folder's own "
+                        "quantization, else 16-bit)")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
+    p.add_argument("--context", type=int, default=8192, help="tokens of KV cache per stream (default 8192)")
+    p.add_argument("--concurrency", type=int, default=1, help="streams whose KV cache must fit (default 1)")
+    p.add_argument("--bandwidth", default=None,
+                   help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
+                        f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")
+    p.add_argument("--hop-ms", type=float, default=0.0, help="link time per stage hop in ms (default 0)")
+    p.add_argument("--flops", default=None,
+                   help="compute for prefill, one for all nodes or one per node, e.g. 25TFLOPS "
+                        f"(default {DEFAULT_FLOPS / 1e12:.0f}TFLOPS)")
+    p.add_argument("--prompt-ratio", type=float, default=Workload.prompt_ratio,
+                   help="prompt tokens per generated token the split is balanced for (default "
+                        f"{Workload.prompt_ratio:g}: chat and agents; 0: decode alone)")
+    p.add_argument("--prompt-tokens", type=int, default=2048,
+                   help="the prompt whose time to first token is predicted (default 2048)")
+    p.add_argument("--chunk", type=int, default=Workload.chunk_tokens,
+                   help=f"prefill tokens per frame, as serve's --chunk-size (default {Workload.chunk_tokens})")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def parse_flops(text: str) -> float:
+    """Flop/s from '25TFLOPS', '25T', '2.5e13' (K, M, G, T, P: powers of 1000)."""
+    t = text.strip().upper().removesuffix("/S").removesuffix("FLOPS").strip()
+    scale = 1000 ** ("KMGTP".index(t[-1]) + 1) if t and t[-1] in "KMGTP" else 1
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"cannot read compute {text!r}: use e.g. 25TFLOPS") from None
+    if not value > 0:
+        raise ValueError(f"compute {text!r} must be positive")
+    return value
+
+
+def _per_node(given: Optional[str], default: float, parse, count: int, what: str) -> List[float]:
+    values = [default] if given is None else [parse(v) for v in expand_list(given)]
+    if len(values) == 1:
+        values *= count
+    if len(values) != count:
+        raise ValueError(f"{what} gives {len(values)} values for {count} nodes: give one, or one per node")
+    return values
+
+
+def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
+    items = expand_list(args.nodes)
+    if not items:
+        raise ValueError("--nodes lists no node")
+    names, sizes = [], []
+    for i, item in enumerate(items):
+        name, _, size = item.rpartition("=")
+        names.append(name.strip() or f"node{i}")
+        sizes.append(parse_size(size))
+    bws = _per_node(args.bandwidth, DEFAULT_BANDWIDTH, parse_bandwidth, len(items), "--bandwidth")
+    flops = _per_node(args.flops, DEFAULT_FLOPS, parse_flops, len(items), "--flops")
+    return ([NodeSpec(n, m, bandwidth_bytes_per_s=b, flops_per_s=f) for n, m, b, f in zip(names, sizes, bws, flops)],
+            args.bandwidth is None)
+
+
+def _cost_and_plan(args, nodes: List[NodeSpec]) -> Tuple[ModelCost, Plan, Optional[BitsChoice]]:
+    """The model's cost at the bits asked for, and its plan (``--bits auto``: the choice of bits too)."""
+    kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000,
+              workload=Workload(args.prompt_ratio, args.chunk))
+    bits = None if args.bits is None else args.bits.strip()
+    if bits == "auto":
+        choice = plan_bits(lambda spec: load_model_cost(args.model, quant=spec), nodes,
+                           group_size=args.group_size or DEFAULT_GROUP_SIZE, **kw)
+        return choice.cost, choice.plan, choice
+    if bits is not None and not bits.isdigit():  # a mixed recipe
+        cost = load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size))
+    else:
+        cost = load_model_cost(args.model, None if bits is None else int(bits), args.group_size)
+    return cost, plan(cost, nodes, **kw), None
+
+
+def _quant_name(cost: ModelCost) -> str:
+    if cost.quant is not None:
+        return cost.quant.describe()
+    return f"{cost.bits}-bit, group {cost.group_size}" if cost.bits else "16-bit"
+
+
+def _summary(cost: ModelCost, args) -> dict:
+    kinds = [l.kind for l in cost.layers]
+    kv_token = sum(l.kv_bytes_per_token for l in cost.layers)
+    return {
+        "model": cost.name, "model_type": cost.model_type, "num_layers": cost.num_layers,
+        "dense_layers": kinds.count("dense"), "moe_layers": kinds.count("moe"),
+        "bits": cost.bits, "group_size": cost.group_size if cost.bits or cost.quant else None,
+        "quantization": _quant_name(cost), "mean_bits": cost.mean_bits,
+        "layer_bits": [cost.quant.layer(i) for i in range(cost.num_layers)] if cost.quant else None,
+        "sizes_from": cost.source,
+        "params": cost.total_params, "active_params": cost.active_params,
+        "weight_bytes": cost.weight_bytes, "read_bytes_per_token": cost.read_bytes,
+        "kv_bytes_per_token": kv_token, "context": args.context, "concurrency": args.concurrency,
+    }
+
+
+def run(args) -> int:
+    """``mlxpipe plan``: print the best split (a table, or JSON with --json); 2 when nothing fits."""
+    try:
+        nodes, assumed = _nodes_from_args(args)
+        cost, result, choice = _cost_and_plan(args, nodes)
+        decode_only = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
+                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk))
+        summary = _summary(cost, args)
+    except ValueError as e:
+        if args.json:
+            print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
+        else:
+            print(f"mlxpipe plan: {e}", file=sys.stderr)
+        return 2
+    stage_bits = [cost.stage_mean_bits(s.start, s.end) for s in result.stages]
+    if args.json:
+        out = {"feasible": True, **summary, "bandwidth_assumed": assumed, "flops_assumed": args.flops is None,
+               "nodes": [asdict(n) for n in nodes], **result.to_dict(), "ttft_s": result.ttft(args.prompt_tokens),
+               "workload": {"prompt_ratio": args.prompt_ratio, "chunk_tokens": args.chunk,
+                            "prompt_tokens": args.prompt_tokens},
+               "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens))}
+        for st, b in zip(out["stages"], stage_bits):
+            st["mean_bits"] = b
+        if choice is not None:
+            out["trade"] = choice.trade()
+        print(json.dumps(out, indent=2))
+        return 0
+    quant = _quant_name(cost) if choice is None else f"--bits auto: {_quant_name(cost)}"
+    print(f"{cost.name}: {cost.num_layers} layers ({summary['dense_layers']} dense, {summary['moe_layers']} MoE), "
+          f"{quant}, {cost.total_params / 1e9:.1f}B parameters ({cost.active_params / 1e9:.1f}B per token)")
+    print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token; "
+          f"KV cache {summary['kv_bytes_per_token'] / 1e3:.1f} KB per token x {args.context} tokens "
+          f"x {args.concurrency} stream(s)")
+    for what, given, value in (("bandwidth", args.bandwidth, f"{DEFAULT_BANDWIDTH / 1e9:.0f} GB/s"),
+                               ("compute", args.flops, f"{DEFAULT_FLOPS / 1e12:.0f} TFLOPS")):
+        if given is None:
+            print(f"{what}: {value} assumed for every node (no --{'bandwidth' if what == 'bandwidth' else 'flops'} "
+                  "given)")
+    print()
+    rows = [["stage", "node", "layers", "#layers", "bits", "weights GB", "KV GB", "ms/token"]]
+    for i, (s, b) in enumerate(zip(result.stages, stage_bits)):
+        rows.append([str(i), s.node, f"[{s.start}, {s.end})", str(s.num_layers), _bits_cell(cost, s, b),
+                     f"{s.weight_bytes / 1e9:.1f}", f"{s.kv_bytes / 1e9:.2f}", f"{s.seconds * 1e3:.2f}"])
+    print(table(rows, right=range(3, 8)))
+    if result.unused:
+        print(f"left out: {', '.join(result.unused)}")
+    print()
+    print(f"predicted decode: {result.tokens_per_s_one_stream:.1f} tokens/s for one stream, "
+          f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
+          f"(one per stage); bandwidth-bound estimate, an upper bound")
+    print("\n".join(_mix_lines(args, result, decode_only)))
+    if choice is not None:
+        print(f"quality: {choice.trade()}")
+    return 0
+
+
+def _mix_lines(args, chosen: Plan, decode_only: Plan) -> List[str]:
+    """The split chosen for the workload beside the one balanced for decode alone."""
+    mix = f"{args.prompt_ratio:g} prompt tokens per generated token" if args.prompt_ratio else "decode alone"
+    lines = [f"balanced for {mix} (--prompt-ratio); time to first token of a {args.prompt_tokens}-token prompt "
+             "alone, compute-bound estimate, a lower bound:"]
+    plans = (("this split", chosen), ("decode-only split", decode_only))[:2 if args.prompt_ratio else 1]
+    split = {name: " / ".join(str(s.num_layers) for s in p.stages) for name, p in plans}
+    width = max(map(len, split.values()))
+    for name, p in plans:
+        ttft = p.ttft(args.prompt_tokens)
+        lines.append(f"  {name + ':':19}layers {split[name]:{width}}  TTFT {ttft:6.2f} s   decode "
+                     f"{p.tokens_per_s_one_stream:.1f} tokens/s one stream, {p.tokens_per_s_pipeline:.1f} in all"
+                     if ttft is not None else f"  {name}: prefill not costed")
+    return lines
+
+
+def _bits_cell(cost: ModelCost, stage, mean: Optional[float]) -> str:
+    """A stage's bits: one rung, or its layers counted by rung, and the mean."""
+    if cost.quant is None or mean is None:
+        return str(cost.bits or 16)
+    rungs = [cost.quant.layer(i) for i in range(stage.start, stage.end)]
+    if len(set(rungs)) == 1:
+        return rungs[0]
+    counts = " + ".join(f"{rungs.count(r)}x{r}" for r in sorted(set(rungs), key=rungs.index))
+    return f"{counts} = {mean:.2f}"

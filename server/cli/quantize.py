@@ -1,0 +1,29 @@
+"""``mlxpipe quantize``: a quantized folder, made one layer at a time (``shards/quantize.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.quantize import quantize_folder
+from mlxpipe.shards.store import resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="full-precision model folder (bf16, fp16, fp32, DeepSeek's FP8)")
+    p.add_argument("--bits", required=True, help="2, 3, 4, 5, 6 or 8, or one of mlx-lm's mixed recipes (mixed_3_6, ...)")
+    p.add_argument("--group-size", type=int, default=None, help="weights per scale and bias (default 64)")
+    p.add_argument("--layer-bits", default=None,
+                   help="bits (or a recipe) per layer, comma-separated, e.g. as `mlxpipe plan --bits auto --json` "
+                        "lists them; --bits then applies to the embedding and the head")
+    p.add_argument("out", help="the folder to write (must not exist)")
+
+
+def run(args) -> int:
+    layer_bits = [b for b in args.layer_bits.split(",")] if args.layer_bits else None
+    spec = QuantSpec.parse(args.bits, args.group_size, layer_bits)
+    config = quantize_folder(resolve_model(args.model), Path(args.out), spec)
+    own = sum(isinstance(v, dict) for v in config["quantization"].values())
+    print(f"{args.out}: {spec.describe()} ({own} modules with bits of their own)")
+    return 0

@@ -1,0 +1,84 @@
+"""``mlxpipe status``: the cluster as a table.
+
+From a running head (``--url``, its ``/health``) or straight from the nodes
+(``--nodes``, their Health RPC, with the cluster secret).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import List
+
+import httpx
+
+from mlxpipe.proto.rpc import Security, add_security_arguments
+from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
+from mlxpipe.server.cli.options import api_key, table
+from mlxpipe.server.cluster.stage_client import Pipeline
+
+
+def _mb(n) -> str:
+    return f"{(n or 0) / 1e6:.1f}"
+
+
+def from_head(url: str, key: str = "") -> str:
+    h = get_head(url, key, "/health").json()
+    rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "busy", "queue", "tok/s", "live"]]
+    for s in h.get("stages", []):
+        layers = s.get("layers", [0, 0])
+        rows.append([str(s["stage"]), s["address"], f"[{layers[0]}, {layers[1]})", s.get("state", "?"),
+                     _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")),
+                     f"{s['busy_fraction']:.0%}" if "busy_fraction" in s else "-",
+                     str(s.get("queue_depth", "-")), f"{s.get('tokens_per_s', 0):.1f}",
+                     str(s.get("live_sequences", "-"))])
+    head = (f"{h.get('model')}: {h.get('status')} ({h.get('state', '?')}), {h.get('live_requests', 0)} live "
+            f"requests, {h.get('recoveries', 0)} recoveries")
+    if h.get("reason"):
+        head += f"\n{h['reason']}"
+    warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]
+    return head + "\n\n" + table(rows) + "".join(f"\n{w}" for w in warnings)
+
+
+async def from_nodes(addresses: List[str], security) -> str:
+    pipeline = Pipeline(addresses, "unused", security)
+    try:
+        health = await pipeline.health(timeout=5)
+    finally:
+        await pipeline.close()
+    rows = [["node", "state", "model", "layers", "weights MB", "KV MB", "RSS MB", "live", "detail"]]
+    for st, reply, err in health:
+        if reply is None:
+            rows.append([st.address, "unreachable", "-", "-", "-", "-", "-", "-", err[:60]])
+            continue
+        layers = f"[{reply.start}, {reply.end}) of {reply.num_layers}" if reply.num_layers else "-"
+        rows.append([st.address, reply.state, Path(reply.model).name or "-", layers, _mb(reply.weight_bytes),
+                     _mb(reply.cache_bytes), _mb(reply.rss_bytes), str(len(reply.live_seqs)), reply.detail[:60]])
+    return table(rows)
+
+
+def add_arguments(p) -> None:
+    add_head_arguments(p)
+    p.add_argument("--nodes", default="", help="ask these nodes (host:port,...) directly instead of a head")
+    add_security_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the head's /health as JSON")
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except httpx.HTTPError as err:
+        raise ValueError(f"cannot reach the head at {args.url}: {err} (is `mlxpipe serve` running?)") from err
+
+
+def _run(args) -> int:
+    if args.nodes:
+        security = Security.from_args(args)
+        print(asyncio.run(from_nodes([n.strip() for n in args.nodes.split(",") if n.strip()], security)))
+        return 0
+    if args.json:
+        print(json.dumps(get_head(args.url, api_key(args), "/health").json(), indent=2))
+        return 0
+    print(from_head(args.url, api_key(args)))
+    return 0

@@ -1,0 +1,250 @@
+"""Putting a pipeline together: the model, its stages (local processes or remote
+nodes, some of which join), the layer split, the engine; and putting it together
+again after a fault. Shared by ``mlxpipe generate``, ``serve`` and ``bench``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
+from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
+                                           stage_limits)
+from mlxpipe.server.cluster.join import joined_table, start_join_server
+from mlxpipe.server.cluster.local import LocalStages, available_cpus
+from mlxpipe.server.cluster.model import Model, open_model
+from mlxpipe.server.cluster.placement import Placer
+from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
+from mlxpipe.server.cluster.splits import even_split, fixed_ranges
+from mlxpipe.server.cluster.stage_client import Pipeline
+from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
+from mlxpipe.server.core.draft_model import load_draft_model
+from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
+from mlxpipe.shards.profile import offered_memory
+from mlxpipe.shards.store import fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class Cluster:
+    """A started pipeline with its engine and tokenizer, and the means to rebuild
+    it after a fault (``rebuild``, which the engine calls)."""
+
+    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None):
+        self.config = config
+        self.observer = observer  # handed to the engine (e.g. metrics.Metrics)
+        self.local: Optional[LocalStages] = None
+        self.engine: Optional[Engine] = None  # owns the running pipeline
+        self.model: Optional[Model] = None
+        self.placer: Optional[Placer] = None
+        self.addresses: List[str] = []   # every stage we may use, in pipeline order
+        self.security = Security()
+        self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
+        self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
+        self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
+        self.joined: Dict[str, object] = {}  # address -> join.Joined
+        self.join_server = None
+        self._node_added = asyncio.Event()
+
+    # -- what the rest of the head reads --------------------------------------------
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The running pipeline (the engine's: it replaces it after a rebuild)."""
+        return self.engine.pipeline
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @property
+    def model_path(self) -> Path:
+        return self.model.path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def quant(self):
+        """How stages quantize the model as they load it (None: as stored)."""
+        return self.model.quant if self.model is not None else None
+
+    @property
+    def plan_note(self) -> str:
+        return self.placer.note if self.placer is not None else ""
+
+    def model_facts(self) -> dict:
+        """What the model is, as APIs that list models describe it (Ollama's ``/api/tags``)."""
+        load = self.pipeline.stages[0].load
+        bits = (self.model.config.get("quantization") or {}).get("bits")
+        if bits is None and self.quant is not None:
+            bits = self.quant.bits
+        return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
+                "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
+                "bits": bits}
+
+    def joined_nodes(self) -> List[dict]:
+        """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
+        return joined_table(self.joined, {st.address for st in self.pipeline.stages})
+
+    def describe(self) -> List[str]:
+        quant = self.quant
+        lines = [f"model {self.model_path}" + (f", quantized on load: {quant.describe()}" if quant else "")]
+        for i, st in enumerate(self.pipeline.stages):
+            mb = st.load.weight_bytes / 1e6 if st.load else 0
+            lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
+        if self.plan_note:
+            lines.append(self.plan_note)
+        return lines
+
+    # -- starting ---------------------------------------------------------------------
+
+    async def start(self) -> "Cluster":
+        cfg = self.config
+        self.model = open_model(cfg)  # refuses what cannot apply before starting anything
+        # A draft model that cannot draft for this one is refused before anything starts.
+        self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.model.tokenizer)
+        pipeline = None
+        try:
+            await self._gather_stages()
+            self.placer = Placer(cfg, self.model, local=self.local is not None)
+            pipeline = await self._build(self.addresses)
+            await self._start_engine(pipeline)
+        except BaseException:
+            if self.engine is None and pipeline is not None:
+                await pipeline.close()
+            if self.engine is None and self.draft is not None:
+                self.draft.close()
+            await self.stop()
+            raise
+        return self
+
+    async def _gather_stages(self) -> None:
+        """Local stage processes, or the --nodes workers (and, with --join-listen, the
+        nodes that join), every one answering."""
+        cfg = self.config
+        if not (cfg.nodes or cfg.join_listen):
+            # Local stages: a random cluster secret of their own, so that other
+            # users of this machine cannot drive them either.
+            self.security = Security(secret=secrets.token_urlsafe(32))
+            self.local = LocalStages(cfg.stages, self.security.secret, self.model.path.parent,
+                                     cpus=available_cpus() if cfg.pin else None, log_level=cfg.stage_log_level)
+            self.addresses = self.local.start()
+            return
+        self.addresses = list(cfg.nodes)
+        self.security = cfg.security
+        self.weights = WeightSource(self.model.path, fingerprint(self.model.path), self.model.num_layers,
+                                    rate=cfg.weights_rate)
+        if cfg.join_listen:
+            self.join_server = await start_join_server(self, cfg.join_listen, self.security)
+            while len(self.addresses) < max(cfg.wait_nodes, 1):
+                logger.warning("waiting for nodes to join at %s (%d of %d)", cfg.join_listen,
+                               len(self.addresses), max(cfg.wait_nodes, 1))
+                self._node_added.clear()
+                await self._node_added.wait()
+        await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
+
+    def _budget(self, pipeline: Pipeline) -> Tuple[int, int]:
+        """The KV positions and prefix-cache blocks a loaded pipeline's stages hold."""
+        loads = [st.load for st in pipeline.stages]
+        kv = kv_token_budget(loads)
+        return kv, prefix_blocks(loads, kv, self.config.prefix_cache_bytes)
+
+    async def _start_engine(self, pipeline: Pipeline) -> None:
+        n = len(pipeline.stages)  # the planner may have left nodes out
+        kv, blocks = self._budget(pipeline)
+        self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost),
+                             eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
+                             max_context=pipeline.stages[0].load.max_context,
+                             rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,
+                             draft_model=self.draft, vocab_size=self.model.vocab_size)
+        await self.engine.start()
+
+    # -- building a pipeline -----------------------------------------------------------
+
+    def _pipeline(self, addresses: List[str]) -> Pipeline:
+        cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
+        if self.local is not None:  # local stages share this machine's memory
+            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
+        # Local stages load the head's own folder; remote nodes resolve the name themselves.
+        name = str(self.model.path) if self.local is not None else self.config.model
+        return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
+                        tokenizer=self.model.tokenizer_spec)
+
+    async def _build(self, addresses: List[str]) -> Pipeline:
+        """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
+        split, layers = self.config.split, self.model.num_layers
+        pipeline = self._pipeline(addresses)
+        try:
+            if split in (None, "auto"):
+                ranges, keep = await self.placer.plan(pipeline)
+                if keep != list(range(len(addresses))):  # the planner left nodes out
+                    await pipeline.close()
+                    pipeline = self._pipeline([addresses[i] for i in keep])
+            elif split == "even" or len(split.split(",")) == len(addresses):
+                ranges = fixed_ranges(layers, len(addresses), split)
+            else:  # not the stages the fixed split names (one was lost, or joined): split evenly
+                ranges = even_split(layers, len(addresses))
+            pipeline.assign(ranges)
+            await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
+        except BaseException:
+            await pipeline.close()
+            raise
+        return pipeline
+
+    def _weights(self) -> Optional[WeightSource]:
+        """What remote nodes that lack the model receive: the model folder, or its
+        units quantized by the spec in effect (quantized on the head when first needed)."""
+        quant = self.model.quant
+        if self.weights is None or quant is None:
+            return self.weights
+        key = quant.key()
+        if key not in self._quantized:
+            self._quantized[key] = QuantizedSource(self.model.path, self.weights.fingerprint, quant,
+                                                   self.model.num_layers, rate=self.config.weights_rate)
+        return self._quantized[key]
+
+    async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
+        """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``)."""
+        cfg = self.config
+        alive = await answering(self.addresses, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s,
+                                why, suspects)
+        pipeline = await build_leaving_out(alive, self._build, why)
+        return Rebuilt(pipeline, *self._budget(pipeline))
+
+    # -- nodes that join, stopping ------------------------------------------------------
+
+    async def add_node(self, joined) -> Tuple[bool, str]:
+        """A node joined: plan over it too. Returns whether it is in the pipeline now."""
+        if self.local is not None:
+            return False, "this head runs local stages; start it with --nodes or --join-listen to accept nodes"
+        self.joined[joined.address] = joined
+        if joined.address not in self.addresses:
+            self.addresses.append(joined.address)
+        self._node_added.set()
+        if self.engine is None:  # still starting: the first plan will include it
+            return True, "joined; the cluster is starting"
+        await self.engine.request_replan(f"node {joined.address} joined", timeout=REPLAN_WAIT_S)
+        in_plan = joined.address in [st.address for st in self.pipeline.stages]
+        return in_plan, self.plan_note
+
+    async def stop(self) -> None:
+        if self.join_server is not None:
+            await self.join_server.stop(grace=None)
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.local is not None:
+            self.local.stop()
+        for source in self._quantized.values():
+            source.close()
+
+    async def __aenter__(self) -> "Cluster":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

@@ -1,0 +1,276 @@
+"""The head's one config tree: every knob declared once, with its default and its help.
+
+Three sections: ``ClusterConfig`` (where the pipeline runs, how it is cut,
+batched, speculated and quantized), ``ApiOptions`` (the HTTP API) and
+``Listen`` (where it listens). A knob is a dataclass field made by ``knob``:
+its default, its help (``%(default)s`` shows the default), and its command-line
+flag, if it has one. The command line is built from the tree
+(``add_arguments``) and read back into it (``from_args``); what the rest of the
+head needs is derived from it here: the scheduler's parameters
+(``scheduler_config``), the limits each stage loads with (``stage_limits``),
+the KV budget from the stages' Load replies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
+from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.core.speculation import verify_positions
+from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.sizes import parse_size
+
+_NO_DEFAULT = dataclasses.MISSING
+
+
+def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = "", factory: Optional[Callable] = None,
+         parse: Optional[Callable] = None, cli_default: Any = _NO_DEFAULT, serve_only: bool = False,
+         add: Optional[Callable] = None, read: Optional[Callable] = None, **argparse_kw) -> Any:
+    """A config field: ``default`` (or ``factory``) and ``help``. ``flag``: its option
+    ("": ``--name-with-dashes``; None: no option). ``parse`` turns the option's value
+    into the field's (``cli_default``: the option's default when it differs in form).
+    ``add``/``read``: a group of options that fills the field (the cluster secret and
+    TLS). Anything else goes to ``argparse.add_argument``."""
+    meta = {"help": help, "flag": flag, "parse": parse, "cli_default": cli_default, "serve_only": serve_only,
+            "add": add, "read": read, "argparse": argparse_kw}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def count(text: str) -> int:
+    """An argparse type: a whole number, at least 1 (argparse turns the ValueError
+    into a one-line usage error, before anything loads)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
+
+
+def _node_list(text: str) -> List[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _bits(text: Optional[str]) -> Optional[str]:
+    """--bits: 'auto', or a rung (checked here, so a typo fails before anything starts)."""
+    if text is None or text.strip() == "auto":
+        return text and "auto"
+    return QuantSpec.parse(text).bits
+
+
+def _size(text: Optional[str]) -> Optional[int]:
+    return parse_size(text) if text else None
+
+
+def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
+def _api_key(path: Optional[str]) -> Optional[str]:
+    """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
+    if path:
+        return read_secret(path, "--api-key-file")
+    return os.environ.get("MLXPIPE_API_KEY") or None
+
+
+@dataclass
+class ClusterConfig:
+    """Where the pipeline runs and how it is cut, batched, speculated and quantized."""
+
+    model: str = knob("default", "mlx-lm model folder, a Hugging Face repo id (org/name: downloaded into the "
+                      "Hugging Face cache when not there), or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
+    stages: int = knob(2, "local stage processes to start (default %(default)s; they get a random cluster secret)",
+                       type=count)
+    nodes: List[str] = knob(help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order",
+                            factory=list, parse=_node_list, cli_default="")
+    split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
+                      "times within each node's memory), 'even', or layers per stage such as 18,12")
+    chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
+                           "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
+    groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
+    max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",
+                          type=count)
+    prefix_cache_bytes: Optional[int] = knob(
+        None, "KV-cache memory per stage for prefixes of earlier requests that later ones reuse (chat history, "
+        "agents' system prompts), e.g. 2GB; 0 turns the prefix cache off (default: half of the KV budget; cached "
+        "blocks always give way to live requests)", parse=_prefix_cache_bytes)
+    block_tokens: int = knob(SchedulerConfig.block_tokens, "tokens per prefix-cache block (default %(default)s): "
+                             "prefixes are reused in whole blocks", flag="--prefix-block", type=count)
+    speculate: bool = knob(True, "never verify drafted tokens (by default, while no more sequences are live than "
+                           "there are stages, drafts looked up in the prompt and the text so far are verified ahead "
+                           "of decoding; output is unchanged either way)", flag="--no-speculate",
+                           action="store_false")
+    spec_depth: int = knob(SchedulerConfig.spec_depth, "drafted positions in flight per sequence, at most (default "
+                           "%(default)s; each sequence's depth follows its acceptance)", type=count)
+    draft_model: Optional[str] = knob(
+        None, "a small model with the same tokenizer (folder, HF repo id, or 'default') that the head runs to draft "
+        "tokens where the text has nothing to copy (as mlx_lm's --draft-model); requests choose with "
+        "\"speculation\": auto, prompt_lookup, draft_model or none")
+    max_waiting: int = knob(SchedulerConfig.max_waiting, "requests queued before the server answers 429 "
+                            "(default %(default)s)", type=count)
+    pin: bool = knob(False, "pin local stage i to CPU core i (Linux)", action="store_true")
+    bits: Optional[str] = knob(
+        None, "quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage loads its "
+        "layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's mixed recipes "
+        "(mixed_3_6, ...), or 'auto': per layer, the most bits that fit every node (docs/planning.md)", parse=_bits)
+    group_size: int = knob(DEFAULT_GROUP_SIZE, "weights per quantization scale and bias, with --bits (default "
+                           "%(default)s)", type=count)
+    security: Security = knob(help="the cluster secret and TLS toward --nodes (local stages get a fresh secret)",
+                              factory=Security, add=add_security_arguments, read=Security.from_args)
+    weights_rate: Optional[float] = knob(None, "cap on weights streamed to each node that lacks the model, e.g. "
+                                         "100MB (per second)", parse=_size)
+    join_listen: Optional[str] = knob(None, "let nodes join here (`mlxpipe node --join HOST:PORT`), with the "
+                                      "cluster secret", metavar="HOST:PORT", serve_only=True)
+    wait_nodes: int = knob(0, "with --join-listen: nodes to wait for (listed and joined) before serving "
+                           "(default 1)", type=int, serve_only=True)
+    # Knobs without an option: for tests, benchmarks and embedding.
+    max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
+    profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)
+    context: Optional[int] = knob(None, "tokens per sequence the KV cache must hold, for planning memory "
+                                  "(default: min(the model's, 8192))", flag=None)
+    concurrency: int = knob(4, "sequences whose KV cache must fit, for planning memory", flag=None)
+    restart: bool = knob(True, "restart local stage processes that die or stall, in place", flag=None)
+    rejoin_timeout_s: float = knob(30.0, "how long a failed remote node gets to come back before re-planning",
+                                   flag=None)
+    supervision: Supervision = knob(help="health checks and recovery (core/engine.py)", factory=Supervision,
+                                    flag=None)
+    stage_log_level: str = knob("WARNING", "log level of local stage processes", flag=None)
+
+
+@dataclass
+class ApiOptions:
+    """The HTTP API."""
+
+    model_id: str = knob(help="the name /v1/models lists (the folder's name, or the repo id as given)", flag=None)
+    aliases: Tuple[str, ...] = knob((), "other names accepted in `model`", flag=None)
+    default_max_tokens: int = knob(512, "tokens to generate when a request does not say (default %(default)s)",
+                                   flag="--max-tokens", type=count)
+    default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
+                                      "OpenAI)", flag="--temp", type=float)
+    api_key: Optional[str] = knob(None, "file with the API key clients must send as 'Authorization: Bearer <key>' "
+                                  "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
+                                  parse=_api_key)
+    cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
+                                         flag="--cors-origin", action="append", parse=tuple, cli_default=[])
+    max_body_bytes: int = knob(4 << 20, "largest request body (default 4 MiB)", type=count)
+    max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
+                                            "context)", type=count)
+    max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
+                                           "context)", type=count)
+    retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
+
+
+@dataclass
+class Listen:
+    """Where the HTTP API listens."""
+
+    host: str = knob("127.0.0.1", "address to listen on (default %(default)s)")
+    port: int = knob(8000, "port (default %(default)s; 0 picks a free one)", type=port)
+
+
+# -- the command line, built from the tree ------------------------------------------------
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = True) -> None:
+    """An option for every knob of ``section`` that has one (``serve``: with the ones only
+    ``serve`` takes); the values land under the fields' names."""
+    for f in dataclasses.fields(section):
+        meta = f.metadata
+        if meta.get("add") is not None:
+            meta["add"](parser)
+            continue
+        if meta.get("flag", "") is None or (meta["serve_only"] and not serve):
+            continue
+        kw = dict(meta["argparse"])
+        if not _flag(f).startswith("-"):  # a positional argument
+            parser.add_argument(_flag(f), help=meta["help"], **kw)
+            continue
+        default = meta["cli_default"]
+        if default is _NO_DEFAULT:
+            default = f.default if f.default is not _NO_DEFAULT else None
+        if kw.get("action") not in ("store_true", "store_false"):
+            kw.setdefault("metavar", _flag(f).lstrip("-").replace("-", "_").upper())
+        parser.add_argument(_flag(f), dest=f.name, default=default, help=meta["help"], **kw)
+
+
+def from_args(section: type, args: argparse.Namespace, **given):
+    """``section`` filled from the options ``add_arguments`` made (and ``given``)."""
+    values = {}
+    for f in dataclasses.fields(section):
+        meta = f.metadata
+        if f.name in given:
+            continue
+        if meta.get("read") is not None:
+            values[f.name] = meta["read"](args)
+        elif meta.get("flag", "") is not None and hasattr(args, f.name):
+            value = getattr(args, f.name)
+            values[f.name] = meta["parse"](value) if meta.get("parse") else value
+    return section(**values, **given)
+
+
+# -- what is derived from the tree ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """What the head asks each stage to hold to, in its Load."""
+
+    max_batch: int = 0          # rows in a decode frame (0: the stage's own limit)
+    max_chunk_tokens: int = 0   # tokens in a prefill frame
+    max_cache_bytes: int = 0    # KV-cache bytes, cached prefix blocks included (0: no cap)
+    block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
+
+
+def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
+    return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
+                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0)
+
+
+def kv_token_budget(loads: Sequence) -> int:
+    """KV positions the scheduler may reserve, from the stages' Load replies: the tightest
+    stage's cache cap over what a token costs there, halved for the padding of batched caches."""
+    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+
+
+def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:
+    """Prefix-cache blocks every stage may keep: ``cache_bytes`` on the stage where a
+    block costs most (default: half the KV budget); 0 when a stage keeps none."""
+    block = loads[0].block_tokens
+    if not block or any(r.block_tokens != block for r in loads):
+        return 0
+    if cache_bytes is None:
+        return max_kv_tokens // 2 // block
+    return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
+
+
+def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks: int,
+                     row_cost: float) -> SchedulerConfig:
+    """The scheduler of a pipeline of ``stages`` stages: one group, one prefill frame and
+    one VERIFY frame in flight per stage; speculation while no more sequences are live
+    than there are stages."""
+    return SchedulerConfig(
+        max_kv_tokens=max_kv_tokens, block_tokens=cfg.block_tokens, prefix_blocks=blocks,
+        speculate=cfg.speculate, spec_max_running=stages, spec_depth=cfg.spec_depth,
+        spec_positions=verify_positions(row_cost, stages), spec_frames=stages,
+        num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size,
+        max_prefill_inflight=stages, max_running=cfg.max_running, max_waiting=cfg.max_waiting)

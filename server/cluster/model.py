@@ -1,0 +1,79 @@
+"""The model a head serves: where it is, its config, its tokenizer, how it is quantized.
+
+Resolved (``shards/store.py``: a folder, a Hugging Face repo id, or the embedded
+default) and checked against the options before anything starts: a quantized
+model given ``--bits``, ``--bits auto`` without the planner, a ``--split`` that
+does not fit the model are refused at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from mlx_lm.utils import load_config, load_tokenizer
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.splits import fixed_ranges
+from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.store import resolve_model, text_config
+from mlxpipe.shards.tokenizer_json import tokenizer_json
+
+
+def read_config(path: Path) -> dict:
+    """mlx-lm's reading of the config (generation_config.json's eos_token_id wins); for a
+    multimodal model its text part, with the model type and end-of-sequence ids of the whole."""
+    config = load_config(path)
+    text = text_config(config) | {"model_type": config.get("model_type")}
+    if "eos_token_id" in config:
+        text["eos_token_id"] = config["eos_token_id"]
+    return text
+
+
+@dataclass
+class Model:
+    path: Path
+    config: dict
+    tokenizer: object                  # mlx-lm's TokenizerWrapper
+    quant: Optional[QuantSpec] = None  # how stages quantize it as they load it (None: as stored, or --bits auto)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size", 0)) or len(self.tokenizer)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+
+    @functools.cached_property
+    def tokenizer_spec(self) -> pb.TokenizerSpec:
+        """The tokenizer as the last stage needs it for grammars."""
+        return pb.TokenizerSpec(json=tokenizer_json(self.tokenizer), eos_token_ids=sorted(self.tokenizer.eos_token_ids))
+
+
+def open_model(cfg: ClusterConfig) -> Model:
+    """Resolve ``cfg.model``, read its config and tokenizer, and refuse options that
+    cannot apply to it (before any stage starts)."""
+    path = resolve_model(cfg.model)
+    config = read_config(path)
+    model = Model(path, config, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")))
+    if cfg.bits is not None:
+        if "quantization" in config:
+            raise ValueError(f"{path} is quantized already; --bits quantizes a full-precision "
+                             "model (bf16, fp16, fp32, or DeepSeek's FP8) as the stages load it")
+        if cfg.bits == "auto" and cfg.split not in (None, "auto"):
+            raise ValueError("--bits auto needs --split auto: the planner chooses the bits")
+        if cfg.bits != "auto":
+            model.quant = QuantSpec.parse(cfg.bits, cfg.group_size)
+    if cfg.split not in (None, "auto"):
+        # (nodes that join are not known yet: then the split need only fit the model)
+        named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
+        fixed_ranges(model.num_layers, named, cfg.split)
+    return model

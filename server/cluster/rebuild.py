@@ -1,0 +1,80 @@
+"""After a fault: which stages still answer, waiting for those that may come back.
+
+The head's rule (the engine calls ``Cluster.rebuild``): the suspects a fault
+names are a hint, what answers a health check now is the truth. Local stage
+processes that died or stalled are restarted in place; remote nodes get
+``rejoin_timeout_s`` to come back; whatever still does not answer is left out
+and the layers are re-planned over the rest. A stage that cannot reach its
+successor blames it, and the rebuild leaves the successor out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence
+
+from mlxpipe.proto.rpc import Security
+from mlxpipe.server.cluster.local import LocalStages
+from mlxpipe.server.cluster.stage_client import probe
+from mlxpipe.server.core.transport import PipelineError
+
+logger = logging.getLogger(__name__)
+
+
+async def await_up(down: Dict[str, str], security: Security, timeout_s: float,
+                   refuse: bool = False) -> Dict[str, str]:
+    """Probe the stages in ``down`` (address -> why) about once a second until they
+    answer or ``timeout_s`` passes; returns those still down. With ``refuse``, a
+    stage that refuses this head's secret raises at once: waiting will not help."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        refused = {a: e for a, e in down.items() if e.startswith("UNAUTHENTICATED")}
+        if refuse and refused:
+            raise PipelineError(f"nodes refused this head: {refused} (the cluster secret differs?)")
+        if not down or time.monotonic() > deadline:
+            return down
+        await asyncio.sleep(1.0)
+        down = {a: e for a, e in zip(down, await probe(list(down), security)) if e is not None}
+
+
+async def await_nodes(addresses: List[str], security: Security, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) for every --nodes worker to answer."""
+    errors = zip(addresses, await probe(addresses, security))
+    down = await await_up({a: e for a, e in errors if e is not None}, security, timeout_s, refuse=True)
+    if down:
+        raise PipelineError(f"nodes did not answer within {timeout_s:.0f}s: {down}")
+
+
+async def answering(addresses: List[str], security: Security, local: Optional[LocalStages], restart: bool,
+                    timeout_s: float, why: str, suspects: Sequence[str]) -> List[str]:
+    """The stages to rebuild over, in pipeline order: local ones restarted where they
+    died or stalled (with ``restart``), remote ones that answer within ``timeout_s``."""
+    errors = dict(zip(addresses, await probe(addresses, security)))
+    up = {a: err is None for a, err in errors.items()}
+    logger.warning("rebuilding after: %s; suspects %s; answering: %s", why, list(suspects),
+                   [a for a, ok in up.items() if ok])
+    if local is not None and restart:
+        for i, address in enumerate(addresses):
+            if not up[address] or not local.alive(i):
+                await asyncio.to_thread(local.restart, i)
+                up[address] = True
+    elif local is None:
+        still = await await_up({a: e for a, e in errors.items() if e is not None}, security, timeout_s)
+        up = {a: a not in still for a in addresses}
+    return [a for a in addresses if up[a]]
+
+
+async def build_leaving_out(alive: List[str], build: Callable[[List[str]], Awaitable], why: str):
+    """``build(alive)``, again without the stages a failed build blames, until one loads."""
+    while alive:
+        try:
+            return await build(alive)
+        except PipelineError as err:  # e.g. a stage that cannot reach its successor
+            gone = set(err.suspects) & set(alive)
+            if not gone:
+                raise
+            logger.warning("leaving out %s: %s", sorted(gone), err)
+            alive = [a for a in alive if a not in gone]
+    raise PipelineError(f"no stage is left to run the model ({why})")

@@ -1,0 +1,235 @@
+"""The gRPC stage client: the head's side of the wire, and core's ``Transport``.
+
+``Pipeline`` connects to a list of stage addresses (local processes,
+``local.py``, or remote nodes), tells each which layers of which model to load
+and where its next stage is (sending weights first to a node that lacks them,
+``weights.py``), then keeps two long-lived streams open: ``Forward`` into stage
+0 and ``Results`` out of the last stage. Activations never pass through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional, Sequence, Tuple
+
+import grpc
+from tqdm import tqdm
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.rpc import Security, culprits_of
+from mlxpipe.server.cluster.budget import FrameBudget
+from mlxpipe.server.cluster.config import StageLimits
+from mlxpipe.server.cluster.weights import WeightSource, send_weights
+from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.weights import CHUNK_BYTES
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 900.0
+CALL_TIMEOUT_S = 10.0
+
+
+async def probe(addresses: Sequence[str], security: Security, timeout: float = 2.0) -> List[Optional[str]]:
+    """For each stage: None when it answers a health check within ``timeout``, else why not."""
+
+    async def one(address: str) -> Optional[str]:
+        async with security.channel(address) as channel:
+            try:
+                await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout,
+                                                        metadata=security.metadata())
+                return None
+            except grpc.aio.AioRpcError as err:
+                return f"{err.code().name}: {err.details()}"
+
+    return list(await asyncio.gather(*(one(a) for a in addresses)))
+
+
+@dataclass
+class Placement:
+    """One stage of a pipeline, as the head knows it: where it runs and which layers."""
+
+    address: str
+    start: int
+    end: int
+    load: Optional[pb.LoadReply] = None
+    weights_sent: int = 0  # data bytes of weights the head streamed to it
+
+
+class Pipeline:
+    """A chain of stages holding one model, driven by the head."""
+
+    def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
+                 limits: StageLimits = StageLimits(), tokenizer: Optional[pb.TokenizerSpec] = None):
+        self.stages = [Placement(a, 0, 0) for a in addresses]
+        self.model = model
+        self.security = security or Security()
+        self.md = self.security.metadata()  # every call carries the cluster secret
+        self.limits = limits  # what each stage holds to (from the config tree: config.stage_limits)
+        self.tokenizer = tokenizer  # for the last stage's grammars (None: it refuses sequences with one)
+        self.channels = [self.security.channel(a) for a in addresses]
+        self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
+        self._forward = None
+        self._results = None
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._writer: Optional[asyncio.Task] = None
+        self.budget = FrameBudget()  # where frames' time goes (cluster/budget.py)
+
+    async def profile(self, indices: Sequence[int], batch: int,
+                      quant: Optional[QuantSpec] = None) -> List[pb.ProfileReply]:
+        """Ask stages (by index) to time the model (quantized by ``quant``), for the planner."""
+        request = pb.ProfileRequest(model=self.model, batch=batch,
+                                    quantization=quant.to_wire() if quant else None)
+
+        async def one(i: int) -> pb.ProfileReply:
+            try:
+                return await self.stubs[i].Profile(request, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+            except grpc.aio.AioRpcError as err:
+                raise PipelineError(f"stage {i} at {self.stages[i].address} could not profile the model: "
+                                    f"{err.code().name}: {err.details()}") from err
+
+        return list(await asyncio.gather(*(one(i) for i in indices)))
+
+    def assign(self, ranges: Sequence[Tuple[int, int]]) -> None:
+        """Give stage i the layers ``ranges[i]``."""
+        if len(ranges) != len(self.stages):
+            raise ValueError(f"{len(ranges)} layer ranges for {len(self.stages)} stages")
+        for st, (s, e) in zip(self.stages, ranges):
+            st.start, st.end = s, e
+
+    async def send_weights(self, i: int, source: WeightSource, progress: bool = False) -> int:
+        """Offer stage i the units of its range and send the chunks it lacks; returns the bytes sent."""
+        st = self.stages[i]
+        offer = pb.WeightsOffer(model=self.model, fingerprint=source.fingerprint, start=st.start, end=st.end,
+                                chunk_bytes=CHUNK_BYTES, files=source.files,
+                                source_fingerprint=source.source_fingerprint)
+        sent = await send_weights(self.stubs[i], i, st.address, offer, source, self.md, progress)
+        st.weights_sent += sent
+        return sent
+
+    async def load(self, progress: bool = False, weights: Optional[WeightSource] = None,
+                   quant: Optional[QuantSpec] = None) -> List[pb.LoadReply]:
+        """Every stage loads its range, all at once (a progress bar counts them in).
+        With ``weights``, a stage without the model first receives its range's.
+        With ``quant``, a stage holding the full-precision model quantizes its range
+        as it loads it (and ``weights`` should be a ``QuantizedSource`` of the same spec)."""
+        bar = tqdm(total=len(self.stages), desc="loading stages", unit="stage", file=sys.stderr) if progress else None
+
+        async def one(i: int) -> pb.LoadReply:
+            st = self.stages[i]
+            nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
+            lim = self.limits
+            req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
+                                 max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
+                                 max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
+                                 quantization=quant.to_wire() if quant else None,
+                                 tokenizer=self.tokenizer if not nxt else None)
+            try:
+                if weights is not None:
+                    await self.send_weights(i, weights, progress)
+                    req.fingerprint = weights.fingerprint
+                st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                if bar is not None:
+                    bar.update()
+            except grpc.aio.AioRpcError as err:
+                # A stage that cannot reach its successor blames the successor.
+                suspect = self.stages[i + 1] if "next stage" in (err.details() or "") else st
+                raise PipelineError(
+                    f"stage {i} at {st.address} could not load layers [{st.start}, {st.end}): "
+                    f"{err.code().name}: {err.details()}", [suspect.address]
+                ) from err
+            return st.load
+
+        try:
+            replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
+        finally:
+            if bar is not None:
+                bar.close()
+        prints = {r.fingerprint for r in replies}
+        if len(prints) != 1:
+            raise PipelineError(f"stages hold different models (fingerprints {sorted(prints)})")
+        return replies
+
+    async def open(self) -> None:
+        """Open the Results stream of the last stage, then the Forward stream of the first."""
+        self._results = self.stubs[-1].Results(pb.ResultsRequest(), metadata=self.md)
+        self._forward = self.stubs[0].Forward(metadata=self.md)
+        self._writer = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                frame = await self._outbox.get()
+                self.budget.sent(frame)
+                await self._forward.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            # The stream broke; watch_forward reports why.
+            logger.info("forward stream write failed: %s", err)
+
+    def send(self, frame: pb.Frame) -> None:
+        """Queue a frame for stage 0; frames go out in the order sent."""
+        self._outbox.put_nowait(frame)
+
+    async def results(self) -> AsyncIterator[pb.Result]:
+        """Results from the last stage, until the pipeline breaks (PipelineError)."""
+        last = len(self.stages) - 1
+        try:
+            async for result in self._results:
+                arrived = time.perf_counter()
+                yield result
+                self.budget.done(result, arrived)
+        except grpc.aio.AioRpcError as err:
+            raise PipelineError(f"results stream of the last stage at {self.stages[last].address} broke: "
+                                f"{err.code().name}: {err.details()}", [self.stages[last].address]) from err
+        raise PipelineError("the last stage closed its results stream", [self.stages[last].address])
+
+    async def watch_forward(self) -> None:
+        """Return never; raise PipelineError when the Forward stream into stage 0 ends.
+
+        A stage that loses its successor ends its own upstream stream with
+        UNAVAILABLE, so a break anywhere along the chain arrives here."""
+        try:
+            await self._forward
+        except grpc.aio.AioRpcError as err:
+            raise PipelineError(f"forward stream into stage 0 at {self.stages[0].address} broke: "
+                                f"{err.code().name}: {err.details()}", culprits=culprits_of(err)) from err
+        raise PipelineError("stage 0 closed the forward stream")
+
+    async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[Placement, Optional[pb.HealthReply], str]]:
+        """(stage, reply or None, error) for every stage, asked at once."""
+
+        async def one(i: int):
+            try:
+                reply = await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout, metadata=self.md)
+                return self.stages[i], reply, ""
+            except grpc.aio.AioRpcError as err:
+                return self.stages[i], None, f"{err.code().name}: {err.details()}"
+            except grpc.aio.UsageError as err:  # closed under us: a recovery replaced this pipeline
+                return self.stages[i], None, f"{err} (the pipeline is being rebuilt)"
+            except asyncio.CancelledError:
+                # gRPC cancels calls in flight when their channel closes (a recovery
+                # replacing this pipeline); only a cancel of the caller itself goes on.
+                task = asyncio.current_task()
+                if task is not None and getattr(task, "cancelling", lambda: 1)():
+                    raise
+                return self.stages[i], None, "the call was cancelled: the pipeline is being rebuilt"
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
+
+    def held_blocks(self) -> List[List[int]]:
+        """The prefix-cache blocks each stage reported holding when it loaded."""
+        return [list(st.load.blocks) for st in self.stages]
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+        for call in (self._forward, self._results):
+            if call is not None:
+                call.cancel()
+        for ch in self.channels:
+            await ch.close()

@@ -1,0 +1,374 @@
+"""Generation on a pipeline: token ids in, token streams out. Knows nothing of HTTP,
+of text (``api/textgen.py`` turns its streams into text) or of gRPC: it drives a
+``Transport`` (``transport.py``), and ``frames.py`` speaks the wire for it.
+
+The engine runs on the event loop and owns the ``Scheduler``. Every change
+(a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
+for frames and queue them for stage 0. A supervisor task reads the last
+stage's Results, hands each token to its request's queue, watches the stages'
+health, and rebuilds the pipeline when it breaks (see ``Engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
+from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
+from mlxpipe.server.core.sequence import Seq, TokenEvent
+from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
+from mlxpipe.server.core.transport import PipelineError, StageHealth, Transport
+from mlxpipe.shards.sampling import INT32, Sampling
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    recoveries: int = 0  # pipelines rebuilt after a fault
+    generated_tokens: int = 0  # tokens delivered to requests since start (the page's tok/s chart)
+
+
+class Replan(RuntimeError):
+    """Not a fault: the cluster changed (a node joined) and the layers are re-planned."""
+
+
+class StageDown(RuntimeError):
+    """A health check found a stage dead, stalled or not ready."""
+
+    def __init__(self, message: str, suspects: Sequence[str]):
+        super().__init__(message)
+        self.suspects = list(suspects)
+
+
+@dataclass
+class Rebuilt:
+    """What a rebuild changed: the new pipeline, and the KV positions its stages hold."""
+
+    pipeline: Transport
+    max_kv_tokens: int
+    prefix_blocks: int  # blocks each stage may keep for the prefix cache
+
+
+# rebuild(why, addresses of suspect stages) -> a loaded pipeline without the fault, or raises.
+Rebuild = Callable[[str, Sequence[str]], Awaitable[Rebuilt]]
+
+
+class Observer(Protocol):
+    """Told as tokens arrive (e.g. ``metrics.Metrics``)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def token(self, since_previous: Optional[float]) -> None: ...
+
+
+@dataclass
+class Supervision:
+    health_interval_s: float = 1.0   # how often every stage's health is checked
+    health_timeout_s: float = 2.0    # a stage that does not answer within this is down
+    recovery_timeout_s: float = 120.0  # one rebuild (restart or wait, re-plan, reload) at most
+    retry_interval_s: float = 5.0    # after a failed recovery, try again this often
+
+
+class Engine:
+    """Runs generation over a pipeline, and keeps it running.
+
+    A supervisor task watches three things: the Results stream, the Forward
+    stream and, every second, every stage's health. When one fails the engine
+    stops sending, hands the fault to ``rebuild`` (which restarts, waits for or
+    leaves out the failed stages, re-plans and reloads), then replays every
+    live sequence from its prompt plus the tokens generated so far and goes on.
+    Clients see a pause. Only when no pipeline can be rebuilt do live requests
+    end, with ``GenerationFailed``.
+    """
+
+    def __init__(self, pipeline: Transport, config: SchedulerConfig,
+                 eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
+                 rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None,
+                 observer: Optional[Observer] = None, draft_model=None, vocab_size: int = INT32):
+        self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
+        self.draft_model = draft_model  # draft_model.DraftModel, or None
+        self.scheduler = Scheduler(config, drafters=self._drafter)
+        self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
+        self.eos = frozenset(eos_token_ids)
+        self.max_context = max_context
+        self.vocab_size = vocab_size  # sampling parameters are checked against it (top_k, logit_bias)
+        self.rebuild = rebuild
+        self.supervision = supervision or Supervision()
+        self.streams: Dict[int, RequestStream] = {}
+        self.stats = EngineStats()
+        self.observer = observer
+        self.state = "ready"              # "ready", "recovering" or "failed"
+        self.failure: Optional[str] = None  # why, while not ready
+        self._ids = itertools.count(1)
+        self._supervisor: Optional[asyncio.Task] = None
+        self._replan = asyncio.Event()
+        self._replan_why = ""
+        self._rebuilt = asyncio.Event()  # set after each rebuild
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopping = False  # shutting down: a broken stream now is no fault to recover from
+
+    def _drafter(self, seq: Seq) -> Drafter:
+        """A sequence's drafter, as its request asked ("auto": lookup, then the draft model)."""
+        if self.draft_model is None or seq.speculation == "prompt_lookup":
+            return PromptLookup()
+        if seq.speculation == "draft_model":
+            return self.draft_model.drafter()
+        return Either(PromptLookup(), self.draft_model.drafter())
+
+    def check_speculation(self, speculation: str) -> None:
+        """Raise InvalidRequest unless this engine can draft from ``speculation``."""
+        if speculation not in SOURCES:
+            raise InvalidRequest(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}",
+                                 "speculation")
+        if speculation == "draft_model" and self.draft_model is None:
+            raise InvalidRequest("this server has no draft model (start it with --draft-model)", "speculation")
+
+    def speculation(self) -> dict:
+        """Drafted and accepted tokens since start, and the draft model's work."""
+        out = self.scheduler.drafts.as_dict()
+        if self.draft_model is not None:
+            out["draft_model"] = self.draft_model.as_dict()
+        return out
+
+    @property
+    def live(self) -> int:
+        """Requests waiting or generating."""
+        return self.scheduler.live
+
+    @property
+    def recoveries(self) -> int:
+        """Pipelines rebuilt after a fault."""
+        return self.stats.recoveries
+
+    @property
+    def drafts(self):
+        """Drafted tokens judged and accepted since start (``DraftStats``)."""
+        return self.scheduler.drafts
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens delivered to requests since start."""
+        return self.stats.generated_tokens
+
+    def frame_budget(self) -> dict:
+        """Where the running pipeline's frames spent their time: kind -> ``budget.KindTotals``
+        (they restart with a rebuilt pipeline)."""
+        return self.pipeline.budget.kinds
+
+    async def health(self, timeout: float = 10.0) -> List[StageHealth]:
+        """Every stage of the running pipeline: (stage, Health reply or None, why not)."""
+        return await self.pipeline.health(timeout=timeout)
+
+    async def start(self) -> None:
+        if self.draft_model is not None:  # drafts are ready: schedule again
+            self.draft_model.bind(asyncio.get_running_loop(), self._pump)
+        self._held_blocks(self.scheduler.config.prefix_blocks)
+        await self.pipeline.open()
+        self._supervisor = asyncio.ensure_future(self._supervise())
+
+    def _held_blocks(self, capacity: int) -> None:
+        """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
+        self.scheduler.reset_prefix(self.pipeline.held_blocks(), capacity)
+
+    def shut_down(self, why: str = "the server is shutting down") -> None:
+        """Stop taking work: every live request ends now with ``why`` (an error event
+        in a stream), and nothing that breaks from here on is recovered."""
+        self._stopping = True
+        self.state, self.failure = "stopping", why
+        for seq_id, stream in list(self.streams.items()):
+            stream.queue.put_nowait(GenerationFailed(why))
+            self.scheduler.cancel(seq_id)
+        self.streams.clear()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self.draft_model is not None:
+            self.draft_model.close()
+        await self.pipeline.close()
+
+    def submit(self, prompt: Sequence[int], max_tokens: int,
+               sampling: Sampling = Sampling(), stop_at_eos: bool = True,
+               speculation: str = "auto", max_drafts: Optional[int] = None) -> RequestStream:
+        """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
+        ``max_drafts``: drafted positions in flight at most (0: none). ``sampling`` is
+        checked here, the head's one check of it (the last stage checks what
+        arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
+        ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
+        when the server is at capacity, ``GenerationFailed`` when the pipeline is
+        down. While it recovers, requests queue and wait."""
+        if self.state in ("failed", "stopping"):
+            raise GenerationFailed(self.failure)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        sampling.validate(self.vocab_size)
+        self.check_speculation(speculation)
+        if sampling.seed is None:
+            # Unseeded requests still get a seed, chosen here, so a request
+            # replayed after a failure draws the same tokens again.
+            sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
+        seq_id = next(self._ids)
+        seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
+                  eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
+                  speculation=speculation, max_drafts=max_drafts)
+        if seq.reserve > self.scheduler.max_kv_tokens:
+            raise InvalidRequest(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
+                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
+        self.scheduler.add(seq)
+        stream = RequestStream(self, seq_id)
+        self.streams[seq_id] = stream
+        self._pump()
+        stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
+        return stream
+
+    def cancel(self, seq_id: int) -> None:
+        self.streams.pop(seq_id, None)
+        self.scheduler.cancel(seq_id)
+        self._pump()
+
+    def _pump(self) -> None:
+        if self.state == "ready":
+            for frame in self.framer.schedule():
+                self.pipeline.send(frame)
+        if self.scheduler.idle or self.state == "failed":
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    async def drain(self) -> None:
+        """Wait until no request is live and every stage has freed their caches."""
+        await self._idle.wait()
+
+    def _deliver(self, events: List[TokenEvent]) -> None:
+        now = time.monotonic()
+        for ev in events:
+            stream = self.streams.get(ev.seq.seq_id)
+            if stream is None:
+                continue
+            if ev.error is not None:
+                stream.queue.put_nowait(SequenceFailed(ev.error))
+                del self.streams[ev.seq.seq_id]
+                continue
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                stream.cached_tokens = ev.seq.cached_tokens or 0
+                if self.observer is not None:
+                    self.observer.first_token(now - stream.submitted)
+            if self.observer is not None:
+                self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
+            stream.last_token_at = now
+            self.stats.generated_tokens += 1
+            reason = ev.seq.finish_reason if ev.finished else None
+            stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
+            if ev.finished:
+                del self.streams[ev.seq.seq_id]
+
+    # -- supervision -------------------------------------------------------------
+
+    async def _read(self) -> None:
+        async for result in self.pipeline.results():
+            self._deliver(self.framer.on_result(result))
+            self._pump()
+
+    async def _monitor(self) -> None:
+        sup = self.supervision
+        while True:
+            await asyncio.sleep(sup.health_interval_s)
+            down = []
+            for i, (st, reply, err) in enumerate(await self.pipeline.health(timeout=sup.health_timeout_s)):
+                if reply is None or reply.state != "ready":
+                    down.append((st.address, f"stage {i} at {st.address} is "
+                                    + (f"unreachable ({err})" if reply is None else f"{reply.state}: {reply.detail}")))
+            if down:
+                raise StageDown("; ".join(d for _, d in down), [a for a, _ in down])
+
+    async def request_replan(self, why: str, timeout: float = 300.0) -> None:
+        """Rebuild the pipeline over the cluster's current nodes (live sequences pause and
+        replay); returns when the new pipeline runs."""
+        self._rebuilt.clear()
+        self._replan_why = why
+        self._replan.set()
+        await asyncio.wait_for(self._rebuilt.wait(), timeout)
+
+    async def _await_replan(self) -> None:
+        await self._replan.wait()
+        self._replan.clear()
+        raise Replan(self._replan_why)
+
+    async def _run_pipeline(self) -> Tuple[str, List[str], bool, List[int]]:
+        """Run until the pipeline breaks or a re-plan is asked for; return why,
+        which stages are suspect, whether it was a fault, and the sequences whose
+        frame a stage failed on (when it said)."""
+        tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward(),
+                                                    self._await_replan())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        err = next(iter(done)).exception()
+        if isinstance(err, Replan):
+            return f"re-plan: {err}", [], False, []
+        if isinstance(err, (StageDown, PipelineError)):
+            return str(err), list(err.suspects), True, list(getattr(err, "culprits", []))
+        if err is None:
+            return "the pipeline's streams closed", [], True, []
+        logger.error("engine failure", exc_info=err)
+        return f"{type(err).__name__}: {err}", [], True, []
+
+    async def _supervise(self) -> None:
+        sup = self.supervision
+        while True:
+            why, suspects, fault, culprits = await self._run_pipeline()
+            if self._stopping:
+                return
+            logger.warning("%s: %s", "pipeline broke" if fault else "rebuilding", why)
+            self._deliver(self.scheduler.fail_culprits(culprits, why))
+            if self.rebuild is None:
+                self._fail(why)
+                return
+            self.state, self.failure = "recovering", why
+            await self.pipeline.close()
+            live = self.scheduler.replay_all()
+            logger.warning("recovering; %d live sequences will be replayed", len(live))
+            while True:
+                try:
+                    rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
+                    self.pipeline = rebuilt.pipeline
+                    self.scheduler.resize(rebuilt.max_kv_tokens)
+                    self._held_blocks(rebuilt.prefix_blocks)
+                    await self.pipeline.open()
+                    break
+                except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests
+                    reason = f"{why}; no pipeline could be rebuilt: {err}"
+                    if self.state != "failed":
+                        self._fail(reason)
+                    await asyncio.sleep(sup.retry_interval_s)
+            self.state, self.failure = "ready", None
+            self.stats.recoveries += fault
+            logger.warning("running again: %d stages", len(self.pipeline.stages))
+            self._rebuilt.set()
+            self._pump()
+
+    def _fail(self, why: str) -> None:
+        """No pipeline: every live request ends with a clear error, never a hang."""
+        logger.error("pipeline failed: %s", why)
+        self.state, self.failure = "failed", why
+        for seq_id, stream in list(self.streams.items()):
+            stream.queue.put_nowait(GenerationFailed(f"pipeline failed: {why}"))
+            self.scheduler.cancel(seq_id)
+        self.streams.clear()
+        self.scheduler.replay_all()  # forget what the dead pipeline held
+        self._pump()

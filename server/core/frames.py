@@ -1,0 +1,62 @@
+"""The scheduler's steps as frames, and the last stage's results as its samples.
+
+The one module of the head outside ``cluster/`` that touches the wire
+(``pipeline_pb2``): the scheduler decides in its own terms (``plan.py``) and
+this module alone builds ``pb.Frame``s from its steps (as nano-vllm's
+``model_runner.prepare_*`` alone builds tensors) and reads ``pb.Result``s back.
+A sequence's ``Sampling`` becomes its wire form here, in its first frame.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.core.plan import Entry, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.scheduler import Scheduler
+from mlxpipe.server.core.sequence import TokenEvent
+
+_KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
+          StepKind.VERIFY: pb.Frame.VERIFY, StepKind.CONTROL: pb.Frame.CONTROL}
+
+
+def seq_entry(e: Entry) -> pb.SeqEntry:
+    out = pb.SeqEntry(seq_id=e.seq_id, offset=e.offset, num_tokens=e.num_tokens, sample=e.sample, trim=e.trim)
+    if e.store:
+        out.store_first = e.store_first
+        out.store.extend(e.store)
+    if e.opening is not None:
+        out.sampling.CopyFrom(e.opening.sampling.to_wire())
+        out.reuse.extend(e.opening.reuse)
+        out.context.extend(e.opening.context)
+        out.generated.extend(e.opening.generated)
+    return out
+
+
+def frame(step: Step) -> pb.Frame:
+    """A step as the frame stage 0 gets."""
+    return pb.Frame(frame_id=step.step_id, kind=_KINDS[step.kind], group=step.group,
+                    seqs=[seq_entry(e) for e in step.entries], tokens=step.tokens,
+                    free=step.free, evict=step.evict)
+
+
+def step_result(result: pb.Result) -> StepResult:
+    """The last stage's result as the scheduler takes it."""
+    return StepResult(result.frame_id, [
+        Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
+               t.done, t.error) for t in result.tokens])
+
+
+class Framer:
+    """A scheduler spoken through the wire: what the engine sends and takes."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def schedule(self) -> List[pb.Frame]:
+        """The frames to send now, in order."""
+        return [frame(s) for s in self.scheduler.schedule()]
+
+    def on_result(self, result: pb.Result) -> List[TokenEvent]:
+        """Take one Result; return the tokens it gave live sequences."""
+        return self.scheduler.on_result(step_result(result))

@@ -1,0 +1,91 @@
+"""The KV-cache positions of every stage, and the prefix cache inside them. Pure logic.
+
+Admitted sequences reserve what they may grow to (prompt plus token budget);
+cached prefix blocks (``PrefixIndex``) live in what is left and give way to
+live sequences: admission evicts least recently used blocks before it would
+make a request wait. Blocks a round's steps reuse or store are never evicted
+in that round.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Set, Tuple
+
+from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
+from mlxpipe.server.core.sequence import Seq
+
+
+class KvBudget:
+    def __init__(self, max_tokens: int, block_tokens: int, prefix_blocks: int):
+        self.max_tokens = max_tokens      # changes when the pipeline is rebuilt (``resize``)
+        self.block_tokens = block_tokens
+        self.prefix: Optional[PrefixIndex] = (PrefixIndex(block_tokens, prefix_blocks, 0)
+                                              if prefix_blocks else None)
+        self.pending_evict: List[int] = []  # blocks the next step tells the stages to drop
+        self._keep: Set[int] = set()        # blocks this round's steps reuse or store: not evicted now
+        self._room = 0                      # blocks the budget leaves for the cache this round
+
+    def resize(self, max_tokens: int) -> None:
+        """A rebuilt pipeline holds a different number of KV positions."""
+        self.max_tokens = max_tokens
+
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
+        if self.prefix is not None:
+            self.pending_evict = self.prefix.reset(held, capacity)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefix.tokens if self.prefix is not None else 0
+
+    def new_round(self) -> None:
+        self._keep.clear()
+
+    def set_room(self, reserved: int) -> None:
+        """Blocks that fit beside what live sequences (``reserved`` positions) may grow to."""
+        if self.prefix is not None:
+            self._room = (self.max_tokens - reserved) // self.block_tokens
+
+    def take_evictions(self) -> List[int]:
+        out, self.pending_evict = self.pending_evict, []
+        return out
+
+    def cached_prefix(self, seq: Seq) -> List[int]:
+        """The keys of the cached blocks ``seq`` may start after: all its first blocks
+        that every stage holds, leaving at least its last token to compute."""
+        if self.prefix is None:
+            return []
+        usable = (len(seq.feed) - 1) // self.block_tokens
+        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable)
+        return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
+
+    def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
+        """Whether ``need`` more positions fit beside ``reserved`` and the cache, after
+        evicting cached blocks (never ``hit``, the ones it would reuse) to make room."""
+        if self.prefix is not None:  # live sequences win: drop cached blocks before refusing
+            over = reserved + need + self.prefix.tokens - self.max_tokens
+            if over > 0:
+                self.pending_evict += self.prefix.evict(-(-over // self.block_tokens), self._keep | set(hit))
+        return reserved + need + self.cached_tokens <= self.max_tokens
+
+    def reusing(self, hit: List[int]) -> None:
+        """A sequence was admitted to start after ``hit``."""
+        if self.prefix is not None:
+            self.prefix.touch(hit)
+            self._keep.update(hit)
+
+    def store(self, seq: Seq, offset: int) -> Tuple[int, List[int]]:
+        """The blocks ``seq`` completed before a step at ``offset`` that the stages are
+        to keep: (index of the first, their keys); none once they were asked for."""
+        if self.prefix is None:
+            return 0, []
+        # Only confirmed positions: a verify step's offset may lie past drafted ones.
+        upto = min(offset, len(seq.prompt) + len(seq.generated) - 1) // self.block_tokens
+        if upto <= seq.stored:
+            return 0, []
+        first = seq.stored
+        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
+        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room)
+        self._keep.update(keys[:kept])
+        seq.stored = upto  # blocks that did not fit are not asked again
+        return (first if kept else 0), keys[:kept]

@@ -1,0 +1,391 @@
+"""What goes into the pipeline next: pure logic, no I/O, no MLX, no wire.
+
+The engine feeds it requests (``add``, ``cancel``) and results (``on_result``)
+and asks it for the steps to run (``schedule``), which ``frames.py`` turns into
+frames. It keeps every sequence's truth: its prompt, the tokens generated so
+far, where it is in the pipeline.
+
+Rules:
+
+- Prefill is chunked (token-level pipelining, as in TeraPipe): all but the
+  last token of the prompt go in chunks of at most ``chunk_size``, sent back
+  to back without waiting for results, so stage 1 works on chunk k while stage
+  0 works on chunk k+1. A short prefill (a new turn after a cached prefix) is
+  cut into about two chunks per stage (never under ``min_chunk``) so that every
+  stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
+  ``generate_step`` does it. At most ``max_prefill_inflight`` prefill steps
+  are in flight, in arrival order (no starvation).
+- Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
+  at most one step in flight; while stage i runs group g, stage i+1 runs group
+  g-1. A sequence whose first token arrives joins the smallest group at that
+  group's next step; one that finishes or is cancelled leaves, and its caches
+  are freed on every stage by the ``free`` list of the next step.
+- KV budget and prefix cache (``kv_budget.py``): a sequence is admitted when what
+  it may grow to fits; it starts after the longest run of its first blocks that
+  every stage holds, its first step names them (``reuse``), each later step
+  tells the stages to keep the blocks it completed before it (``store``), and
+  the first step of a round carries the blocks to drop (``evict``).
+- Speculative decoding (when ``speculate``): see ``speculation.py``.
+- A sequence with a grammar ends when the last stage says its grammar is
+  complete (``Sample.done``); replayed, its first step names the tokens
+  it generated, so the last stage's grammar advances past them again.
+- Queues are bounded: ``add`` raises ``QueueFull`` instead of growing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, Iterable, List, Optional
+
+from mlxpipe.server.core.drafting import Drafter
+from mlxpipe.server.core.kv_budget import KvBudget
+from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
+from mlxpipe.server.core.speculation import Speculator
+
+MAX_FAULTS = 2  # pipeline faults blamed on one sequence's frames before it is failed instead of replayed
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler's parameters, derived from the config tree (``cluster/config.py``,
+    ``scheduler_config``); the defaults here are a plain scheduler's, for direct use."""
+
+    num_groups: int = 2            # micro-batch groups in flight
+    max_batch: int = 32            # sequences per group
+    chunk_size: int = 256          # prefill tokens per step, at most
+    min_chunk: int = 16            # smallest chunk a short prefill is cut into
+    max_prefill_inflight: int = 2  # prefill steps in flight
+    max_running: Optional[int] = None  # sequences holding caches (None: num_groups x max_batch)
+    max_waiting: int = 256         # requests queued before QueueFull
+    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
+    block_tokens: int = 16         # positions per prefix-cache block
+    prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
+    speculate: bool = False        # verify drafted tokens while few sequences are live
+    spec_max_running: int = 2      # ... at most this many
+    spec_positions: int = 1        # positions per VERIFY step (1 where extra rows cost in proportion)
+    spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
+    spec_frames: int = 2           # VERIFY steps in flight per sequence, at most (a step more than the stages
+                                   # would only queue at stage 0, and be lost on a miss)
+
+
+@dataclass
+class Flight:
+    kind: StepKind
+    seq_ids: List[int]
+    group: Optional[int] = None
+    epoch: int = 0  # VERIFY: the speculation epoch it was sent in (a rejection makes older ones stale)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, drafters: Optional[Callable[[Seq], Drafter]] = None):
+        if min(config.num_groups, config.chunk_size, config.max_prefill_inflight, config.spec_depth,
+               config.spec_positions, config.spec_frames) < 1:
+            raise ValueError("num_groups, chunk_size, max_prefill_inflight and the spec_ sizes must be positive")
+        room = config.num_groups * config.max_batch
+        if config.max_running is not None and config.max_running > room:
+            raise ValueError(
+                f"max_running {config.max_running} exceeds {config.num_groups} groups x "
+                f"{config.max_batch} sequences"
+            )
+        self.config = config
+        self.max_running = room if config.max_running is None else config.max_running
+        self.kv = KvBudget(config.max_kv_tokens, config.block_tokens, config.prefix_blocks)
+        self.speculator = Speculator(config, drafters)
+        self.seqs: Dict[int, Seq] = {}
+        self.waiting: Deque[Seq] = deque()
+        self.prefilling: List[Seq] = []
+        self.groups: List[List[int]] = [[] for _ in range(config.num_groups)]
+        self.inflight: Dict[int, Flight] = {}
+        self.pending_free: List[int] = []
+        self._step_ids = itertools.count(1)
+
+    def resize(self, max_kv_tokens: int) -> None:
+        """A rebuilt pipeline holds a different number of KV positions."""
+        self.kv.resize(max_kv_tokens)
+
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
+        self.kv.reset_prefix(held, capacity)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        return self.kv.max_tokens
+
+    @property
+    def prefix(self):
+        """The prefix index (``PrefixIndex``), or None without a prefix cache."""
+        return self.kv.prefix
+
+    @property
+    def solo(self) -> List[int]:
+        """Sequences verifying drafts instead of decoding in a group."""
+        return self.speculator.solo
+
+    @property
+    def drafts(self):
+        """Drafted tokens judged and accepted since start (``DraftStats``)."""
+        return self.speculator.stats
+
+    # -- requests -------------------------------------------------------------
+
+    def add(self, seq: Seq) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        seq.feed = list(seq.prompt)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, seq_id: int, reason: str = "cancelled") -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None and seq.phase != Phase.DONE:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        if seq.phase == Phase.WAITING:
+            self.waiting.remove(seq)
+        elif seq.phase == Phase.PREFILL:
+            self.prefilling.remove(seq)
+        elif seq.group is not None:
+            self.groups[seq.group].remove(seq.seq_id)
+            seq.group = None
+        self.speculator.forget(seq)
+        seq.phase = Phase.DONE
+        seq.finish_reason = reason
+        if seq.known:
+            self.pending_free.append(seq.seq_id)
+        del self.seqs[seq.seq_id]
+
+    @property
+    def live(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs and not self.inflight and not self.pending_free and not self.kv.pending_evict
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV positions admitted sequences may grow to: prompt plus token budget each."""
+        return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
+
+    @property
+    def decoding(self) -> int:
+        """Sequences past their prefill: in groups, or verifying drafts."""
+        return sum(len(g) for g in self.groups) + len(self.solo)
+
+    # -- scheduling -----------------------------------------------------------
+
+    def schedule(self) -> List[Step]:
+        """The steps to run now, in order."""
+        self.kv.new_round()
+        self._admit()
+        self.kv.set_room(self.kv_reserved)
+        steps = self._verify_steps()    # may send a sequence back to a group...
+        steps += self._decode_steps()   # ... or take one out of its group...
+        steps += self._verify_steps()   # ... which then verifies at once
+        steps += self._prefill_steps()
+        evict = self.kv.take_evictions()
+        if self.pending_free or evict:
+            if not steps:
+                steps.append(self._step(StepKind.CONTROL, [], []))
+            # Stages apply these before the step's work; blocks this round's
+            # steps reuse or store were kept out of the evictions.
+            steps[0].free, steps[0].evict = self.pending_free, evict
+            self.pending_free = []
+        return steps
+
+    def _admit(self) -> None:
+        holding = len(self.prefilling) + self.decoding
+        reserved = self.kv_reserved
+        while self.waiting and holding < self.max_running:
+            seq = self.waiting[0]
+            hit = self.kv.cached_prefix(seq)
+            if not self.kv.admits(seq.reserve, reserved, hit) and holding:
+                break  # wait for KV memory to free up (FIFO: nobody overtakes)
+            self.waiting.popleft()
+            seq.phase = Phase.PREFILL
+            seq.reuse, seq.stored = hit, len(hit)
+            seq.sent = len(hit) * self.config.block_tokens
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.sent
+            self.kv.reusing(hit)
+            self.prefilling.append(seq)
+            self.speculator.admitted(seq, self.live)
+            holding += 1
+            reserved += seq.reserve
+
+    def _chunk(self, seq: Seq) -> int:
+        """Tokens per prefill step for ``seq``: about two chunks per stage in flight."""
+        cfg = self.config
+        todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
+        return min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
+
+    def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
+        """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
+        entry = Entry(seq.seq_id, offset, num_tokens, sample, trim)
+        entry.store_first, entry.store = self.kv.store(seq, offset)
+        return entry
+
+    def _opening(self, seq: Seq) -> Opening:
+        """What ``seq``'s first step tells the stages: its sampling, the blocks it starts
+        after, the reused tokens its penalties look back at, and (with a grammar) the
+        tokens it generated before a replay."""
+        back = seq.sampling.penalty_lookback
+        context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
+        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [])
+
+    def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
+              tokens=(), epoch: int = 0) -> Step:
+        sid = next(self._step_ids)
+        self.inflight[sid] = Flight(kind, seq_ids, group, epoch)
+        return Step(sid, kind, entries, list(tokens), group or 0)
+
+    def _decode_steps(self) -> List[Step]:
+        steps = []
+        busy_groups = {f.group for f in self.inflight.values() if f.kind == StepKind.DECODE}
+        for g, members in enumerate(self.groups):
+            if not members or g in busy_groups:
+                continue
+            for sid in list(members):
+                if self.speculator.leaves_group(self.seqs[sid], self.live):
+                    members.remove(sid)
+            if not members:
+                continue
+            seqs = [self.seqs[s] for s in members]
+            entries = []
+            for s in seqs:
+                trim = 0
+                if s.spec_state is not None and s.spec_state.trim:  # back from speculating: drop its rejected drafts
+                    trim, s.spec_state.trim = s.spec_state.trim, 0
+                entries.append(self._entry(s, s.cached, 1, True, trim))
+            tokens = [s.generated[-1] for s in seqs]
+            steps.append(self._step(StepKind.DECODE, list(members), entries, g, tokens))
+        return steps
+
+    def _prefill_steps(self) -> List[Step]:
+        steps = []
+        inflight = sum(1 for f in self.inflight.values() if f.kind == StepKind.PREFILL)
+        for seq in list(self.prefilling):
+            while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
+                body = len(seq.feed) - 1  # all but the last token go in chunks
+                if seq.sent < body:
+                    n, sample = min(self._chunk(seq), body - seq.sent), False
+                else:
+                    n, sample = 1, True
+                if not seq.known:  # its first step
+                    entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
+                else:
+                    entry = self._entry(seq, seq.sent, n, sample)
+                tokens = seq.feed[seq.sent : seq.sent + n]
+                steps.append(self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens))
+                seq.sent += n
+                seq.known = True
+                inflight += 1
+            if inflight >= self.config.max_prefill_inflight:
+                break
+        return steps
+
+    def _verify_steps(self) -> List[Step]:
+        back, verifies = self.speculator.wants(self.seqs, self.live)
+        for seq in back:
+            self._join_group(seq)
+        return [self._step(StepKind.VERIFY, [v.seq.seq_id], [self._entry(v.seq, v.offset, len(v.tokens), True, v.trim)],
+                           tokens=v.tokens, epoch=v.epoch) for v in verifies]
+
+    # -- results --------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> List[TokenEvent]:
+        """Take one step's result; return the tokens it gave live sequences."""
+        flight = self.inflight.pop(result.step_id, None)
+        if flight is None:
+            return []
+        events = []
+        for t in result.samples:  # a sequence its stage failed: it ends here, alone
+            if t.error and t.seq_id in self.seqs:
+                events.append(self._fail(self.seqs[t.seq_id], f"the last stage could not go on: {t.error}"))
+        if flight.kind == StepKind.VERIFY:
+            seq = self.seqs.get(flight.seq_ids[0])
+            if seq is None:  # finished or cancelled while the step was in flight
+                return events
+            for t in self.speculator.judge(seq, flight.epoch, list(result.samples)):
+                events.append(self._take(seq, t))
+                if seq.phase == Phase.DONE:
+                    break
+            return events
+        by_id = {t.seq_id: t for t in result.samples}
+        for sid in flight.seq_ids:
+            seq = self.seqs.get(sid)
+            t = by_id.get(sid)
+            if seq is not None and t is not None:  # (a sequence may have ended while it was in flight)
+                events.append(self._take(seq, t))
+        return events
+
+    def _fail(self, seq: Seq, why: str) -> TokenEvent:
+        """End ``seq`` with an error: its request gets ``why``; nothing else changes."""
+        seq.error = why
+        self._finish(seq, "error")
+        return TokenEvent(seq, -1, 0.0, None, True, why)
+
+    def _take(self, seq: Seq, t: Sample) -> TokenEvent:
+        """A sampled token becomes the sequence's next."""
+        seq.generated.append(t.token)
+        if seq.phase == Phase.PREFILL:
+            self.prefilling.remove(seq)
+            seq.phase = Phase.RUNNING
+            self._join_group(seq)
+        reason = None
+        if t.token in seq.eos or t.done:
+            reason = "stop"
+        elif len(seq.generated) >= seq.max_tokens or len(seq.prompt) + len(seq.generated) >= seq.max_context:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason)
+        return TokenEvent(seq, t.token, t.logprob, t.top, reason is not None)
+
+    def _join_group(self, seq: Seq) -> None:
+        # The smallest group; admission (max_running <= num_groups * max_batch)
+        # guarantees it has room.
+        g = min(range(len(self.groups)), key=lambda i: (len(self.groups[i]), i))
+        self.groups[g].append(seq.seq_id)
+        seq.group = g
+
+    # -- failures -------------------------------------------------------------
+
+    def fail_culprits(self, culprits: Iterable[int], why: str) -> List[TokenEvent]:
+        """A stage broke the pipeline on a frame of these sequences: each takes a fault,
+        and one that has now broke it ``MAX_FAULTS`` times is failed, not replayed
+        again (a poison guard: a request must not take the pipeline down forever)."""
+        events = []
+        for sid in culprits:
+            seq = self.seqs.get(sid)
+            if seq is None or seq.phase == Phase.DONE:
+                continue
+            seq.faults += 1
+            if seq.faults >= MAX_FAULTS:
+                events.append(self._fail(seq, f"this request broke the pipeline {seq.faults} times and is not "
+                                              f"retried again; the last time: {why}"))
+        return events
+
+    def replay_all(self) -> List[Seq]:
+        """The pipeline lost its state: every live sequence starts over from its
+        prompt plus the tokens generated so far, ahead of new requests, in the
+        order they arrived. In-flight steps are forgotten."""
+        self.inflight.clear()
+        self.pending_free.clear()
+        self.kv.take_evictions()
+        live = sorted(
+            (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
+            key=lambda s: s.seq_id,
+        )
+        self.prefilling = []
+        self.groups = [[] for _ in range(self.config.num_groups)]
+        self.speculator.reset(live)
+        for seq in reversed(live):
+            seq.phase = Phase.WAITING
+            seq.feed = seq.prompt + seq.generated
+            seq.sent, seq.group, seq.known, seq.stored, seq.reuse = 0, None, False, 0, []
+            self.waiting.appendleft(seq)
+        return live

@@ -1,0 +1,101 @@
+"""A sequence as the head keeps it, and what the scheduler says about it. Pure data.
+
+The head owns every sequence's truth (its prompt, the tokens generated so
+far, its sampling); the stages hold only caches rebuilt from it. A request
+with ``n`` choices is ``n`` sequences.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import FrozenSet, List, Optional, Tuple
+
+from mlxpipe.server.core.drafting import Drafter
+from mlxpipe.shards.sampling import Sampling
+
+
+class QueueFull(RuntimeError):
+    """The server holds as many requests as it may; try again later."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass
+class SpeculationState:
+    """A sequence's speculative decoding. Its confirmed tokens are its prompt and
+    what it generated; the stages hold their positions but the last (C = tokens - 1).
+    ``fed`` positions after those are in flight: the last token, then guesses."""
+
+    depth: int                      # positions beyond the confirmed it may have in flight
+    cap: int                        # ... at most, however well its drafts do
+    drafter: Drafter
+    solo: bool = False              # verifying drafts, out of its group
+    fed: int = 0                    # positions C, C+1, ... sent and not yet judged
+    guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
+    epoch: int = 0
+    trim: int = 0                   # positions the stages hold beyond the confirmed: the next step drops them
+    inflight: int = 0               # its VERIFY steps in flight
+    judged: int = 0                 # drafted tokens judged since the last reset, and how many matched
+    matched: int = 0
+    streak: int = 0                 # drafts matched since the last miss or depth increase
+    cooldown: int = 0               # decode steps in its group before it may speculate again
+
+
+@dataclass
+class Seq:
+    """One sequence: its truth, and where it is in the pipeline."""
+
+    seq_id: int
+    prompt: List[int]
+    max_tokens: int
+    sampling: Sampling
+    eos: FrozenSet[int] = frozenset()
+    max_context: int = 1 << 30
+    generated: List[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    sent: int = 0                  # tokens of `feed` sent as prefill
+    feed: List[int] = field(default_factory=list)  # what prefill pushes (prompt, or prompt + generated on replay)
+    group: Optional[int] = None
+    known: bool = False            # stages may hold caches for it
+    finish_reason: Optional[str] = None
+    hashes: List[int] = field(default_factory=list)  # keys of its first blocks (prefix cache)
+    stored: int = 0                # its first blocks the stages keep, or are told to
+    reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
+    cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
+    spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
+    speculation: str = "auto"      # what it drafts from (``drafting.SOURCES``); "none": never speculates
+    max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
+    faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
+    error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
+
+    @property
+    def tokens(self) -> List[int]:
+        return self.prompt + self.generated
+
+    @property
+    def reserve(self) -> int:
+        """KV positions this sequence may come to hold on every stage."""
+        return min(len(self.prompt) + self.max_tokens, self.max_context)
+
+    @property
+    def cached(self) -> int:
+        """Tokens the stages hold (or will, once in-flight frames land) for it."""
+        return len(self.prompt) + len(self.generated) - 1 if self.phase == Phase.RUNNING else self.sent
+
+
+@dataclass
+class TokenEvent:
+    """A token a result gave a sequence (or, with ``error``, the sequence's failure)."""
+
+    seq: Seq
+    token: int
+    logprob: float
+    top: Optional[Tuple[List[int], List[float]]]
+    finished: bool
+    error: Optional[str] = None  # the sequence failed (``token`` means nothing): ``seq.error`` says why

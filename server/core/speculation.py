@@ -1,0 +1,210 @@
+"""Speculative decoding on the head: which sequences verify drafts, what their VERIFY
+steps carry, and which samples become tokens. Pure logic.
+
+While few sequences are live (at most ``spec_max_running``, waiting and
+prefilling ones included, so the groups alone would leave stages idle and no
+prompt waits behind drafts), a sequence that has a guess of what comes next
+leaves its group and verifies drafts instead. Guesses come from its drafter
+(``drafting.py``: prompt lookup, a draft model, or lookup first); a drafter
+answers at once, so no step waits for a draft. A VERIFY step carries the last
+confirmed token and the drafted tokens after it, ``spec_positions`` per step,
+up to ``spec_depth`` (or the sequence's own ``max_drafts``) positions beyond
+its confirmed tokens in flight, in at most ``spec_frames`` steps. The last
+stage samples after every position exactly as a decode step would (same
+history, same random key), so a position's sample counts only while every
+draft before it matched; at the first mismatch the sampled token still
+counts, the rest is void (results of steps already in flight are stale) and
+the next step trims it from the stages. Greedy and seeded output is therefore
+exactly what plain decoding gives. The depth follows the acceptance (halved on
+a miss, one more after as many drafts in a row matched); a sequence whose
+drafts keep failing decodes in its group again for a while. A sequence with a
+grammar never speculates: its grammar would have to take back rejected drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from mlxpipe.server.core.drafting import Drafter, PromptLookup
+from mlxpipe.server.core.plan import Sample
+from mlxpipe.server.core.sequence import Seq, SpeculationState
+
+
+@dataclass
+class DraftStats:
+    """Drafted tokens the last stage judged since start, and how many it accepted."""
+
+    judged: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"drafted_tokens": self.judged, "accepted_tokens": self.accepted,
+                "acceptance": round(self.accepted / self.judged, 4) if self.judged else None}
+
+
+@dataclass
+class Verify:
+    """A VERIFY step a sequence wants: ``tokens`` at positions from ``offset``."""
+
+    seq: Seq
+    offset: int
+    tokens: List[int]
+    trim: int
+    epoch: int  # a rejection makes steps of older epochs stale
+
+
+def verify_positions(row_cost: float, stages: int, depth: int = 4) -> int:
+    """Positions per VERIFY frame that get ``depth`` + 1 positions (a typical
+    window: the depth adapts) through ``stages`` stages soonest, when a frame of p
+    positions costs 1 + row_cost x (p - 1) one-row steps: 1 where rows cost about
+    in proportion (every stage works on its own frame, and a miss wastes least),
+    the whole window in one frame where rows are nearly free."""
+    def seconds(p: int) -> float:
+        return (-(-(depth + 1) // p) + stages - 1) * (1 + row_cost * (p - 1))
+
+    return min(range(1, depth + 2), key=lambda p: (seconds(p), -p))  # ties: fewer frames
+
+
+class Speculator:
+    """The scheduler's speculation: it says which grouped sequences leave to verify
+    drafts (``leaves_group``), which steps the verifying ones want (``wants``) and
+    which samples of a VERIFY result become tokens (``judge``)."""
+
+    def __init__(self, config, drafters: Optional[Callable[[Seq], Drafter]] = None):
+        self.config = config  # the scheduler's: speculate, spec_max_running, spec_positions, spec_depth, spec_frames
+        self.drafters = drafters or (lambda seq: PromptLookup())  # a sequence's drafter (its ``speculation``)
+        self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
+        self.stats = DraftStats()
+
+    def may(self, seq: Seq, live: int) -> bool:
+        cfg = self.config
+        return (cfg.speculate and seq.speculation != "none" and seq.max_drafts != 0 and not seq.sampling.grammar
+                and live <= cfg.spec_max_running)
+
+    def state(self, seq: Seq) -> SpeculationState:
+        if seq.spec_state is None:
+            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth)
+            seq.spec_state = SpeculationState(depth=cap, cap=cap, drafter=self.drafters(seq))
+        return seq.spec_state
+
+    def admitted(self, seq: Seq, live: int) -> None:
+        """``seq`` starts its prefill: a draft model starts on the prompt now."""
+        if self.may(seq, live):
+            self.state(seq).drafter.prepare(seq.feed)
+
+    def leaves_group(self, seq: Seq, live: int) -> bool:
+        """Whether a grouped sequence leaves its group to verify drafts now (the
+        scheduler takes it out of the group when so)."""
+        if not self.may(seq, live):
+            return False
+        st = self.state(seq)
+        if st.cooldown:
+            st.cooldown -= 1
+            return False
+        if not self._draft(seq, 1):
+            return False
+        st.solo = True
+        seq.group = None
+        self.solo.append(seq.seq_id)
+        return True
+
+    def _draft(self, seq: Seq, need: int) -> bool:
+        """Make sure ``need`` guesses exist after the confirmed tokens."""
+        st = seq.spec_state
+        if len(st.guesses) < need:
+            tokens = seq.tokens
+            st.guesses += st.drafter.propose(tokens + st.guesses, need - len(st.guesses), confirmed=len(tokens))
+        return len(st.guesses) >= need
+
+    def wants(self, seqs: Dict[int, Seq], live: int) -> Tuple[List[Seq], List[Verify]]:
+        """The verifying sequences that go back to decoding in a group (the pipeline
+        fills up, or nothing to guess: their first decode step trims what the stages
+        hold beyond the confirmed tokens), and the VERIFY steps the others want now."""
+        cfg = self.config
+        back, verifies = [], []
+        for sid in list(self.solo):
+            seq = seqs[sid]
+            st = seq.spec_state
+            if st.inflight == 0 and (live > cfg.spec_max_running or not self._draft(seq, 1)):
+                st.solo = False
+                st.guesses.clear()
+                self.solo.remove(sid)
+                back.append(seq)
+                continue
+            while st.fed < st.depth + 1 and st.inflight < cfg.spec_frames:
+                # Inputs for positions C + fed, ...: the last token, then guesses.
+                n = min(cfg.spec_positions, st.depth + 1 - st.fed)
+                if st.fed + n - 1 > len(st.guesses):
+                    self._draft(seq, st.fed + n - 1)
+                    n = min(n, len(st.guesses) + 1 - st.fed)
+                if n < 1:
+                    break  # nothing more to guess: wait for what is in flight
+                inputs = ([seq.tokens[-1]] if st.fed == 0 else []) + st.guesses[max(st.fed - 1, 0) : st.fed + n - 1]
+                verifies.append(Verify(seq, seq.cached + st.fed, inputs, st.trim, st.epoch))
+                st.trim = 0
+                st.fed += n
+                st.inflight += 1
+        return back, verifies
+
+    def judge(self, seq: Seq, epoch: int, samples: List[Sample]) -> List[Sample]:
+        """The samples of a VERIFY result (of a step sent in ``epoch``) that become
+        tokens: each, while every draft before it matched; at the first mismatch
+        the rest is void."""
+        st = seq.spec_state
+        st.inflight -= 1
+        if epoch != st.epoch:
+            return []  # sent before a rejection: about positions that no longer exist
+        taken = []
+        for t in samples:
+            taken.append(t)
+            st.fed -= 1  # position C is confirmed now; C moves on by one
+            if not st.fed:
+                if st.guesses and st.guesses[0] == t.token:
+                    st.guesses.pop(0)  # guessed but not yet sent: keep the rest of the guess
+                else:
+                    st.guesses.clear()
+                continue
+            guess = st.guesses.pop(0)  # the input already sent at the next position
+            if self._matched(st, guess == t.token):
+                continue
+            # A miss: what the stages hold after the confirmed tokens is void.
+            st.trim, st.fed = st.trim + st.fed, 0
+            st.guesses.clear()
+            st.epoch += 1
+            st.depth, st.streak = max(1, st.depth // 2), 0
+            break
+        if st.judged >= 16:  # drafts that keep failing cost more than they save: pause
+            if st.matched < st.judged // 4:
+                st.cooldown = 32
+            st.judged = st.matched = 0
+        return taken
+
+    def _matched(self, st: SpeculationState, hit: bool) -> bool:
+        """Count one judged draft; on a hit, deepen after a streak as long as the depth."""
+        st.judged += 1
+        self.stats.judged += 1
+        if hit:
+            st.matched += 1
+            self.stats.accepted += 1
+            st.streak += 1
+            if st.streak >= st.depth and st.depth < st.cap:
+                st.depth, st.streak = st.depth + 1, 0
+        return hit
+
+    def forget(self, seq: Seq) -> None:
+        """``seq`` ended: its drafter closes."""
+        st = seq.spec_state
+        if st is not None:
+            if st.solo:
+                self.solo.remove(seq.seq_id)
+                st.solo = False
+            st.drafter.close()
+
+    def reset(self, live: List[Seq]) -> None:
+        """A replay: the stages hold nothing of any sequence now."""
+        self.solo = []
+        for seq in live:
+            if seq.spec_state is not None:
+                seq.spec_state.drafter.close()
+            seq.spec_state = None

@@ -1,0 +1,79 @@
+"""A request's tokens as the engine hands them out, and how a request can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+
+class InvalidRequest(ValueError):
+    """What a request asks cannot be served; ``param`` names what (the API's 400 says so)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Token:
+    """One generated token as a request sees it."""
+
+    id: int
+    logprob: float
+    top: Optional[Tuple[List[int], List[float]]]
+    finish_reason: Optional[str]  # "stop", "length", or None while generating
+
+
+class GenerationFailed(RuntimeError):
+    """The pipeline could not finish this request; the message says why."""
+
+
+class SequenceFailed(RuntimeError):
+    """This request, and only it, failed on a stage because of what it asked (its
+    grammar, its sampling); the message says why. It is never replayed."""
+
+
+class RequestStream:
+    """The tokens of one request, as an async iterator. ``cancel()`` ends it and
+    frees its caches on every stage."""
+
+    def __init__(self, engine, seq_id: int):
+        self.engine = engine
+        self.seq_id = seq_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+        self.submitted = time.monotonic()
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
+        self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Token:
+        if self.done and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is None:  # cancelled
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        if item.finish_reason is not None:
+            self.done = True
+        return item
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.queue.put_nowait(None)  # wakes a consumer waiting for the next token
+            self.engine.cancel(self.seq_id)
+
+
+
+
+async def collect(stream: RequestStream) -> List[Token]:
+    """All tokens of a request."""
+    return [t async for t in stream]

@@ -1,0 +1,57 @@
+"""What the engine needs of a pipeline: frames in, results out, health. The gRPC
+stage client (``cluster/stage_client.py``) is the one implementation; the engine
+knows only this protocol."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, List, Optional, Protocol, Sequence, Tuple
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot take or finish work; the message says where and why.
+    ``suspects`` lists the addresses of the stages at fault, when known;
+    ``culprits`` the sequences whose frame a stage failed on, when one says so."""
+
+    def __init__(self, message: str, suspects: Sequence[str] = (), culprits: Sequence[int] = ()):
+        super().__init__(message)
+        self.suspects = list(suspects)
+        self.culprits = list(culprits)
+
+
+class StageView(Protocol):
+    """One stage as the head places it: where it runs and which layers ``[start, end)``."""
+
+    address: str
+    start: int
+    end: int
+
+
+# (stage, its Health reply or None, why not): what ``Transport.health`` answers per stage.
+# A reply has ``state`` ("ready", ...) and ``detail``; the API reads its figures.
+StageHealth = Tuple[StageView, Optional[Any], str]
+
+
+class Transport(Protocol):
+    stages: List[StageView]
+    budget: Any  # where frames' time goes: ``.kinds``, kind -> ``core/budget.KindTotals``
+
+    async def open(self) -> None:
+        """Open the streams; frames may be sent from now on."""
+
+    def send(self, frame) -> None:
+        """Queue a frame for stage 0; frames go out in the order sent."""
+
+    def results(self) -> AsyncIterator[Any]:
+        """Results from the last stage, until the pipeline breaks (PipelineError)."""
+
+    async def watch_forward(self) -> None:
+        """Return never; raise PipelineError when the stream into stage 0 ends."""
+
+    async def health(self, timeout: float) -> List[StageHealth]:
+        """Every stage's health, asked at once."""
+
+    def held_blocks(self) -> List[List[int]]:
+        """The prefix-cache blocks each stage reported holding when it loaded."""
+
+    async def close(self) -> None:
+        """Close the streams and channels."""
