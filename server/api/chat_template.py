@@ -19,15 +19,24 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
 
 
-def template_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def template_messages(messages: List[Dict[str, Any]], calls_as_text: bool = False) -> List[Dict[str, Any]]:
     """OpenAI messages as chat templates take them: tool-call arguments as objects
-    (OpenAI sends them as JSON text), ``developer`` as ``system``."""
+    (OpenAI sends them as JSON text), ``developer`` as ``system``, content always a
+    string (an assistant turn that only called a tool has ``""``; templates index
+    ``message['content']`` without a default). For a template that does not render
+    ``tool_calls`` (``calls_as_text``), the calls are written into the content as the
+    JSON the model was asked for, so the model still sees what it called."""
     out = []
     for m in messages:
-        m = dict(m, role="system" if m["role"] == "developer" else m["role"])
+        m = dict(m, role="system" if m["role"] == "developer" else m["role"], content=m.get("content") or "")
         if m.get("tool_calls"):
             m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=_arguments(c["function"]["arguments"])))
                                for c in m["tool_calls"]]
+            if calls_as_text:
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m.pop("tool_calls")]
+                m["content"] = "\n".join([m["content"]] * bool(m["content"]) + [json.dumps(c) for c in calls])
+        else:
+            m.pop("tool_calls", None)
         out.append(m)
     return out
 
@@ -45,7 +54,9 @@ def render(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[dict]
     newlines for a model without one."""
     if not tokenizer.has_chat_template:
         return tokenizer.encode("\n".join(m.get("content") or "" for m in messages))
-    return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+    source = getattr(tokenizer, "chat_template", None) or ""
+    calls_as_text = isinstance(source, str) and "tool_calls" not in source
+    return tokenizer.apply_chat_template(template_messages(messages, calls_as_text), tools=tools or None,
                                          add_generation_prompt=True, **template_kwargs)
 
 
