@@ -6,6 +6,7 @@ import pytest
 from inproc import WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq
 from mlxpipe.shards.sampling import Sampling
@@ -31,6 +32,40 @@ def test_prefill_is_chunked_and_the_last_token_goes_alone():
         (0, 4, False), (4, 4, False), (8, 2, False), (10, 1, True)]
     assert [t for f in frames for t in f.tokens] == list(range(10, 21))
     assert frames[0].seqs[0].HasField("sampling") and not frames[1].seqs[0].HasField("sampling")
+
+
+def test_prefill_chunks_shrink_to_the_stall_bound_while_others_decode():
+    """Sarathi's stall-free batching: with a sequence decoding, a prompt's chunks hold
+    the slowest stage no longer than ``max_stall`` at the measured cost per position;
+    alone (or before any cost is measured) it goes in full chunks."""
+    costs = {}
+    s = Scheduler(SchedulerConfig(chunk_size=64, min_chunk=16, max_prefill_inflight=1, max_stall=0.25),
+                  costs=lambda: costs)
+    s.add(seq(1, prompt_len=1))
+    (first,) = s.schedule()
+    s.on_result(result(first))
+    assert s.decoding == 1
+    s.add(seq(2, prompt_len=200))
+    frames = s.schedule()
+    prefill = [f for f in frames if f.kind == pb.Frame.PREFILL]
+    assert prefill[0].seqs[0].num_tokens == 64  # no cost measured yet
+    costs["prefill"] = KindTotals(token_s=0.04)
+    s.on_result(result(prefill[0]))
+    (nxt,) = [f for f in s.schedule() if f.kind == pb.Frame.PREFILL]
+    assert nxt.seqs[0].num_tokens == 6  # 0.25 s / 0.04 s per position
+    costs["prefill"] = KindTotals(token_s=1.0)
+    s.on_result(result(nxt))
+    (slow,) = [f for f in s.schedule() if f.kind == pb.Frame.PREFILL]
+    assert slow.seqs[0].num_tokens == 1  # never nothing
+
+
+def test_the_stall_cost_follows_recent_frames():
+    t = KindTotals()
+    t.observe(10, [0.5, 1.0])  # the slowest stage: 0.1 s per position
+    assert t.token_s == pytest.approx(0.1)
+    for _ in range(40):
+        t.observe(10, [0.1, 0.2])
+    assert t.token_s == pytest.approx(0.02, rel=0.01)
 
 
 def test_prefill_frames_in_flight_are_bounded():

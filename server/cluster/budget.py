@@ -18,7 +18,7 @@ class FrameBudget:
 
     def __init__(self) -> None:
         self.kinds: Dict[str, KindTotals] = {}
-        self._pending: Dict[int, Tuple[float, str, int]] = {}  # frame_id -> (written, kind, tokens)
+        self._pending: Dict[int, Tuple[float, str, int, bool]] = {}  # frame_id -> (written, kind, tokens, paced)
 
     def sent(self, frame: pb.Frame) -> None:
         """Call as ``frame`` is written to stage 0 (frames of no positions, CONTROL ones
@@ -28,14 +28,16 @@ class FrameBudget:
             return
         if len(self._pending) >= MAX_PENDING:
             self._pending.clear()
-        self._pending[frame.frame_id] = (time.perf_counter(), pb.Frame.Kind.Name(frame.kind).lower(), tokens)
+        # A prefill frame that samples runs the output head too: its cost is no prefill position's.
+        paced = frame.kind != pb.Frame.PREFILL or not any(e.sample for e in frame.seqs)
+        self._pending[frame.frame_id] = (time.perf_counter(), pb.Frame.Kind.Name(frame.kind).lower(), tokens, paced)
 
     def done(self, result: pb.Result, arrived: float, handled: Optional[float] = None) -> None:
         """Call after the head handled ``result`` (which arrived at ``arrived``)."""
         pending = self._pending.pop(result.frame_id, None)
         if pending is None:
             return
-        written, kind, tokens = pending
+        written, kind, tokens, paced = pending
         t = self.kinds.setdefault(kind, KindTotals())
         t.frames += 1
         t.tokens += tokens
@@ -46,6 +48,8 @@ class FrameBudget:
         for acc, timing in zip(t.stages, result.timings):
             for i, name in enumerate(STAGE_PARTS):
                 acc[i] += getattr(timing, f"{name}_us") / 1e6
+        if paced:
+            t.observe(tokens, [timing.compute_us / 1e6 for timing in result.timings])
 
     def reset(self) -> None:
         """Forget the totals (a benchmark between runs); frames in flight are still timed."""

@@ -61,6 +61,14 @@ def port(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, 0 or more."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def _node_list(text: str) -> List[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
@@ -103,6 +111,9 @@ class ClusterConfig:
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
+    max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "
+                            "requests decode (default %(default)s; chunks shrink to fit, at the measured cost of a "
+                            "prompt token; 0: chunks of --chunk-size regardless)", type=seconds)
     groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
     max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",
                           type=count)
@@ -272,5 +283,5 @@ def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks
         max_kv_tokens=max_kv_tokens, block_tokens=cfg.block_tokens, prefix_blocks=blocks,
         speculate=cfg.speculate, spec_max_running=stages, spec_depth=cfg.spec_depth,
         spec_positions=verify_positions(row_cost, stages), spec_frames=stages,
-        num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size,
+        num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size, max_stall=cfg.max_stall,
         max_prefill_inflight=stages, max_running=cfg.max_running, max_waiting=cfg.max_waiting)

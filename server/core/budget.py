@@ -14,9 +14,10 @@ overhead`` prints them per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 STAGE_PARTS = ("queued", "decode", "compute", "encode")  # StageTiming's fields, less "_us"
+EMA = 0.25  # weight of the newest frame in ``KindTotals.token_s``
 
 
 @dataclass
@@ -28,6 +29,14 @@ class KindTotals:
     round_trip: float = 0.0    # written to stage 0 -> its Result arrived
     head: float = 0.0          # handling the Result on the head
     stages: List[List[float]] = field(default_factory=list)  # [stage][part], parts as STAGE_PARTS
+    token_s: Optional[float] = None  # recent seconds per position on the slowest stage (compute), EMA
+
+    def observe(self, tokens: int, computes: List[float]) -> None:
+        """Fold one frame's per-stage compute seconds into ``token_s`` (what one more
+        position of this kind costs where the pipeline is slowest)."""
+        if tokens and computes:
+            x = max(computes) / tokens
+            self.token_s = x if self.token_s is None else self.token_s + EMA * (x - self.token_s)
 
     @property
     def wire(self) -> float:

@@ -95,7 +95,7 @@ class Engine:
                  observer: Optional[Observer] = None, draft_model=None, vocab_size: int = INT32):
         self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
         self.draft_model = draft_model  # draft_model.DraftModel, or None
-        self.scheduler = Scheduler(config, drafters=self._drafter)
+        self.scheduler = Scheduler(config, drafters=self._drafter, costs=self.frame_budget)
         self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context
@@ -162,7 +162,8 @@ class Engine:
     def frame_budget(self) -> dict:
         """Where the running pipeline's frames spent their time: kind -> ``budget.KindTotals``
         (they restart with a rebuilt pipeline)."""
-        return self.pipeline.budget.kinds
+        budget = getattr(self.pipeline, "budget", None)
+        return budget.kinds if budget is not None else {}
 
     async def health(self, timeout: float = 10.0) -> List[StageHealth]:
         """Every stage of the running pipeline: (stage, Health reply or None, why not)."""

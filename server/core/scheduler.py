@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterable, List, Optional
 
+from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.server.core.kv_budget import KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
@@ -57,6 +58,7 @@ class SchedulerConfig:
     max_batch: int = 32            # sequences per group
     chunk_size: int = 256          # prefill tokens per step, at most
     min_chunk: int = 16            # smallest chunk a short prefill is cut into
+    max_stall: float = 0.2         # seconds a prefill chunk may hold a stage while others decode (0: no bound)
     max_prefill_inflight: int = 2  # prefill steps in flight
     max_running: Optional[int] = None  # sequences holding caches (None: num_groups x max_batch)
     max_waiting: int = 256         # requests queued before QueueFull
@@ -80,7 +82,8 @@ class Flight:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, drafters: Optional[Callable[[Seq], Drafter]] = None):
+    def __init__(self, config: SchedulerConfig, drafters: Optional[Callable[[Seq], Drafter]] = None,
+                 costs: Callable[[], Dict[str, KindTotals]] = dict):
         if min(config.num_groups, config.chunk_size, config.max_prefill_inflight, config.spec_depth,
                config.spec_positions, config.spec_frames) < 1:
             raise ValueError("num_groups, chunk_size, max_prefill_inflight and the spec_ sizes must be positive")
@@ -91,6 +94,7 @@ class Scheduler:
                 f"{config.max_batch} sequences"
             )
         self.config = config
+        self.costs = costs  # the running pipeline's measured costs per frame kind (core/budget.py)
         self.max_running = room if config.max_running is None else config.max_running
         self.kv = KvBudget(config.max_kv_tokens, config.block_tokens, config.prefix_blocks)
         self.speculator = Speculator(config, drafters)
@@ -218,10 +222,18 @@ class Scheduler:
             reserved += seq.reserve
 
     def _chunk(self, seq: Seq) -> int:
-        """Tokens per prefill step for ``seq``: about two chunks per stage in flight."""
+        """Tokens per prefill step for ``seq``: about two chunks per stage in flight;
+        while other sequences decode, no more than the slowest stage computes in
+        ``max_stall`` seconds at the measured cost of a prefill position (Sarathi's
+        stall-free batching: a long prompt does not freeze the streams beside it)."""
         cfg = self.config
         todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
-        return min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
+        n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
+        if self.decoding and cfg.max_stall > 0:
+            cost = getattr(self.costs().get("prefill"), "token_s", None)
+            if cost:
+                n = min(n, max(1, int(cfg.max_stall / cost)))
+        return n
 
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
         """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
