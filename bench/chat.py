@@ -28,7 +28,7 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (HttpServer, add_common_arguments, free_port, long_text, median, percentile,
-                                  progress_bar)
+                                  pin_flags, progress_bar)
 from mlxpipe.shards.store import resolve_model
 
 QUESTION = "Summarize the passage above in one sentence."
@@ -93,8 +93,7 @@ async def bench_chat(args) -> dict:
     try:
         cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
                "--stages", str(args.stages)]
-        if args.pin:
-            cmd.append("--pin")
+        cmd += pin_flags(args.pin)
         servers.append(HttpServer("mlxpipe", cmd))
         port = free_port()
         servers.append(HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,

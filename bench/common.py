@@ -214,10 +214,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pin_flags(pin) -> List[str]:
+    """``mlxpipe serve``'s option for the bench's --pin/--no-pin (none: serve's default)."""
+    return [] if pin is None else ["--pin" if pin else "--no-pin"]
+
+
 def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options every mode takes."""
     q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=3, help="runs per configuration; medians are reported")
-    q.add_argument("--pin", action="store_true", help="pin stage i (and each baseline) to CPU core i")
+    q.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="--pin: stage i pinned to CPU core i and each baseline to core 0; --no-pin: the OS places "
+                        "everything; default: stages placed as `mlxpipe serve` places them (pinned where each has a "
+                        "core of its own), baselines as a user runs mlx-lm (unpinned)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return q

@@ -19,8 +19,8 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
-                                  decode_window, free_port, long_text, median, percentile, progress_bar,
-                                  window_rate)
+                                  decode_window, free_port, long_text, median, percentile, pin_flags,
+                                  progress_bar, window_rate)
 from mlxpipe.shards.store import resolve_model
 
 
@@ -103,8 +103,7 @@ async def bench_load(args) -> dict:
         else:
             cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
                    "--stages", str(args.stages), "--max-tokens", str(args.max_tokens)]
-            if args.pin:
-                cmd.append("--pin")
+            cmd += pin_flags(args.pin)
             ours = HttpServer("mlxpipe", cmd + shlex.split(args.serve_args))
             servers.append(ours)
         stages = len(httpx.get(f"{ours.url}/health", timeout=30).json()["stages"])  # what it runs (--url: any count)

@@ -114,3 +114,20 @@ def test_mlxpipe_status_shows_a_stage_memory_warning(monkeypatch):
     monkeypatch.setattr(status, "get_head", lambda url, key, path: Reply())
     out = status.from_head("http://head")
     assert out.endswith("\nstage 1: layers [30, 61): close") and out.count("close") == 1
+
+
+def test_local_stages_get_a_core_each_by_default_where_there_is_one(monkeypatch):
+    """What `serve` starts is what the benches measure: pinned where every local stage
+    has a core of its own (as every Mac of a cluster is its own machine), left to the
+    OS where they would have to share; --pin/--no-pin decide otherwise."""
+    import os
+
+    from mlxpipe.server.cluster import local
+
+    monkeypatch.setattr(local, "available_cpus", lambda: [4, 5])
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: None, raising=False)
+    assert local.placement(2, None) == [4, 5]
+    assert local.placement(3, None) is None
+    assert local.placement(3, True) == [4, 5] and local.placement(2, False) is None
+    monkeypatch.delattr(os, "sched_setaffinity")  # macOS: nothing to pin with
+    assert local.placement(2, None) is None

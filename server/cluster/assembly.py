@@ -15,7 +15,7 @@ from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
 from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits)
 from mlxpipe.server.cluster.join import joined_table, start_join_server
-from mlxpipe.server.cluster.local import LocalStages, available_cpus
+from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
 from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
@@ -133,7 +133,7 @@ class Cluster:
             # users of this machine cannot drive them either.
             self.security = Security(secret=secrets.token_urlsafe(32))
             self.local = LocalStages(cfg.stages, self.security.secret, self.model.path.parent,
-                                     cpus=available_cpus() if cfg.pin else None, log_level=cfg.stage_log_level)
+                                     cpus=placement(cfg.stages, cfg.pin), log_level=cfg.stage_log_level)
             self.addresses = self.local.start()
             return
         self.addresses = list(cfg.nodes)

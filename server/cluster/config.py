@@ -135,7 +135,10 @@ class ClusterConfig:
         "\"speculation\": auto, prompt_lookup, draft_model or none")
     max_waiting: int = knob(SchedulerConfig.max_waiting, "requests queued before the server answers 429 "
                             "(default %(default)s)", type=count)
-    pin: bool = knob(False, "pin local stage i to CPU core i (Linux)", action="store_true")
+    pin: Optional[bool] = knob(None, "pin local stage i to CPU core i (Linux). Default: pinned when there are no more "
+                               "local stages than cores, so that each stage has a core of its own, as each Mac of a "
+                               "cluster would (the OS otherwise moves them about and they share); --no-pin leaves "
+                               "placement to the OS", action=argparse.BooleanOptionalAction)
     bits: Optional[str] = knob(
         None, "quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage loads its "
         "layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's mixed recipes "
@@ -219,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = 
         default = meta["cli_default"]
         if default is _NO_DEFAULT:
             default = f.default if f.default is not _NO_DEFAULT else None
-        if kw.get("action") not in ("store_true", "store_false"):
+        if kw.get("action") not in ("store_true", "store_false", argparse.BooleanOptionalAction):
             kw.setdefault("metavar", _flag(f).lstrip("-").replace("-", "_").upper())
         parser.add_argument(_flag(f), dest=f.name, default=default, help=meta["help"], **kw)
 

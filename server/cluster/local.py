@@ -23,6 +23,16 @@ def available_cpus() -> List[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def placement(count: int, pin: Optional[bool]) -> Optional[List[int]]:
+    """The cores ``count`` local stages are pinned to, round robin (None: the OS
+    places them). ``pin`` None: pinned where there is a core for each and the
+    platform can pin (Linux)."""
+    cpus = available_cpus()
+    if pin is None:
+        pin = hasattr(os, "sched_setaffinity") and count <= len(cpus)
+    return cpus if pin else None
+
+
 class LocalStages:
     """Stage worker processes on this machine, one per stage, on loopback."""
 
