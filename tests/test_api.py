@@ -207,7 +207,7 @@ def test_concurrent_requests_all_stream_while_others_run(server):
     # Long enough replies that the later prompts' prefill (in chunks cut to --max-stall
     # while the first ones decode) ends before the first reply does.
     async def one(http, i, events):
-        body = {"model": "default", "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+        body = {"model": "default", "messages": [{"role": "user", "content": f"Count to {i + 20}."}],
                 "max_tokens": 40, "temperature": 0, "stream": True}
         async with http.stream("POST", f"{server.base_url}/chat/completions", json=body) as resp:
             assert resp.status_code == 200
