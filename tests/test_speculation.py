@@ -8,6 +8,7 @@ from conftest import REPEAT_CODE
 from inproc import InProcess, WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import PromptLookup
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, Seq
@@ -96,6 +97,64 @@ def test_speculation_stops_when_the_pipeline_fills_and_rejoins_with_a_trim():
     decode = [f for f in frames if f.kind == pb.Frame.DECODE]
     assert decode and decode[0].seqs[0].seq_id == 1 and decode[0].seqs[0].trim == 1
     assert s.solo == []
+
+
+def test_speculation_waits_for_a_timed_decode_and_pauses_where_it_does_not_pay():
+    """Speculation is decided by measured cost: a sequence decodes in its group until
+    a decode frame is timed; a trial window whose confirmed tokens per second do not
+    beat one per decode round trip sends it back for PAUSE decode steps, doubled
+    after each further failed trial; a trial that pays keeps it verifying."""
+    from mlxpipe.server.core.speculation import PAUSE, TRIAL_FRAMES
+
+    costs, now = {}, [0.0]
+    s = Scheduler(SchedulerConfig(speculate=True, spec_depth=2, spec_positions=1, spec_frames=8,
+                                  max_prefill_inflight=8), costs=lambda: costs)
+    s.speculator.clock = lambda: now[0]
+    prompt = [50, 51, 52, 9] * 4
+
+    def _next(seq):  # what the model samples: the pattern goes on
+        return prompt[len(seq.tokens) % len(prompt)]
+
+    seq = _running(s, prompt, max_tokens=400)
+    (first,) = s.schedule()
+    assert first.kind == pb.Frame.DECODE  # nothing timed yet: nothing to weigh speculation against
+    costs["decode"] = KindTotals(frame_s=1.0)
+    _answer(s, first, [51])
+
+    def trial(seconds_per_token):
+        """Speculate until a trial window ends, each frame's samples matching its drafts."""
+        while True:
+            frames = s.schedule()
+            if not frames or frames[0].kind == pb.Frame.DECODE:
+                return frames
+            for f in frames:
+                now[0] += seconds_per_token
+                _answer(s, f, [_next(seq)])
+
+    # A slow pipeline: 3 s per confirmed token against 1 s per decode step.
+    frames = trial(3.0)
+    assert frames and frames[0].kind == pb.Frame.DECODE and seq.spec_state.pause == PAUSE
+    assert s.drafts.trials == 1 and s.drafts.paid == 0
+    decodes = 0
+    while frames[0].kind == pb.Frame.DECODE:  # its pause, decoding in the group
+        decodes += 1
+        _answer(s, frames[0], [_next(seq)])
+        frames = s.schedule()
+    assert decodes == PAUSE and frames[0].kind == pb.Frame.VERIFY  # then a new trial
+    for f in frames:
+        _answer(s, f, [_next(seq)])
+    frames = trial(3.0)
+    assert frames[0].kind == pb.Frame.DECODE and seq.spec_state.pause == 2 * PAUSE  # failed again: twice as long
+    seq.spec_state.cooldown = 0  # (its second pause skipped)
+    _answer(s, frames[0], [_next(seq)])
+    # A fast one: it keeps verifying past many trial windows.
+    for _ in range(4 * TRIAL_FRAMES):
+        frames = s.schedule()
+        assert frames and frames[0].kind == pb.Frame.VERIFY
+        for f in frames:
+            now[0] += 0.3
+            _answer(s, f, [_next(seq)])
+    assert s.drafts.paid >= 2 and seq.spec_state.pause == 0
 
 
 # -- equality, in one process ------------------------------------------------------------------

@@ -49,7 +49,7 @@ class FrameBudget:
             for i, name in enumerate(STAGE_PARTS):
                 acc[i] += getattr(timing, f"{name}_us") / 1e6
         if paced:
-            t.observe(tokens, [timing.compute_us / 1e6 for timing in result.timings])
+            t.observe(tokens, [timing.compute_us / 1e6 for timing in result.timings], arrived - written)
 
     def reset(self) -> None:
         """Forget the totals (a benchmark between runs); frames in flight are still timed."""

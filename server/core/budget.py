@@ -20,6 +20,10 @@ STAGE_PARTS = ("queued", "decode", "compute", "encode")  # StageTiming's fields,
 EMA = 0.25  # weight of the newest frame in ``KindTotals.token_s``
 
 
+def _ema(old: Optional[float], new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
+
+
 @dataclass
 class KindTotals:
     """Seconds summed over every timed frame of one kind (decode, prefill, ...)."""
@@ -30,13 +34,16 @@ class KindTotals:
     head: float = 0.0          # handling the Result on the head
     stages: List[List[float]] = field(default_factory=list)  # [stage][part], parts as STAGE_PARTS
     token_s: Optional[float] = None  # recent seconds per position on the slowest stage (compute), EMA
+    frame_s: Optional[float] = None  # recent round trip of one frame (written -> Result), EMA
 
-    def observe(self, tokens: int, computes: List[float]) -> None:
+    def observe(self, tokens: int, computes: List[float], round_trip: Optional[float] = None) -> None:
         """Fold one frame's per-stage compute seconds into ``token_s`` (what one more
-        position of this kind costs where the pipeline is slowest)."""
+        position of this kind costs where the pipeline is slowest) and its round trip
+        into ``frame_s``."""
         if tokens and computes:
-            x = max(computes) / tokens
-            self.token_s = x if self.token_s is None else self.token_s + EMA * (x - self.token_s)
+            self.token_s = _ema(self.token_s, max(computes) / tokens)
+        if round_trip is not None:
+            self.frame_s = _ema(self.frame_s, round_trip)
 
     @property
     def wire(self) -> float:

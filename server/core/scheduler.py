@@ -97,7 +97,7 @@ class Scheduler:
         self.costs = costs  # the running pipeline's measured costs per frame kind (core/budget.py)
         self.max_running = room if config.max_running is None else config.max_running
         self.kv = KvBudget(config.max_kv_tokens, config.block_tokens, config.prefix_blocks)
-        self.speculator = Speculator(config, drafters)
+        self.speculator = Speculator(config, drafters, costs)
         self.seqs: Dict[int, Seq] = {}
         self.waiting: Deque[Seq] = deque()
         self.prefilling: List[Seq] = []

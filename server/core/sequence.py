@@ -45,6 +45,9 @@ class SpeculationState:
     matched: int = 0
     streak: int = 0                 # drafts matched since the last miss or depth increase
     cooldown: int = 0               # decode steps in its group before it may speculate again
+    pause: int = 0                  # ... after the next trial that does not pay (doubles each time)
+    since: Optional[float] = None   # when its current trial of speculation began (clock seconds)
+    got: int = 0                    # tokens confirmed since then
 
 
 @dataclass

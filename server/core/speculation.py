@@ -17,18 +17,36 @@ counts, the rest is void (results of steps already in flight are stale) and
 the next step trims it from the stages. Greedy and seeded output is therefore
 exactly what plain decoding gives. The depth follows the acceptance (halved on
 a miss, one more after as many drafts in a row matched); a sequence whose
-drafts keep failing decodes in its group again for a while. A sequence with a
-grammar never speculates: its grammar would have to take back rejected drafts.
+drafts keep failing decodes in its group again for a while.
+
+Speculation must pay where it runs: a VERIFY frame costs more than a decode
+step, by how much depends on the hardware. So it is decided by measured cost:
+a sequence first decodes in its group until the pipeline has timed a decode
+frame (``costs()["decode"].frame_s``: a lone sequence's seconds per token
+there); while it verifies, the tokens it confirms per second over each trial
+window (at least ``TRIAL_FRAMES`` decode frames' time) are set against that
+rate, and a window that does not beat it sends the sequence back to its group
+for ``pause`` decode steps, doubled after every trial that failed in a row (so
+where speculation cannot pay it stays off by itself, trying again ever more
+rarely), reset by one that pays. A sequence with a grammar never speculates:
+its grammar would have to take back rejected drafts.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter, PromptLookup
 from mlxpipe.server.core.plan import Sample
 from mlxpipe.server.core.sequence import Seq, SpeculationState
+
+
+TRIAL_FRAMES = 6   # a trial window of speculation lasts at least this many decode frames' time
+PAUSE = 32         # decode steps in the group after a first trial that did not pay
+MAX_PAUSE = 1024   # ... doubling up to this many
 
 
 @dataclass
@@ -37,10 +55,13 @@ class DraftStats:
 
     judged: int = 0
     accepted: int = 0
+    trials: int = 0  # trial windows of speculation weighed against decoding
+    paid: int = 0    # ... that beat it
 
     def as_dict(self) -> dict:
         return {"drafted_tokens": self.judged, "accepted_tokens": self.accepted,
-                "acceptance": round(self.accepted / self.judged, 4) if self.judged else None}
+                "acceptance": round(self.accepted / self.judged, 4) if self.judged else None,
+                "trials": self.trials, "trials_paid": self.paid}
 
 
 @dataclass
@@ -71,9 +92,11 @@ class Speculator:
     drafts (``leaves_group``), which steps the verifying ones want (``wants``) and
     which samples of a VERIFY result become tokens (``judge``)."""
 
-    def __init__(self, config, drafters: Optional[Callable[[Seq], Drafter]] = None):
+    def __init__(self, config, drafters: Optional[Callable[[Seq], Drafter]] = None,
+                 costs: Callable[[], Dict[str, KindTotals]] = dict, clock: Callable[[], float] = time.monotonic):
         self.config = config  # the scheduler's: speculate, spec_max_running, spec_positions, spec_depth, spec_frames
         self.drafters = drafters or (lambda seq: PromptLookup())  # a sequence's drafter (its ``speculation``)
+        self.costs, self.clock = costs, clock  # the pipeline's measured costs per frame kind; seconds
         self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
         self.stats = DraftStats()
 
@@ -102,8 +125,9 @@ class Speculator:
         if st.cooldown:
             st.cooldown -= 1
             return False
-        if not self._draft(seq, 1):
-            return False
+        if self._decode_s() is None or not self._draft(seq, 1):
+            return False  # (no decode frame timed yet: decode first, to know what speculation must beat)
+        st.since, st.got = self.clock(), 0
         st.solo = True
         seq.group = None
         self.solo.append(seq.seq_id)
@@ -126,7 +150,7 @@ class Speculator:
         for sid in list(self.solo):
             seq = seqs[sid]
             st = seq.spec_state
-            if st.inflight == 0 and (live > cfg.spec_max_running or not self._draft(seq, 1)):
+            if st.inflight == 0 and (live > cfg.spec_max_running or st.cooldown or not self._draft(seq, 1)):
                 st.solo = False
                 st.guesses.clear()
                 self.solo.remove(sid)
@@ -176,9 +200,32 @@ class Speculator:
             break
         if st.judged >= 16:  # drafts that keep failing cost more than they save: pause
             if st.matched < st.judged // 4:
-                st.cooldown = 32
+                st.cooldown = PAUSE
             st.judged = st.matched = 0
+        self._weigh(st, len(taken))
         return taken
+
+    def _decode_s(self) -> Optional[float]:
+        """Seconds per token of a sequence decoding in its group (a decode frame's round trip)."""
+        return getattr(self.costs().get("decode"), "frame_s", None)
+
+    def _weigh(self, st: SpeculationState, tokens: int) -> None:
+        """Count ``tokens`` confirmed by speculation; at the end of a trial window, set
+        its rate against decoding's, and pause speculation (longer each time) if it
+        did not beat it."""
+        st.got += tokens
+        decode_s, now = self._decode_s(), self.clock()
+        if decode_s is None or st.since is None or now - st.since < TRIAL_FRAMES * decode_s:
+            return
+        pays = st.got / (now - st.since) > 1.0 / decode_s
+        if pays:
+            st.pause = 0
+        elif not st.cooldown:
+            st.pause = min(2 * st.pause, MAX_PAUSE) if st.pause else PAUSE
+            st.cooldown = st.pause
+        self.stats.trials += 1
+        self.stats.paid += pays
+        st.since, st.got = now, 0
 
     def _matched(self, st: SpeculationState, hit: bool) -> bool:
         """Count one judged draft; on a hit, deepen after a streak as long as the depth."""
