@@ -106,6 +106,8 @@ class Metrics:
         self.drafted = Gauge("mlxpipe_draft_tokens_judged", "Drafted tokens (speculative decoding) the last stage judged",
                              registry=r)
         self.accepted = Gauge("mlxpipe_draft_tokens_accepted", "Drafted tokens the last stage accepted", registry=r)
+        self.trials = Gauge("mlxpipe_speculation_trials", "Trial windows of speculation weighed against decoding",
+                            ["paid"], registry=r)
         self.stages = _Stages()
         r.register(self.stages)
         self.budget = _Budget()
@@ -131,6 +133,8 @@ class Metrics:
         if drafts is not None:
             self.drafted.set(drafts.judged)
             self.accepted.set(drafts.accepted)
+            self.trials.labels(paid="yes").set(drafts.paid)
+            self.trials.labels(paid="no").set(drafts.trials - drafts.paid)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 
