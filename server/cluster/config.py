@@ -173,6 +173,9 @@ class ApiOptions:
                                             "context)", type=count)
     max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
                                            "context)", type=count)
+    log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
+                              "prompt/cached/completion tokens, time to first token, tok/s (default: on)",
+                              action=argparse.BooleanOptionalAction)
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
 
 
@@ -208,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = 
         default = meta["cli_default"]
         if default is _NO_DEFAULT:
             default = f.default if f.default is not _NO_DEFAULT else None
-        if kw.get("action") not in ("store_true", "store_false"):
+        if kw.get("action") not in ("store_true", "store_false", argparse.BooleanOptionalAction):
             kw.setdefault("metavar", _flag(f).lstrip("-").replace("-", "_").upper())
         parser.add_argument(_flag(f), dest=f.name, default=default, help=meta["help"], **kw)
 
