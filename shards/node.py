@@ -103,9 +103,8 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
-    # A node in a terminal shows progress; stages a head started stay quiet.
-    servicer = StageServicer(security, memory_bytes, models_dir,
-                             progress=sys.stderr.isatty() and not exit_with_parent)
+    # A node shows progress (bars in a terminal, lines in a log); stages a head started stay quiet.
+    servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")

@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlxpipe.shards.progress import Progress
+
 if TYPE_CHECKING:
     from mlxpipe.shards.quant_spec import QuantSpec
 
@@ -196,16 +198,15 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
 
 
 def read_weights(stage: SlicedModel, progress: bool = False) -> None:
-    """Read the range's blocks from disk one at a time (with a progress bar)."""
-    blocks = stage.blocks
-    if progress:
-        import sys
-
-        from tqdm import tqdm
-
-        blocks = tqdm(blocks, desc=f"reading layers [{stage.start}, {stage.end})", unit="layer", file=sys.stderr)
-    for block in blocks:
+    """Read the range's blocks from disk one at a time (``progress``: saying how far)."""
+    shown = Progress(f"reading layers [{stage.start}, {stage.end})", "layers", total=len(stage.blocks)) \
+        if progress else None
+    for block in stage.blocks:
         mx.eval(block.parameters())
+        if shown is not None:
+            shown.update()
+    if shown is not None:
+        shown.close()
 
 
 def warm_up(stage: SlicedModel, hidden_size: int) -> int:

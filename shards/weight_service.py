@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import grpc
-from tqdm import tqdm
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import refuse_malformed
+from mlxpipe.shards.progress import Progress
 from mlxpipe.shards.store import ModelNotFound, fingerprint, mlxpipe_home
 from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError
 
@@ -33,7 +32,7 @@ class WeightService:
     def __init__(self, resolve: Callable[[str], Path], mlx: ThreadPoolExecutor, progress: bool = False):
         self.resolve = resolve    # a model name from the head -> this node's folder (raises ModelNotFound)
         self.mlx = mlx            # the thread that owns MLX: offers are answered there, between loads
-        self.progress = progress  # a progress bar while receiving (a node in a terminal)
+        self.progress = progress  # show progress while receiving (a node, not a head's own stage)
         self._offered: Dict[Tuple[str, int, int], List[str]] = {}  # (fingerprint, start, end) -> units offered
         self._receivers: Dict[str, Receiver] = {}  # fingerprint -> Receiver
 
@@ -83,7 +82,7 @@ class WeightService:
                     summary.bytes += len(chunk.data)
                     if self.progress:
                         if bar is None:
-                            bar = tqdm(desc="receiving weights", unit="B", unit_scale=True, file=sys.stderr)
+                            bar = Progress("receiving weights", "B")  # a bar on a terminal, else lines
                         bar.update(len(chunk.data))
                 else:
                     logger.warning("chunk %d of %s failed its checksum; asking for it again", chunk.index,

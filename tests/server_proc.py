@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 180, headers=None, env=None):
+    """``capture_log``: its stderr is kept in ``log`` (lines, as they come) and still shown."""
+
+    def __init__(self, *args: str, timeout: float = 180, headers=None, env=None, capture_log: bool = False):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_log else None, text=True, env=env)
+        self.log: list = []
+        if capture_log:
+            threading.Thread(target=self._keep_log, daemon=True).start()
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()
@@ -31,6 +37,11 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("server never became healthy")
+
+    def _keep_log(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip("\n"))
+            sys.stderr.write(line)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from mlxpipe.server.api.chat_template import Delta, ForcedReply, Reply, render, thinks_first
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import TextChunk, stream_text
@@ -233,7 +234,9 @@ class Generator:
         make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
         if plan.bare is not None:
             make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
-        return Generation(self, req, prompt, streams, make_reply)
+        gen = Generation(self, req, prompt, streams, make_reply)
+        attach(gen)  # its tokens and timings go in the request's log line
+        return gen
 
     async def prompt(self, req: GenerationRequest) -> List[int]:
         """The prompt's token ids: messages through the chat template, text tokenized, or ids checked."""

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from mlxpipe.server.api.errors import error_response
 from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.api.request_log import RequestLog
 from mlxpipe.server.cluster.config import ApiOptions
 
 logger = logging.getLogger(__name__)
@@ -125,10 +126,11 @@ class ApiKey:
 
 
 def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) -> None:
-    """Middleware added last runs first. From the outside in: outcomes (so 401s,
-    413s, preflights and failures count too), CORS (it answers preflights before
-    the key is asked for, and puts its headers on refusals), the API key, the
-    body limit. All plain ASGI: none buffers or re-wraps a response."""
+    """Middleware added last runs first. From the outside in: the request log
+    (``request_log.py``), outcomes (so 401s, 413s, preflights and failures count
+    too), CORS (it answers preflights before the key is asked for, and puts its
+    headers on refusals), the API key, the body limit. All plain ASGI: none
+    buffers or re-wraps a response."""
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
@@ -138,3 +140,5 @@ def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) 
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)
+    if options.log_requests:
+        app.add_middleware(RequestLog)  # outermost: it sees the status Outcomes answers

@@ -57,9 +57,29 @@ def unicode_text(s: str) -> str:
     return s
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+# Content parts a text-only model cannot take, by what they hold.
+NOT_TEXT_PARTS = {"image_url": "image", "image": "image", "input_image": "image", "input_audio": "audio",
+                  "audio": "audio", "file": "file", "input_file": "file"}
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: text (or an assistant's refusal); any other
+    part is refused in words that name it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str = ""
+    refusal: str = ""
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type in NOT_TEXT_PARTS:
+            raise ValueError(f"{NOT_TEXT_PARTS[self.type]} parts are not supported: this model takes text only")
+        if self.type not in ("text", "refusal"):
+            raise ValueError(f"unknown content part type '{self.type}': this server takes "
+                             '{"type": "text", "text": "..."} parts')
+        return self
 
 
 class FunctionCall(BaseModel):
@@ -77,7 +97,16 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, List[TextPart], None] = None
+    content: Optional[List[ContentPart]] = None  # a string arrives as one text part
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if v is not None and not isinstance(v, list):
+            raise ValueError("content is a string or a list of content parts")
+        return v
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None  # assistant: the calls it made
     tool_call_id: Optional[str] = None           # tool: the call this answers
@@ -102,11 +131,7 @@ class Message(BaseModel):
         return m
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text or p.refusal for p in self.content or ())
 
 
 class StreamOptions(BaseModel):

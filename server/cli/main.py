@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
+import re
 import sys
 
 from mlxpipe.server.core.streams import GenerationFailed
@@ -42,7 +44,48 @@ docs: README.md, docs/ (quick start, several Macs, benchmarking, security, relia
 """
 
 
-class _Command(argparse.ArgumentParser):
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+class _Suggesting(argparse.ArgumentParser):
+    """A parser whose usage errors name the closest valid option or command, and
+    whose unknown options are refused by the (sub)command they were given to,
+    with its own usage (not the top-level one)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        options = [a for a in extras if a.startswith("-")]
+        if options:
+            word = options[0].split("=", 1)[0]
+            self.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(word, self._option_string_actions)}")
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str):
+        typo = re.search(r"invalid choice: '([^']*)'", message)
+        if typo and self._subparsers is not None:
+            (sub,) = [a for a in self._subparsers._group_actions if a.choices]
+            message += _did_you_mean(typo.group(1), sub.choices)
+        super().error(message)
+
+
+class _Version(argparse.Action):
+    """--version, read from the installed package's metadata when asked (not at every start)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        print(f"mlxpipe {version('mlxpipe')}")
+        parser.exit()
+
+
+class _Command(_Suggesting):
     """A subcommand whose module, and with it the options, is loaded when the command
     is used: ``mlxpipe --help`` imports none of them (mlx, mlx-lm, FastAPI, gRPC and
     transformers take seconds to import: deferred, it saves start-up time)."""
@@ -68,13 +111,14 @@ class _Command(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (tests check docker/compose.yaml's commands against it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Suggesting(
         prog="mlxpipe",
         description="Run a model too large for one Mac across several: layer-sharded MLX stages "
                     "streaming micro-batched activations over gRPC, behind an OpenAI-compatible API.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument("--version", action=_Version, help="print mlxpipe's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
     for name, module, help in COMMANDS:
         sub.add_parser(name, help=help, module=module)
@@ -85,6 +129,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
+    logging.getLogger("mlxpipe.shards.progress").setLevel(logging.INFO)  # lines only where no bar shows
     try:
         return args.fn(args)
     except (ValueError, PipelineError, GenerationFailed) as err:

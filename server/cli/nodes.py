@@ -7,6 +7,7 @@ import time
 import httpx
 
 from mlxpipe.server.cli.options import api_key, table
+from mlxpipe.server.cli.running import DEFAULT_URL, head_url
 
 
 def get_head(url: str, key: str, path: str):
@@ -20,11 +21,13 @@ def get_head(url: str, key: str, path: str):
 
 def add_arguments(p) -> None:
     """The head to ask, and its key (`mlxpipe nodes`; `mlxpipe status` adds its own)."""
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running head (default http://127.0.0.1:8000)")
+    p.add_argument("--url", default=None, help="a running head (default: $MLXPIPE_URL, else the one `mlxpipe serve` "
+                                               f"on this machine announced, else {DEFAULT_URL})")
     p.add_argument("--api-key-file", default=None, help="file with the head's API key (or $MLXPIPE_API_KEY)")
 
 
 def run(args) -> int:
+    args.url = head_url(args.url)
     try:
         r = get_head(args.url, api_key(args), "/nodes")
     except httpx.HTTPError as err:

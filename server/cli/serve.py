@@ -18,6 +18,8 @@ from mlxpipe.proto.rpc import raise_fd_limit
 from mlxpipe.server.api.app import create_app
 from mlxpipe.server.api.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
 from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.api.request_log import logger as request_logger
+from mlxpipe.server.cli.running import announced, reachable
 from mlxpipe.server.cluster import config as tree
 from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.cluster.config import ApiOptions, ClusterConfig, Listen
@@ -93,14 +95,23 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
                 await task  # raises why it could not start
                 raise SystemExit(f"could not listen on {host}:{port}")
             await asyncio.sleep(0.05)
-        # What a user (or a test) reads to know where to connect.
+        # What a user (or a test) reads to know where to connect: the first line stays as it is.
         print(f"mlxpipe serving {api.model_id} on http://{host}:{port}/v1", flush=True)
-        for line in cluster.describe()[1:]:
+        url = reachable(host, port)
+        for line in [*banner(url, api.model_id, cluster.model_path), *cluster.describe()[1:]]:
             print(f"  {line}", flush=True)
-        await task
+        with announced(url):  # for `mlxpipe status` and `nodes`
+            await task
         return exit_code
     finally:
         await cluster.stop()
+
+
+def banner(url: str, model: str, path: Path) -> list:
+    """The lines after the first: where to chat, where the APIs are, which model."""
+    return [f"chat page: {url}/",
+            f"API:       {url}/v1 (OpenAI; Anthropic at /v1/messages, Ollama at /api)",
+            f"model:     {model} ({path})"]
 
 
 def add_arguments(p) -> None:
@@ -113,6 +124,8 @@ def run(args) -> int:
     config = tree.from_args(ClusterConfig, args)
     options = tree.from_args(ApiOptions, args, model_id="")
     listen = tree.from_args(Listen, args)
+    if options.log_requests:  # at INFO, whatever -v says
+        request_logger.setLevel(logging.INFO)
     sock = listening_socket(listen.host, listen.port)
     try:
         code = asyncio.run(serve(config, sock, options))

@@ -16,6 +16,7 @@ import httpx
 from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
 from mlxpipe.server.cli.options import api_key, table
+from mlxpipe.server.cli.running import head_url
 from mlxpipe.server.cluster.stage_client import Pipeline
 
 
@@ -66,6 +67,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    args.url = head_url(args.url)
     try:
         return _run(args)
     except httpx.HTTPError as err:

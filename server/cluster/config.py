@@ -187,6 +187,9 @@ class ApiOptions:
                                             "context)", type=count)
     max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
                                            "context)", type=count)
+    log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
+                              "prompt/cached/completion tokens, time to first token, tok/s (default: on)",
+                              action=argparse.BooleanOptionalAction)
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_lm.utils import load_config, load_tokenizer
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster.config import ClusterConfig
@@ -63,7 +64,11 @@ def open_model(cfg: ClusterConfig) -> Model:
     cannot apply to it (before any stage starts)."""
     path = resolve_model(cfg.model)
     config = read_config(path)
-    model = Model(path, config, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")))
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    # The API refuses a prompt longer than the context itself (a 400 that says so): transformers'
+    # warning that a long one "will result in indexing errors" would only mislead, so it is off.
+    tokenizer._tokenizer.model_max_length = VERY_LARGE_INTEGER
+    model = Model(path, config, tokenizer)
     if cfg.bits is not None:
         if "quantization" in config:
             raise ValueError(f"{path} is quantized already; --bits quantizes a full-precision "

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, List, Optional, Sequence, Tuple
 
 import grpc
-from tqdm import tqdm
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
@@ -26,6 +25,7 @@ from mlxpipe.server.cluster.budget import FrameBudget
 from mlxpipe.server.cluster.config import StageLimits
 from mlxpipe.server.cluster.weights import WeightSource, send_weights
 from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.progress import Progress
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.weights import CHUNK_BYTES
 
@@ -118,7 +118,9 @@ class Pipeline:
         With ``weights``, a stage without the model first receives its range's.
         With ``quant``, a stage holding the full-precision model quantizes its range
         as it loads it (and ``weights`` should be a ``QuantizedSource`` of the same spec)."""
-        bar = tqdm(total=len(self.stages), desc="loading stages", unit="stage", file=sys.stderr) if progress else None
+        n = len(self.stages)
+        bar = Progress(f"loading {Path(self.model).name} on {n} stage{'s' if n != 1 else ''}", "stages loaded",
+                       total=n, terminal=progress, every_s=0)
 
         async def one(i: int) -> pb.LoadReply:
             st = self.stages[i]
@@ -134,8 +136,7 @@ class Pipeline:
                     await self.send_weights(i, weights, progress)
                     req.fingerprint = weights.fingerprint
                 st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
-                if bar is not None:
-                    bar.update()
+                bar.update()
             except grpc.aio.AioRpcError as err:
                 # A stage that cannot reach its successor blames the successor.
                 suspect = self.stages[i + 1] if "next stage" in (err.details() or "") else st
@@ -148,8 +149,7 @@ class Pipeline:
         try:
             replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         prints = {r.fingerprint for r in replies}
         if len(prints) != 1:
             raise PipelineError(f"stages hold different models (fingerprints {sorted(prints)})")

@@ -12,17 +12,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from tqdm import tqdm
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.progress import Progress
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
 from mlxpipe.shards.store import mlxpipe_home
@@ -118,8 +117,7 @@ async def send_weights(stub, stage: int, address: str, offer: pb.WeightsOffer, s
     by_name = {u.name: u for u in units}
     todo = [(n.name, list(n.chunks)) for n in need.units]
     total = sum(chunk_size(by_name[n].data_bytes, c) for n, cs in todo for c in cs)
-    bar = tqdm(total=total, desc=f"weights to {address}", unit="B", unit_scale=True, file=sys.stderr) \
-        if progress and total else None
+    bar = Progress(f"weights to {address}", "B", total=total, terminal=progress) if total else None
     sent, t0 = 0, time.monotonic()
 
     async def chunks():

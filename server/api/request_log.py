@@ -1,0 +1,85 @@
+"""One log line per finished request, whatever its protocol.
+
+``RequestLog`` (ASGI middleware, the outermost) opens a record for each HTTP
+request; ``Generator.start`` attaches the request's ``Generation`` to it
+(``attach``, through a context variable: no protocol module takes part). When
+the response has been sent, a request that generated, or was refused (4xx,
+5xx), gets one line at INFO:
+
+    POST /v1/chat/completions 200 prompt=31 cached=16 completion=64 ttft=0.21s 48.7 tok/s 1.52s
+
+(tok/s: completion tokens after the first over the time since the first, as
+the chat page counts them). Polls of /health, /metrics and the page's files
+get none.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Record:
+    started: float                 # time.monotonic() when the request came in
+    generation: Any = None         # its Generation, once one started
+
+
+_current: contextvars.ContextVar[Optional[_Record]] = contextvars.ContextVar("mlxpipe_request", default=None)
+
+
+def attach(generation) -> None:
+    """Count ``generation`` in the line of the request being served (if any is logged)."""
+    record = _current.get()
+    if record is not None:
+        record.generation = generation
+
+
+def line(method: str, path: str, status: Optional[int], record: _Record, now: float) -> str:
+    """The request's log line (tokens and timings when it generated)."""
+    text = f"{method} {path} {status or 500}"
+    gen = record.generation
+    if gen is None:
+        return f"{text} {now - record.started:.2f}s"
+    u = gen.usage()
+    text += f" prompt={u.prompt_tokens} cached={u.cached_tokens} completion={u.completion_tokens}"
+    firsts = [s.first_token_at for s in gen.streams if s.first_token_at is not None]
+    lasts = [s.last_token_at for s in gen.streams if s.last_token_at is not None]
+    if firsts:
+        text += f" ttft={min(firsts) - record.started:.2f}s"
+        decoded, span = u.completion_tokens - len(firsts), max(lasts) - min(firsts)
+        if decoded > 0 and span > 0:
+            text += f" {decoded / span:.1f} tok/s"
+    return f"{text} {now - record.started:.2f}s"
+
+
+class RequestLog:
+    """ASGI middleware: the log line of each request that generated or was refused."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record, status = _Record(time.monotonic()), None
+
+        async def watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        token = _current.set(record)
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            _current.reset(token)
+            if record.generation is not None or status is None or status >= 400:
+                logger.info("%s", line(scope.get("method", "?"), scope.get("path", ""), status, record,
+                                       time.monotonic()))
