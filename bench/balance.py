@@ -48,8 +48,7 @@ async def _drain(stream) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser("balance",
-                                            help="per-stage step time under load: planner split vs even split"))
+    q = add_common_arguments(sub.add_parser("balance"))
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--streams", type=int, default=8, help="concurrent streams (default %(default)s)")
     q.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")

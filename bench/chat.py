@@ -172,8 +172,7 @@ def report(results: Dict[str, Dict[str, list]], args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser(
-        "chat", help="multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"))
+    q = add_common_arguments(sub.add_parser("chat"))
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--pattern", choices=("conversation", "agent", "both"), default="both",
                    help="a chat that grows turn by turn, agents resending one long prefix, or both (default)")

@@ -11,18 +11,48 @@ import json
 import os
 import sys
 
-from mlxpipe.bench import balance, chat, grammar, load, overhead, prefill, quality, served, soak, stream
-from mlxpipe.bench.common import baseline_worker
+from mlxpipe.server.cli.main import LazyCommand
 
-# Each mode module adds its subcommand and the coroutine it runs (``measure``):
-# a new mode is a new module and an entry here.
-MODES = (stream, served, load, prefill, balance, chat, quality, grammar, soak, overhead)
+# Each mode is a module of mlxpipe.bench (named as the mode) that adds its options and
+# the coroutine it runs (``measure``), imported only when the mode is used (`mlxpipe
+# bench --help` imports none: they pull in MLX, mlx-lm and the cluster, seconds).
+# A new mode is a new module and an entry here.
+MODES = (
+    ("stream", "one stream: mlx-lm vs the pipeline at 1, 2, 3 stages"),
+    ("served", "one stream through mlxpipe serve as started by default vs mlx_lm.server: a copy task and a "
+               "chat prompt, speculation on and off"),
+    ("load", "concurrent HTTP clients: mlxpipe serve vs mlx_lm.server"),
+    ("prefill", "time to first token of a long prompt: chunked prefill vs not"),
+    ("balance", "per-stage step time under load: planner split vs even split"),
+    ("chat", "multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"),
+    ("quality", "perplexity of a model at full precision and quantized at several bits"),
+    ("grammar", "per-token cost of a JSON-schema grammar on the last stage"),
+    ("soak", "a bounded soak: streaming clients, random hang-ups, stages killed on a clock"),
+    ("overhead", "the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC ping-pong "
+                 "and mlx-lm; and where a real model's decode token goes"),
+)
+
+
+class _Into:
+    """What a mode module's ``add_parser(sub)`` calls ``sub.add_parser`` on: it gets
+    the mode's own parser back, to add its options to."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+    def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:
+        return self.parser
+
+
+class _Mode(LazyCommand):
+    def attach(self, module) -> None:
+        module.add_parser(_Into(self))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
-    for mode in MODES:
-        mode.add_parser(sub)
+    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE", parser_class=_Mode)
+    for name, help in MODES:
+        sub.add_parser(name, help=help, module=f"mlxpipe.bench.{name}")
 
 
 def run(args) -> int:
@@ -37,6 +67,8 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--baseline-worker":
+        from mlxpipe.bench.common import baseline_worker
+
         baseline_worker(argv[1])
         return 0
     parser = argparse.ArgumentParser(prog="mlxpipe bench")

@@ -16,8 +16,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import httpx
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.generate import generate_step, speculative_generate_step
 from tqdm import tqdm
 
 DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
@@ -90,6 +88,9 @@ class RunResult:
 def baseline_worker(model: str) -> None:
     """Read JSON requests on stdin, run plain mlx-lm ``generate_step`` (or, with a
     ``draft`` model, mlx-lm's ``speculative_generate_step``), answer JSON."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
     model_obj, _ = mlx_lm.load(model)
     drafts = {}
     print(json.dumps({"ready": True}), flush=True)

@@ -128,7 +128,7 @@ async def bench_grammar(args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("grammar", help="per-token cost of a JSON-schema grammar on the last stage")
+    q = sub.add_parser("grammar")
     q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=20, help="constrained generations")
     q.add_argument("--max-tokens", type=int, default=96, help="tokens per answer, at most (default %(default)s)")

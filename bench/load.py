@@ -205,7 +205,7 @@ def chart(result: dict, path: str) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser("load", help="concurrent HTTP clients: mlxpipe serve vs mlx_lm.server"))
+    q = add_common_arguments(sub.add_parser("load"))
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--concurrency", default="1,2,4,8", help="concurrency levels")
     q.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")

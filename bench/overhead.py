@@ -339,9 +339,7 @@ async def measure(args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser(
-        "overhead", help="the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC "
-                         "ping-pong and mlx-lm; and where a real model's decode token goes"))
+    q = add_common_arguments(sub.add_parser("overhead"))
     q.add_argument("--stages", default="2,3", help="stage counts to measure")
     q.add_argument("--streams", default="1,8", help="concurrent streams to measure")
     q.add_argument("--max-tokens", type=int, default=128, help="tokens per stream per run")

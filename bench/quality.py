@@ -138,7 +138,7 @@ async def bench_quality(args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("quality", help="perplexity of a model at full precision and quantized at several bits")
+    q = sub.add_parser("quality")
     q.add_argument("--model", default=DEFAULT_MODEL,
                    help="a full-precision model folder (default: the embedded model dequantized to bf16)")
     q.add_argument("--settings", default=DEFAULT_SETTINGS,

@@ -110,9 +110,7 @@ def _report(args, series: Dict[str, Dict[str, list]]) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser(
-        "served", help="one stream through mlxpipe serve as started by default vs mlx_lm.server: a copy task "
-                       "and a chat prompt, speculation on and off"))
+    q = add_common_arguments(sub.add_parser("served"))
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--max-tokens", type=int, default=400, help="tokens per answer, at most (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt (a user message)")

@@ -230,7 +230,7 @@ def _print(r: SoakResult) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("soak", help="a bounded soak: streaming clients, random hang-ups, stages killed on a clock")
+    q = sub.add_parser("soak")
     q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")

@@ -161,7 +161,7 @@ async def measure(args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    q = add_common_arguments(sub.add_parser("stream", help="one stream: mlx-lm vs the pipeline at 1, 2, 3 stages"))
+    q = add_common_arguments(sub.add_parser("stream"))
     q.add_argument("--stages", default="1,2,3", help="stage counts to measure (--speculative: the last one)")
     q.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (a user message)")

@@ -27,8 +27,6 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
-from mlxpipe.shards.profile import memory_bandwidth, offered_memory
-from mlxpipe.shards.servicer import StageServicer
 from mlxpipe.shards.sizes import parse_size
 
 logger = logging.getLogger(__name__)
@@ -75,6 +73,8 @@ async def join_head(head: str, address: str, name: str, memory_bytes: int, bandw
 
 async def _join_or_exit(head: str, address: str, security: Security, memory_bytes: Optional[int]) -> None:
     """Offer ourselves to the head; stop the node if it refuses our secret."""
+    from mlxpipe.shards.profile import memory_bandwidth, offered_memory
+
     memory = offered_memory(memory_bytes)
     bandwidth = await asyncio.to_thread(memory_bandwidth)
     try:
@@ -104,6 +104,8 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
     # A node shows progress (bars in a terminal, lines in a log); stages a head started stay quiet.
+    from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
+
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.grammar import Constraint, GrammarError
@@ -166,6 +165,10 @@ class SeqSampler:
     ``constraint``, only tokens its grammar allows."""
 
     def __init__(self, params: Sampling, constraint: Optional[Constraint] = None):
+        # (mlx-lm's samplers pull in transformers, seconds of import: a head that only
+        # checks parameters, and the CLI, never need them)
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
         self.params = params
         self.constraint = constraint
         self.seed = params.seed or 0

@@ -10,11 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from mlxpipe.server.api.textgen import stream_text
 from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.cluster.config import ClusterConfig, knob
-from mlxpipe.shards.sampling import Sampling
 
 log = logging.getLogger("mlxpipe")
 
@@ -38,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
+    from mlxpipe.server.api.textgen import stream_text  # (deferred: `generate --help` needs none of them)
+    from mlxpipe.server.cluster.assembly import Cluster
+    from mlxpipe.shards.sampling import Sampling
+
     async with Cluster(config) as cluster:
         for line in cluster.describe():
             log.info(line)

@@ -85,7 +85,7 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-class _Command(_Suggesting):
+class LazyCommand(_Suggesting):
     """A subcommand whose module, and with it the options, is loaded when the command
     is used: ``mlxpipe --help`` imports none of them (mlx, mlx-lm, FastAPI, gRPC and
     transformers take seconds to import: deferred, it saves start-up time)."""
@@ -97,8 +97,12 @@ class _Command(_Suggesting):
     def _load(self) -> None:
         if self._module:
             module, self._module = importlib.import_module(self._module), ""
-            module.add_arguments(self)
-            self.set_defaults(fn=module.run)
+            self.attach(module)
+
+    def attach(self, module) -> None:
+        """Add the options of the command ``module`` is (``add_arguments``, ``run``)."""
+        module.add_arguments(self)
+        self.set_defaults(fn=module.run)
 
     def parse_known_args(self, args=None, namespace=None):
         self._load()
@@ -119,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     parser.add_argument("--version", action=_Version, help="print mlxpipe's version and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=LazyCommand)
     for name, module, help in COMMANDS:
         sub.add_parser(name, help=help, module=module)
     return parser

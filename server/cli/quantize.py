@@ -6,8 +6,6 @@ import argparse
 from pathlib import Path
 
 from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.quantize import quantize_folder
-from mlxpipe.shards.store import resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     layer_bits = [b for b in args.layer_bits.split(",")] if args.layer_bits else None
     spec = QuantSpec.parse(args.bits, args.group_size, layer_bits)
+    from mlxpipe.shards.quantize import quantize_folder  # (deferred: MLX and mlx-lm, seconds to import)
+    from mlxpipe.shards.store import resolve_model
+
     config = quantize_folder(resolve_model(args.model), Path(args.out), spec)
     own = sum(isinstance(v, dict) for v in config["quantization"].values())
     print(f"{args.out}: {spec.describe()} ({own} modules with bits of their own)")

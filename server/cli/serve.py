@@ -12,16 +12,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import uvicorn
-
-from mlxpipe.proto.rpc import raise_fd_limit
-from mlxpipe.server.api.app import create_app
-from mlxpipe.server.api.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
-from mlxpipe.server.api.metrics import Metrics
-from mlxpipe.server.api.request_log import logger as request_logger
 from mlxpipe.server.cli.running import announced, reachable
 from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.cluster.config import ApiOptions, ClusterConfig, Listen
 from mlxpipe.shards.store import is_repo_id
 
@@ -35,13 +27,18 @@ def model_id(model_arg: str, path: Path) -> str:
     return path.name
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        # serve() handles SIGINT/SIGTERM itself: uvicorn would re-raise the
-        # signal after its shutdown, killing the process before the stage
-        # processes it started are stopped.
-        yield
+def _uvicorn_server(config):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # serve() handles SIGINT/SIGTERM itself: uvicorn would re-raise the
+            # signal after its shutdown, killing the process before the stage
+            # processes it started are stopped.
+            yield
+
+    return _Server(config)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -61,6 +58,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions) -> int:
     """Serve until SIGINT or SIGTERM; return the exit code the shell expects (130, 143)."""
+    # (imported here: `serve --help` needs none of it, and it takes seconds)
+    import uvicorn
+
+    from mlxpipe.proto.rpc import raise_fd_limit
+    from mlxpipe.server.api.app import create_app
+    from mlxpipe.server.api.http_guard import GuardedH11Protocol, quiet_accept_errors, size_for_fd_limit
+    from mlxpipe.server.api.metrics import Metrics
+    from mlxpipe.server.cluster.assembly import Cluster
+
     metrics = Metrics()
     cluster = await Cluster(config, observer=metrics).start()
     try:
@@ -69,7 +75,7 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
         # http: pinned (not "auto", which picks httptools when installed): uvicorn has no
         # deadline for a request's headers; GuardedH11Protocol adds one, and a cap.
         host, port = sock.getsockname()[:2]
-        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+        server = _uvicorn_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         lifespan="off", timeout_graceful_shutdown=5,
                                         http=GuardedH11Protocol,
                                         backlog=size_for_fd_limit(raise_fd_limit())))
@@ -125,6 +131,8 @@ def run(args) -> int:
     options = tree.from_args(ApiOptions, args, model_id="")
     listen = tree.from_args(Listen, args)
     if options.log_requests:  # at INFO, whatever -v says
+        from mlxpipe.server.api.request_log import logger as request_logger
+
         request_logger.setLevel(logging.INFO)
     sock = listening_socket(listen.host, listen.port)
     try:

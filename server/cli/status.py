@@ -17,7 +17,6 @@ from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
 from mlxpipe.server.cli.options import api_key, table
 from mlxpipe.server.cli.running import head_url
-from mlxpipe.server.cluster.stage_client import Pipeline
 
 
 def _mb(n) -> str:
@@ -43,6 +42,8 @@ def from_head(url: str, key: str = "") -> str:
 
 
 async def from_nodes(addresses: List[str], security) -> str:
+    from mlxpipe.server.cluster.stage_client import Pipeline  # (deferred: gRPC and MLX, seconds to import)
+
     pipeline = Pipeline(addresses, "unused", security)
     try:
         health = await pipeline.health(timeout=5)
