@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.draft import SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.pipeline import Pipeline, PipelineError
+from mlxpipe.server.prefix import snapshot_every
 from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq, TokenEvent
 from mlxpipe.shards.sampling import Sampling
 
@@ -195,8 +196,14 @@ class Engine:
         self._supervisor = asyncio.ensure_future(self._supervise())
 
     def _held_blocks(self, capacity: int) -> None:
-        """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
-        self.scheduler.reset_prefix([list(st.load.blocks) for st in self.pipeline.stages], capacity)
+        """Tell the scheduler what the stages' Load replies say: the prefix blocks they
+        hold (and, where they have state caches, can start after), how far apart
+        their state snapshots go, how many drafted positions they can take back."""
+        loads = [st.load for st in self.pipeline.stages]
+        every = snapshot_every(loads[0].block_tokens, [(r.kv_bytes_per_token, r.state_bytes) for r in loads])
+        self.scheduler.reset_prefix([list(r.blocks) for r in loads], capacity,
+                                    [list(r.starts) if r.state_bytes else None for r in loads], every)
+        self.scheduler.max_rewind = min(r.max_rewind for r in loads)
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event

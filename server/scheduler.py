@@ -25,7 +25,11 @@ Rules:
   the stages to keep the blocks it completed before that frame (``store``), and
   the first frame of a round carries the blocks to drop (``evict``). Cached
   blocks count against the KV budget; live sequences win: admission evicts
-  least recently used blocks before it would refuse.
+  least recently used blocks before it would refuse. Where stages have state
+  caches (``snapshot_every`` > 0), a sequence can start only after a block
+  whose end state they keep: a frame that starts exactly at a block's end asks
+  for it (``snap``) every ``snapshot_every`` blocks and at the last block of a
+  prompt, and prefill chunks end at block boundaries so that such frames exist.
 - Speculative decoding (when ``speculate``): while few sequences are live (at
   most ``spec_max_running``, waiting and prefilling ones included, so the
   groups alone would leave stages idle and no prompt waits behind drafts), a
@@ -47,7 +51,9 @@ Rules:
   The depth follows the acceptance (halved on a miss, one more after as many
   drafts in a row matched); a sequence whose drafts keep failing decodes in its group
   again for a while. A sequence with a grammar never speculates: its grammar
-  would have to take back rejected drafts on the last stage.
+  would have to take back rejected drafts on the last stage. Nor does one
+  while a stage cannot take drafts back (``max_rewind`` 0), and drafts in
+  flight never exceed what every stage can take back.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``TokenResult.done``); replayed, its first frame names the tokens
   it generated, so the last stage's grammar advances past them again.
@@ -219,16 +225,21 @@ class Scheduler:
         self.pending_evict: List[int] = []
         self._keep_this_round: Set[int] = set()  # blocks this round's frames reuse or store: not evicted now
         self._room = 0                            # blocks the KV budget leaves for the cache this round
+        self.snapshot_every = 0  # blocks between state snapshots the stages keep (0: no stage has state caches)
+        self.max_rewind = 1 << 30  # drafted positions every stage can take back (0: no speculation)
         self._frame_ids = itertools.count(1)
 
     def resize(self, max_kv_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
         self.max_kv_tokens = max_kv_tokens
 
-    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
-        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int, starts=None, snapshot_every: int = 0) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold;
+        ``starts``: per stage with state caches, the held blocks it can start after
+        (None for a stage without); ``snapshot_every``: see the module docstring."""
+        self.snapshot_every = snapshot_every
         if self.prefix is not None:
-            self.pending_evict = self.prefix.reset(held, capacity)
+            self.pending_evict = self.prefix.reset(held, capacity, starts)
 
     # -- requests -------------------------------------------------------------
 
@@ -249,6 +260,21 @@ class Scheduler:
         cfg = self.config
         todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
         return min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
+
+    def _chunk_at(self, seq: Sequence, body: int) -> int:
+        """The next prefill chunk's tokens; where stages have state caches it ends at a
+        block boundary (and at the body's last one), so that the next frame can ask
+        for the state there (``_snaps``)."""
+        n = min(self._chunk(seq), body - seq.sent)
+        b = self.config.block_tokens
+        if not self.snapshot_every or self.prefix is None:
+            return n
+        end, last = seq.sent + n, body // b * b
+        if end < body and end - end % b > seq.sent:
+            end -= end % b
+        if seq.sent < last < end:
+            end = last
+        return end - seq.sent
 
     def _penalty_context(self, seq: Sequence) -> List[int]:
         """For a sequence that starts after cached blocks: the reused tokens its
@@ -367,12 +393,23 @@ class Scheduler:
         if upto <= seq.stored:
             return
         keys = chain_hashes(seq.tokens, self.config.block_tokens, seq.hashes, upto)[seq.stored : upto]
-        kept = self.prefix.add(keys, self._keep_this_round, self.pending_evict, self._room)
+        snap = self._snaps(seq, entry, upto)
+        kept = self.prefix.add(keys, self._keep_this_round, self.pending_evict, self._room,
+                               start=keys[-1] if snap else None)
         if kept:
             entry.store_first = seq.stored
             entry.store.extend(keys[:kept])
+            entry.snap = snap and kept == len(keys)
             self._keep_this_round.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
+
+    def _snaps(self, seq: Sequence, entry: pb.SeqEntry, upto: int) -> bool:
+        """Whether stages with state caches keep the state at the end of block ``upto``
+        - 1 (they are exactly there: it ends at the frame's offset)."""
+        every = self.snapshot_every
+        if not every or upto * self.config.block_tokens != entry.offset:
+            return False
+        return upto % every == 0 or upto == (len(seq.feed) - 1) // self.config.block_tokens
 
     def _frame(self, kind: int, seq_ids: List[int], entries, group: Optional[int] = None, tokens=()) -> pb.Frame:
         fid = next(self._frame_ids)
@@ -409,7 +446,7 @@ class Scheduler:
             while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
                 body = len(seq.feed) - 1  # all but the last token go in chunks
                 if seq.sent < body:
-                    n, sample = min(self._chunk(seq), body - seq.sent), False
+                    n, sample = self._chunk_at(seq, body), False
                 else:
                     n, sample = 1, True
                 entry = pb.SeqEntry(seq_id=seq.seq_id, offset=seq.sent, num_tokens=n, sample=sample)
@@ -436,11 +473,12 @@ class Scheduler:
     def _may_speculate(self, seq: Sequence) -> bool:
         cfg = self.config
         return (cfg.speculate and seq.speculation != "none" and seq.max_drafts != 0 and not seq.sampling.grammar
-                and self.live <= cfg.spec_max_running)
+                and self.max_rewind > 0 and self.live <= cfg.spec_max_running)
 
     def _spec(self, seq: Sequence) -> Spec:
         if seq.spec is None:
-            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth)
+            # A miss takes back at most `cap` positions: no more than every stage can.
+            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth, self.max_rewind)
             seq.spec = Spec(depth=cap, cap=cap, drafter=self.drafters(seq))
         return seq.spec
 

@@ -1,35 +1,48 @@
-"""A stage's prefix cache: KV blocks of prefixes it has computed, kept under the head's hashes.
+"""A stage's prefix cache: blocks of prefixes it has computed, kept under the head's hashes.
 
 The head owns the index of which blocks every stage holds (``server/prefix.py``)
 and says, frame by frame, which cached blocks a sequence starts from
-(``reuse``), which of a sequence's completed blocks to keep (``store``) and
-which blocks to drop (``evict``). A stage never decides any of it, so stages
-can never disagree about where a sequence starts.
+(``reuse``), which of a sequence's completed blocks to keep (``store``, and
+``snap``: keep the state at the end of the last of them too) and which blocks
+to drop (``evict``). A stage never decides any of it, so stages can never
+disagree about where a sequence starts.
 
-A block is positions ``[k * block_tokens, (k + 1) * block_tokens)`` of every
-cache of the stage's layers, copied out of a sequence's caches: its own
-(mlx-lm ``KVCache``) or its row of a decode group's ``BatchKVCache``. A
-sequence that starts from blocks gets fresh caches holding their
-concatenation, so cached blocks are never shared with live sequences and can
-be dropped at any time. Only caches that are plain keys and values along a
-position axis can be cut like this (mlx-lm's ``KVCache``: GQA and MLA alike);
-``supports`` tells, and a stage whose model has others (sliding windows,
-state-space layers) reports that it keeps no prefix cache.
+A block is positions ``[k * block_tokens, (k + 1) * block_tokens)``. Of the
+stage's positional caches (``caches.sliceable``: mlx-lm's ``KVCache``, or a
+row of a decode group's ``BatchKVCache``) it holds those positions' keys and
+values. Of its state caches (rotating windows, state-space and linear-attention
+arrays: ``caches.py``) it holds a snapshot of the state at the block's end, but
+only when the head asked (``snap``): such state is valid for exactly that
+prefix, and costs far more than a block of keys. A sequence starts after blocks
+``k0 .. kn`` when the stage holds all of them and, if it has state caches, the
+state at the end of ``kn`` (``startable``). It gets fresh caches holding the
+blocks' keys and values and that state, so cached blocks are never shared with
+live sequences and can be dropped at any time.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
-Block = List[Tuple[mx.array, mx.array]]  # (keys, values) per cache of the stage's layers
+from mlxpipe.shards import caches as kinds
 
 
-def supports(caches: Sequence) -> bool:
-    """Whether caches like these can be cut into blocks."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
+@dataclass
+class Block:
+    kv: List[Optional[Tuple[mx.array, mx.array]]]  # per cache: its keys and values (sliceable caches only)
+    state: Optional[Dict[int, dict]] = None       # per state cache: its snapshot at the block's end
+    nbytes: int = 0
+
+
+def _slice(c, a: int, b: int, row: int) -> Tuple[mx.array, mx.array]:
+    if isinstance(c, BatchKVCache):
+        pad = c.left_padding[row].item()
+        return c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
+    return c.keys[..., a:b, :], c.values[..., a:b, :]
 
 
 class BlockStore:
@@ -46,41 +59,56 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def keep(self, key: int, caches: Sequence, index: int, row: int = -1) -> None:
-        """Keep block ``index`` of a sequence under ``key``: from its own caches, or
-        from row ``row`` of batched caches. A key already held stays as it is."""
-        if key in self.blocks:
-            return
-        a = index * self.block_tokens
-        b = a + self.block_tokens
-        block = []
-        for c in caches:
-            if isinstance(c, BatchKVCache):
-                pad = c.left_padding[row].item()
-                k, v = c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
-            else:
-                k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
-            block.append((mx.contiguous(k), mx.contiguous(v)))  # a copy: the sequence's buffers may go
-        mx.eval(block)
-        self.blocks[key] = block
-        self.nbytes += sum(k.nbytes + v.nbytes for k, v in block)
+    def startable(self, key: int, caches: Sequence) -> bool:
+        """Whether a sequence with caches like ``caches`` can start after block ``key``."""
+        block = self.blocks.get(key)
+        if block is None:
+            return False
+        return block.state is not None or all(kinds.sliceable(c) for c in caches)
+
+    def starts(self, caches: Sequence) -> List[int]:
+        """The blocks a sequence can start after."""
+        return [k for k in self.blocks if self.startable(k, caches)]
+
+    def keep(self, key: int, caches: Sequence, index: int, row: int = -1, snap: bool = False) -> None:
+        """Keep block ``index`` of a sequence under ``key``: from its own caches, or from
+        row ``row`` of batched caches; with ``snap``, the state caches' state now (the
+        caches must be at the block's end). A key already held keeps what it has, and
+        gains the state if it lacked it."""
+        block = self.blocks.get(key)
+        if block is None:
+            a = index * self.block_tokens
+            kv = [tuple(mx.contiguous(x) for x in _slice(c, a, a + self.block_tokens, row))
+                  if kinds.sliceable(c) else None for c in caches]  # copies: the sequence's buffers may go
+            block = self.blocks[key] = Block(kv)
+            mx.eval([x for pair in kv if pair for x in pair])
+        if snap and block.state is None and not all(kinds.sliceable(c) for c in caches):
+            block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
+            mx.eval(kinds.arrays(block.state))
+        self.nbytes -= block.nbytes
+        block.nbytes = sum(x.nbytes for pair in block.kv if pair for x in pair) + kinds.nbytes(block.state)
+        self.nbytes += block.nbytes
 
     def drop(self, keys: Iterable[int]) -> None:
         for key in keys:
             block = self.blocks.pop(key, None)
             if block is not None:
-                self.nbytes -= sum(k.nbytes + v.nbytes for k, v in block)
+                self.nbytes -= block.nbytes
 
     def clear(self) -> None:
         self.blocks.clear()
         self.nbytes = 0
 
-    def start(self, keys: Sequence[int], caches: Sequence[KVCache]) -> int:
-        """Fill a new sequence's empty caches with the blocks ``keys``, in order;
-        returns the positions they hold."""
+    def start(self, keys: Sequence[int], caches: Sequence) -> int:
+        """Fill a new sequence's empty caches with the blocks ``keys``, in order (the
+        state caches with the last one's state); returns the positions they hold."""
         blocks = [self.blocks[k] for k in keys]
+        n = len(blocks) * self.block_tokens
         for i, c in enumerate(caches):
-            c.keys = mx.concatenate([b[i][0] for b in blocks], axis=2)
-            c.values = mx.concatenate([b[i][1] for b in blocks], axis=2)
-            c.offset = len(blocks) * self.block_tokens
-        return len(blocks) * self.block_tokens
+            if kinds.sliceable(c):
+                c.keys = mx.concatenate([b.kv[i][0] for b in blocks], axis=2)
+                c.values = mx.concatenate([b.kv[i][1] for b in blocks], axis=2)
+                c.offset = n
+            else:
+                kinds.restore(c, blocks[-1].state[i])
+        return n

@@ -28,7 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.slicing import layer_owner, load_stage
+from mlxpipe.shards.layers import layer_owner
+from mlxpipe.shards.slicing import load_stage
 from mlxpipe.shards.store import mlxpipe_home, text_config
 
 logger = logging.getLogger(__name__)

@@ -154,7 +154,7 @@ class StageServicer(pb_grpc.StageServicer):
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
-        kv_bytes_per_token = warm_up(stage, hidden)
+        footprint = warm_up(stage, hidden)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         model_bytes = sum(
             f.stat().st_size for f in path.glob("*.safetensors")
@@ -182,10 +182,12 @@ class StageServicer(pb_grpc.StageServicer):
             model_bytes=model_bytes,
             max_context=max_context,
             fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
-            kv_bytes_per_token=kv_bytes_per_token,
+            kv_bytes_per_token=footprint.kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
+            max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
+            state_bytes=footprint.state_bytes,
         )
         return _Loaded(shard, reply, request)
 
@@ -196,6 +198,7 @@ class StageServicer(pb_grpc.StageServicer):
         reply.CopyFrom(loaded.reply)
         if loaded.shard.prefix is not None:
             reply.blocks.extend(loaded.shard.prefix.blocks)
+            reply.starts.extend(loaded.shard.starts())
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):

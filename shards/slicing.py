@@ -1,8 +1,9 @@
 """One stage's slice of an mlx-lm model: layers [start, end), run by the model's own code.
 
-Any mlx-lm model whose blocks sit in a ``layers`` list can be cut. Rather than
-re-implementing each architecture's forward pass, a stage calls the model's own
-``__call__`` with the blocks it does not hold swapped for stand-ins:
+Any mlx-lm model whose blocks sit in a ``layers`` list and pass each other only
+the hidden state can be cut. Rather than re-implementing each architecture's
+forward pass, a stage calls the model's own ``__call__`` with the blocks it does
+not hold swapped for stand-ins:
 
 - blocks before ``start`` pass their input through untouched (``_Skip``);
 - block ``start`` on a later stage ignores its input and runs on the
@@ -10,31 +11,51 @@ re-implementing each architecture's forward pass, a stage calls the model's own
 - block ``end`` raises ``_Leave`` with the activations, so nothing after the
   range (final norm, output head) is built on an earlier stage.
 
-Everything the model does around its blocks (masks, positions, embedding
-scale, final norm, head) therefore stays the model's own. MLX is lazy, so the
-embedding lookup that a later stage's forward builds from placeholder tokens is
-never evaluated, and weights are read from disk only when a computation uses
-them: a stage materializes exactly the tensors its range needs.
+A stand-in keeps what the model's code may read of the block it replaces (plain
+attributes such as ``use_sliding``, and those of its sub-modules, as in
+``layer.self_attn.is_local``) but none of its weights. Everything the model does
+around its blocks (masks, positions, embedding scale, final norm, head)
+therefore stays the model's own. MLX is lazy, so the embedding lookup that a
+later stage's forward builds from its tokens is never evaluated unless used,
+and weights are read from disk only when a computation uses them: a stage
+materializes exactly the tensors its range needs.
 
-Cache objects of the blocks a stage does not hold are stand-ins too: each
-points at one of the stage's own caches of the same kind, so a model that
-builds its attention mask from, say, ``cache[0]`` sees the right offset.
+Caches: ``make_cache()`` gives the model's cache slots, which need not be one per
+block (Nemotron-H gives none to its MLP blocks; a looped model gives a block
+two). Which block uses which slot is learned once, from one lazy forward with
+every block swapped for a recorder. A stage keeps the slots of its own blocks;
+every other slot is a stand-in: one of its own caches with the same
+``caches.signature`` (so a model that builds its attention mask or reads its
+positions from ``cache[i]`` sees the right offset), or, when it holds none of
+that kind, an empty cache of the kind whose offsets say where each sequence is
+(``caches.phantom``).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.layers import layer_owner
+from mlxpipe.shards.quantize import QuantizeError, quantize_range
+
 if TYPE_CHECKING:
     from mlxpipe.shards.quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
+
+# Model types a stage refuses, and why (a clear error at Load, never wrong tokens).
+UNSUPPORTED: Dict[str, str] = {}
+
+
+class Unsupported(ValueError):
+    """A model, or a range of it, that this stage cannot run; the message says why."""
 
 
 class _Leave(Exception):
@@ -43,12 +64,25 @@ class _Leave(Exception):
         self.hidden = hidden
 
 
+def _shell(module: nn.Module, depth: int = 2) -> nn.Module:
+    """A weightless module with ``module``'s plain attributes, and shells of its sub-modules."""
+    shell = nn.Module()
+    _copy_plain(shell, module, depth)
+    return shell
+
+
+def _copy_plain(stand_in: nn.Module, block: nn.Module, depth: int) -> None:
+    stand_in.__dict__.update({k: v for k, v in block.__dict__.items() if not k.startswith("_")})
+    if depth:
+        for k, v in block.items():
+            if isinstance(v, nn.Module):
+                stand_in[k] = _shell(v, depth - 1)
+
+
 def _mimic(stand_in: nn.Module, block: nn.Module) -> nn.Module:
-    """Give a stand-in the plain attributes of the block it replaces (flags such
-    as ``use_sliding`` that the model's code reads), but none of its weights."""
-    stand_in.__dict__.update(
-        {k: v for k, v in block.__dict__.items() if not k.startswith("_")}
-    )
+    """Give a stand-in what the model's code may read of the block it replaces
+    (flags such as ``use_sliding``, also on its sub-modules), but none of its weights."""
+    _copy_plain(stand_in, block, depth=2)
     return stand_in
 
 
@@ -82,19 +116,43 @@ class _Enter(nn.Module):
         return self.block(self._inbox.hidden, *args, **kwargs)
 
 
-def layer_owner(model: nn.Module) -> nn.Module:
-    """The module whose ``layers`` list the model's forward iterates."""
-    best = None
-    for _, module in model.named_modules():
-        layers = module.get("layers") if isinstance(module, dict) else None
-        if isinstance(layers, list) and layers and all(isinstance(b, nn.Module) for b in layers):
-            if best is None or len(layers) > len(best["layers"]):
-                best = module
-    if best is None:
-        raise ValueError(
-            f"{type(model).__module__} keeps its blocks in no `layers` list, so it cannot be cut by layer"
-        )
-    return best
+class _Recorder(nn.Module):
+    """Stands in for block ``index`` in the one forward that learns which cache slots it uses."""
+
+    def __init__(self, index: int, slots: list, seen: Dict[int, List[int]]):
+        super().__init__()
+        self._index, self._slots, self._seen = index, slots, seen
+
+    def __call__(self, x, *args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            for k, slot in enumerate(self._slots):
+                if value is slot and k not in self._seen[self._index]:
+                    self._seen[self._index].append(k)
+        return x
+
+
+def cache_slots(model: nn.Module, blocks: List[nn.Module], template: list) -> List[List[int]]:
+    """For each block, the cache slots (indices into ``template``) the model hands it:
+    learned from one lazy forward with every block swapped for a recorder (nothing is
+    evaluated, so no weight is read)."""
+    n = len(blocks)
+    seen: Dict[int, List[int]] = {i: [] for i in range(n)}
+    real = list(blocks)
+    try:
+        blocks[:] = [_mimic(_Recorder(i, template, seen), b) for i, b in enumerate(real)]
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=template)
+        found = True
+    except Exception as err:  # noqa: BLE001 - a model whose blocks must return more than the hidden state
+        logger.info("could not trace cache slots (%s: %s)", type(err).__name__, err)
+        found = False
+    finally:
+        blocks[:] = real
+    if found and all(k in [s for v in seen.values() for s in v] for k in range(len(template))):
+        return [seen[i] for i in range(n)]
+    if len(template) == n:  # one per block, in order
+        return [[i] for i in range(n)]
+    raise Unsupported(f"{type(model).__module__}: cannot tell which of its {len(template)} caches each of its "
+                      f"{n} blocks uses")
 
 
 class SlicedModel:
@@ -110,9 +168,10 @@ class SlicedModel:
         self.model = model
         self.start, self.end, self.num_layers = start, end, n
         self.first, self.last = start == 0, end == n
-        # The full-length cache layout the model expects, to learn each block's
-        # cache kind before the blocks are replaced.
-        template = self._full_cache()
+        # The model's cache slots, and which blocks use which, learned before the blocks are replaced.
+        self._template = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(n)]
+        slots = cache_slots(model, blocks, self._template)
+        self.own = sorted({k for i in range(start, end) for k in slots[i]})  # slots of this stage's blocks
         self.blocks = list(blocks[start:end])  # this stage's own blocks
         self._inbox = _Inbox()
         for i in range(n):
@@ -122,34 +181,33 @@ class SlicedModel:
                 blocks[i] = _mimic(_Exit(), blocks[i])
             elif not start <= i < end:
                 blocks[i] = _mimic(_Skip(), blocks[i])
-        # For every block outside the range, the index (within the range) of a
-        # cache of the same kind to stand in for its own.
-        own = [type(c) for c in template[start:end]]
+        # Every other slot: the position (among this stage's caches) of one of the same
+        # signature, or None (a phantom of its kind is made per call).
+        mine = [kinds.signature(self._template[k]) for k in self.own]
         self._stand_in = []
-        for i in range(n):
-            if start <= i < end:
-                continue
-            kind = type(template[i])
-            self._stand_in.append((i, own.index(kind) if kind in own else 0))
-
-    def _full_cache(self) -> list:
-        if hasattr(self.model, "make_cache"):
-            return self.model.make_cache()
-        return [KVCache() for _ in range(self.num_layers)]
+        for k, c in enumerate(self._template):
+            if k not in self.own:
+                sig = kinds.signature(c)
+                self._stand_in.append((k, mine.index(sig) if sig in mine else None))
 
     def make_cache(self) -> list:
-        """Fresh caches for one sequence, one per block of the range."""
-        return self._full_cache()[self.start : self.end]
+        """Fresh caches for one sequence, one per cache slot of the range."""
+        return [kinds.clone(self._template[k]) for k in self.own]
 
-    def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list) -> mx.array:
-        """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D].
+    def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list,
+                 lengths: Optional[Sequence[int]] = None) -> mx.array:
+        """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D];
+        ``lengths``: each row's positions before these (for caches of kinds this stage
+        does not hold, which some models read positions from).
 
         Returns activations [B, L, D], or logits [B, L, V] on the last stage.
         """
-        full: List[Any] = [None] * self.num_layers
-        full[self.start : self.end] = caches
-        for i, j in self._stand_in:
-            full[i] = caches[j]
+        full: List[Any] = [None] * len(self._template)
+        for k, c in zip(self.own, caches):
+            full[k] = c
+        rows = lengths if lengths is not None else [0] * tokens.shape[0]
+        for k, j in self._stand_in:
+            full[k] = caches[j] if j is not None else kinds.phantom(self._template[k], list(rows))
         self._inbox.hidden = hidden
         try:
             return self.model(tokens, cache=full)
@@ -171,18 +229,20 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     """
     import json
 
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_config, load_model
 
-    from mlxpipe.shards.quantize import QuantizeError, quantize_range
     from mlxpipe.shards.store import BrokenModel
 
     path = Path(path)
     try:
+        model_type = load_config(path).get("model_type")
+        if model_type in UNSUPPORTED:
+            raise Unsupported(f"mlxpipe cannot run {model_type} models: {UNSUPPORTED[model_type]}")
         if quant is not None:
             model, config = quantize_range(path, start, end, quant)
         else:
             model, config = load_model(path, lazy=True, strict=strict)
-    except QuantizeError:
+    except (QuantizeError, Unsupported):
         raise
     except json.JSONDecodeError as err:
         raise BrokenModel(f"{path / 'config.json'} is not valid JSON: {err}") from err
@@ -208,19 +268,20 @@ def read_weights(stage: SlicedModel, progress: bool = False) -> None:
         mx.eval(block.parameters())
 
 
-def warm_up(stage: SlicedModel, hidden_size: int) -> int:
-    """One throwaway token through the range: reads (materializes) exactly the
-    weights the range uses and compiles its kernels. Returns the range's KV-cache
-    bytes per token of context (float32 activations assumed on a later stage)."""
+def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":
+    """Two throwaway tokens through the range: read (materialize) exactly the weights
+    the range uses and compile its kernels. Returns what its caches cost: KV-cache bytes
+    per token of context, bytes of one sequence's state (float32 activations assumed
+    on a later stage). A range that cannot run on its own is ``Unsupported``."""
     caches = stage.make_cache()
-    tokens = mx.zeros((1, 1), dtype=mx.int32)
     hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
-    mx.eval(stage(tokens, hidden, caches))
-    per_token = 0
-    for c in caches:  # caches allocate ahead; measure per position of what they allocated
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-            per_token += (keys.nbytes + values.nbytes) // keys.shape[2]
+    try:
+        for i in range(2):  # a second position: caches that allocate on the first step show their growth
+            mx.eval(stage(mx.zeros((1, 1), dtype=mx.int32), hidden, caches, lengths=[i]))
+    except Exception as err:  # noqa: BLE001 - the model's own code, on a range it was not written for
+        raise Unsupported(f"layers [{stage.start}, {stage.end}) of {type(stage.model).__module__} cannot run "
+                          f"as a stage of their own: {type(err).__name__}: {err}") from err
+    footprint = kinds.footprint(caches)
     del caches
     mx.clear_cache()
-    return per_token
+    return footprint
