@@ -23,9 +23,12 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards.layers import layer_list
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LAYERS = 6      # every stage of a 2- or 3-stage split holds two or three
 WINDOW = 24     # sliding windows: shorter than the test prompts, longer than a prefix block + drafts
+TIED_GAIN = 4.0  # blocks' linear weights, times this where the output head is the embedding
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=LAYERS, intermediate_size=128, num_attention_heads=4,
@@ -61,9 +64,11 @@ LINEAR = ["linear_attention", "linear_attention", "linear_attention", "full_atte
 ROPE_L4 = dict(rope_theta=10000.0, rope_type="default", llama_4_scaling_beta=0.1,
                original_max_position_embeddings=4096)
 
-# What each type needs beyond TINY. For a type that wraps a text model, the
-# entry's ``text_config`` goes inside (TINY is there too).
+# What each type needs beyond TINY (``_embed``: the embedding's std, where its
+# default makes the model repeat itself). For a type that wraps a text model,
+# ``TEXT_OVERRIDES`` says what goes inside its ``text_config`` (TINY is there too).
 OVERRIDES: Dict[str, dict] = {
+    "gemma2": dict(_embed=0.05),
     "deepseek_v2": dict(n_group=1, topk_group=1, rope_scaling=dict(factor=1.0, type="yarn")),
     "minicpm3": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0,
                      rope_scaling=dict(original_max_position_embeddings=4096, short_factor=1.0, long_factor=1.0)),
@@ -72,7 +77,18 @@ OVERRIDES: Dict[str, dict] = {
     "mellum": dict(layer_types=SLIDING, rope_parameters=dict(sliding_attention=dict(rope_theta=10000.0),
                                                              full_attention=dict(rope_theta=10000.0))),
     "hunyuan": dict(moe_topk=2, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, use_cla=True,
-                    cla_share_factor=2, moe_intermediate_size=32),
+                    cla_share_factor=2, moe_intermediate_size=32, rope_scaling=dict(alpha=1.0, factor=1.0,
+                                                                                     type="dynamic")),
+    "gemma4_text": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=16, global_head_dim=32,
+                        vocab_size_per_layer_input=TINY["vocab_size"], layer_types=SLIDING),
+    "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=128, moe_topk=2,
+                          expert_ffn_hidden_size=32, zero_expert_num=2, mla_scale_q_lora=True,
+                          mla_scale_kv_lora=True),
+    "longcat_flash_ngram": dict(ffn_hidden_size=128, moe_topk=2, expert_ffn_hidden_size=32, zero_expert_num=2,
+                                mla_scale_q_lora=True, mla_scale_kv_lora=True, ngram_vocab_size_ratio=2),
+    # mlx-lm's plamo3 masks a window of window_size + 1 over a rotating cache of window_size, so
+    # its tokens depend on how a prompt is cut into chunks: a window no test sequence fills.
+    "plamo3": dict(sliding_window=4096),
     "phixtral": dict(num_vocab=49152, model_dim=64, num_heads=4, num_layers=LAYERS, rotary_dim=8),
     "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=128, gegelu_limit=20.0,
                       blocksparse_block_size=32, blocksparse_num_local_blocks=2, blocksparse_vert_stride=2,
@@ -117,12 +133,6 @@ OVERRIDES: Dict[str, dict] = {
     "lille-130m": dict(block_size=1024, n_kv_heads=2),
     "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0, 1, 1], use_qk_norm=True,
                         attention_chunk_size=16, interleave_moe_layer_step=2, num_local_experts=4),
-    "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=128, moe_topk=2,
-                          expert_ffn_hidden_size=32, zero_expert_num=2, mla_scale_q_lora=True,
-                          mla_scale_kv_lora=True, num_layers=3),
-    "longcat_flash_ngram": dict(ffn_hidden_size=128, moe_topk=2, expert_ffn_hidden_size=32, zero_expert_num=2,
-                                mla_scale_q_lora=True, mla_scale_kv_lora=True, num_layers=3,
-                                ngram_vocab_size_ratio=2),
     "mamba": dict(time_step_rank=4),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, time_step_limit=(0.0, float("inf")), time_step_rank=4,
                    intermediate_size=128),
@@ -166,12 +176,13 @@ OVERRIDES: Dict[str, dict] = {
 TEXT_OVERRIDES: Dict[str, dict] = {
     "gemma3": dict(model_type="gemma3_text"),
     "gemma3n": dict(model_type="gemma3n_text"),
-    "gemma4": dict(model_type="gemma4_text"),
+    "gemma4": dict(OVERRIDES["gemma4_text"], model_type="gemma4_text"),
     "kimi_k25": dict(model_type="deepseek_v3"),
-    "kimi_k3": dict(model_type="kimi_k3", hidden_act="situ"),
+    "kimi_k3": dict(OVERRIDES["kimi_linear"], model_type="kimi_linear", hidden_act="situ", q_lora_rank=32,
+                    num_experts_per_token=2, routed_expert_hidden_size=32),
     "kimi_vl": dict(model_type="deepseek_v3"),
     "lfm2-vl": dict(OVERRIDES["lfm2"], model_type="lfm2"),
-    "llama4": dict(OVERRIDES["llama4_text"], model_type="llama4_text", rope_scaling=None),
+    "llama4": dict(OVERRIDES["llama4_text"], model_type="llama4_text", rope_scaling=None, num_experts_per_tok=1),
     "mistral3": dict(model_type="ministral3", **OVERRIDES["ministral3"]),
     "pixtral": dict(model_type="llama"),
     "qwen2_vl": dict(model_type="qwen2"),
@@ -180,6 +191,8 @@ TEXT_OVERRIDES: Dict[str, dict] = {
     "qwen3_vl": dict(model_type="qwen3"),
     "qwen3_vl_moe": dict(model_type="qwen3_vl_moe_text"),
     "prism_hadamard_qwen35": dict(OVERRIDES["qwen3_next"], model_type="qwen3_5"),
+    "minimax_m3_vl": dict(model_type="minimax_m3_vl", num_local_experts=4, moe_layer_freq=[1] * LAYERS,
+                          dense_intermediate_size=128, shared_intermediate_size=64, rotary_dim=8),
 }
 
 
@@ -200,6 +213,10 @@ def _module(model_type: str):
     return importlib.import_module(f"mlx_lm.models.{model_type}")
 
 
+def _overrides(model_type: str) -> dict:
+    return {k: v for k, v in OVERRIDES.get(model_type, {}).items() if not k.startswith("_")}
+
+
 def tiny_config(model_type: str) -> dict:
     """The toy config of ``model_type``: what its ModelArgs takes of TINY, and its overrides."""
     args = _module(model_type).ModelArgs
@@ -207,22 +224,35 @@ def tiny_config(model_type: str) -> dict:
     if "text_config" in fields:
         text = dict(TINY, **TEXT_OVERRIDES.get(model_type, {}))
         return dict({k: v for k, v in TINY.items() if k in fields}, model_type=model_type, text_config=text,
-                    **OVERRIDES.get(model_type, {}))
+                    **_overrides(model_type))
     config = {k: v for k, v in TINY.items() if k in fields}
-    config.update(model_type=model_type, **OVERRIDES.get(model_type, {}))
+    config.update(model_type=model_type, **_overrides(model_type))
     return config
 
 
-def _widen(model: nn.Module) -> None:
-    """Weights whose greedy tokens vary: a unit-normal embedding, jittered norms,
-    routers that choose experts apart."""
+def _widen(model: nn.Module, vocab: int, embed: float) -> None:
+    """Weights whose greedy tokens vary: a normal embedding (std ``embed``), jittered
+    norms, routers that choose experts apart, an output head mlx starts at zero made
+    random; where the logits come from the embedding (tied), blocks strong enough
+    that the next token is not the last one again."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    tied = not any(isinstance(m, nn.Linear) and m.weight.shape[0] == vocab for _, m in model.named_modules())
+    zeros = [(k, v) for k, v in tree_flatten(model.parameters())
+             if v.ndim == 2 and v.shape[0] == vocab and not mx.any(v).item()]
+    model.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.1) for k, v in zeros]))
     for path, m in model.named_modules():
         if isinstance(m, nn.Embedding) and m.weight.shape[0] >= 1000:
-            m.weight = mx.random.normal(m.weight.shape)
+            m.weight = mx.random.normal(m.weight.shape) * embed
         elif isinstance(m, (nn.RMSNorm, nn.LayerNorm)) and getattr(m, "weight", None) is not None:
             m.weight = m.weight + 0.1 * mx.random.normal(m.weight.shape)
         elif path.rsplit(".", 1)[-1] in ("gate", "router") and isinstance(m, nn.Linear):
             m.weight = mx.random.normal(m.weight.shape) * 0.5
+    if tied:
+        for block in layer_list(model):
+            for _, m in block.named_modules():
+                if isinstance(m, nn.Linear):
+                    m.weight = m.weight * TIED_GAIN
 
 
 def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
@@ -231,7 +261,7 @@ def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
     module = _module(model_type)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    _widen(model)
+    _widen(model, TINY["vocab_size"], OVERRIDES.get(model_type, {}).get("_embed", 1.0))
     mx.eval(model.parameters())
     return model, config
 

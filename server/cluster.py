@@ -24,6 +24,7 @@ from mlxpipe.server.pipeline import (LocalStages, Pipeline, PipelineError, Quant
 from mlxpipe.server.prefix import block_cost, snapshot_every
 from mlxpipe.server.scheduler import SchedulerConfig
 from mlxpipe.server.structured import tokenizer_json
+from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.store import fingerprint, text_config
 
@@ -75,7 +76,7 @@ def read_config(path: Path) -> dict:
     from mlx_lm.utils import load_config
 
     config = load_config(path)
-    text = text_config(config) | {"model_type": config.get("model_type")}
+    text = with_sizes(text_config(config)) | {"model_type": config.get("model_type")}
     if "eos_token_id" in config:
         text["eos_token_id"] = config["eos_token_id"]
     return text

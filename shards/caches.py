@@ -34,20 +34,28 @@ TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache)  # tri
 SLICEABLE = (KVCache, BatchKVCache)  # prefix blocks are slices of their keys and values
 
 
+def _kids(cache) -> Optional[list]:
+    """The caches inside a ``CacheList`` (None for any other cache)."""
+    return list(cache.caches) if isinstance(cache, CacheList) else None
+
+
 def positional(cache) -> bool:
     """Whether dropping positions from ``cache`` is always exact (exact classes: a
-    model's subclass may keep more than keys and values)."""
-    return type(cache) in TRIMMABLE
+    model's subclass may keep more than keys and values; a list of such caches)."""
+    kids = _kids(cache)
+    return all(positional(c) for c in kids) if kids is not None else type(cache) in TRIMMABLE
 
 
 def sliceable(cache) -> bool:
-    return type(cache) in SLICEABLE
+    """Whether prefix blocks can be cut from ``cache`` (keys and values along positions)."""
+    kids = _kids(cache)
+    return all(sliceable(c) for c in kids) if kids is not None else type(cache) in SLICEABLE
 
 
 def batchable(cache) -> bool:
     """Whether caches of this kind merge into one batched cache (mlx-lm's ``merge``)."""
-    kids = getattr(cache, "caches", None)
-    if kids is not None and type(cache).__name__ == "CacheList":
+    kids = _kids(cache)
+    if kids is not None:
         return all(batchable(c) for c in kids)
     return callable(getattr(type(cache), "merge", None))
 
@@ -63,8 +71,8 @@ def signature(cache) -> tuple:
 
 def _leaves(caches: Sequence):
     for c in caches:
-        kids = getattr(c, "caches", None)
-        if isinstance(kids, (list, tuple)):
+        kids = _kids(c)
+        if kids is not None:
             yield from _leaves(kids)
         else:
             yield c
@@ -82,15 +90,16 @@ def footprint(caches: Sequence) -> Footprint:
     """Measured on caches that have seen a position or two (buffers allocated ahead count
     per position they allocated)."""
     per_token = state = 0
-    for c in _leaves(caches):
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-            cost = (keys.nbytes + values.nbytes) // keys.shape[2]
-            per_token += cost
-            if not positional(c):
-                state += cost * (getattr(c, "max_size", None) or keys.shape[2])
-        elif not positional(c):
-            state += nbytes(vars(c))
+    for top in caches:
+        for c in _leaves([top]):
+            keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+            if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+                cost = (keys.nbytes + values.nbytes) // keys.shape[2]
+                per_token += cost
+                if not sliceable(top):  # in a snapshot: a window, or (inside a list) what it holds
+                    state += cost * (getattr(c, "max_size", None) or keys.shape[2])
+            elif not sliceable(top):
+                state += nbytes(vars(c))
     return Footprint(per_token, state)
 
 

@@ -23,26 +23,47 @@ live sequences and can be dropped at any time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, CacheList
 
 from mlxpipe.shards import caches as kinds
 
 
 @dataclass
 class Block:
-    kv: List[Optional[Tuple[mx.array, mx.array]]]  # per cache: its keys and values (sliceable caches only)
-    state: Optional[Dict[int, dict]] = None       # per state cache: its snapshot at the block's end
+    kv: list                                # per cache: its keys and values (a list of pairs for a CacheList),
+                                            # None for a state cache
+    state: Optional[Dict[int, dict]] = None  # per state cache: its snapshot at the block's end
     nbytes: int = 0
 
 
-def _slice(c, a: int, b: int, row: int) -> Tuple[mx.array, mx.array]:
+def _cut(c, a: int, b: int, row: int):
+    """Copies of positions [a, b) of a sliceable cache (row ``row`` of a batched one)."""
+    if isinstance(c, CacheList):
+        return [_cut(k, a, b, row) for k in c.caches]
+    if c.keys is None:  # a cache its layer never fills
+        return None
     if isinstance(c, BatchKVCache):
         pad = c.left_padding[row].item()
-        return c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
-    return c.keys[..., a:b, :], c.values[..., a:b, :]
+        k, v = c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
+    else:
+        k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
+    return mx.contiguous(k), mx.contiguous(v)  # copies: the sequence's buffers may go
+
+
+def _fill(c, parts: list, n: int) -> None:
+    """Put the concatenation of blocks' ``parts`` (from ``_cut``) into an empty cache."""
+    if isinstance(c, CacheList):
+        for i, k in enumerate(c.caches):
+            _fill(k, [p[i] for p in parts], n)
+        return
+    if any(p is None for p in parts):
+        return
+    c.keys = mx.concatenate([p[0] for p in parts], axis=2)
+    c.values = mx.concatenate([p[1] for p in parts], axis=2)
+    c.offset = n
 
 
 class BlockStore:
@@ -78,15 +99,14 @@ class BlockStore:
         block = self.blocks.get(key)
         if block is None:
             a = index * self.block_tokens
-            kv = [tuple(mx.contiguous(x) for x in _slice(c, a, a + self.block_tokens, row))
-                  if kinds.sliceable(c) else None for c in caches]  # copies: the sequence's buffers may go
+            kv = [_cut(c, a, a + self.block_tokens, row) if kinds.sliceable(c) else None for c in caches]
             block = self.blocks[key] = Block(kv)
-            mx.eval([x for pair in kv if pair for x in pair])
+            mx.eval(kinds.arrays(kv))
         if snap and block.state is None and not all(kinds.sliceable(c) for c in caches):
             block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
             mx.eval(kinds.arrays(block.state))
         self.nbytes -= block.nbytes
-        block.nbytes = sum(x.nbytes for pair in block.kv if pair for x in pair) + kinds.nbytes(block.state)
+        block.nbytes = kinds.nbytes(block.kv) + kinds.nbytes(block.state)
         self.nbytes += block.nbytes
 
     def drop(self, keys: Iterable[int]) -> None:
@@ -106,9 +126,7 @@ class BlockStore:
         n = len(blocks) * self.block_tokens
         for i, c in enumerate(caches):
             if kinds.sliceable(c):
-                c.keys = mx.concatenate([b.kv[i][0] for b in blocks], axis=2)
-                c.values = mx.concatenate([b.kv[i][1] for b in blocks], axis=2)
-                c.offset = n
+                _fill(c, [b.kv[i] for b in blocks], n)
             else:
                 kinds.restore(c, blocks[-1].state[i])
         return n

@@ -31,6 +31,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, malformed, refuse_malformed
 from mlxpipe.shards.grammar import tokenizer_from_json
+from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
@@ -150,7 +151,7 @@ class StageServicer(pb_grpc.StageServicer):
         stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
         read_weights(stage, progress=self.progress)
         peak_bytes = max(mx.get_peak_memory() - before, 0)
-        text = text_config(config)
+        text = with_sizes(text_config(config))
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)

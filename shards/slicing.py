@@ -42,7 +42,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.layers import layer_owner
+from mlxpipe.shards.layers import layer_list, with_sizes
 from mlxpipe.shards.quantize import QuantizeError, quantize_range
 
 if TYPE_CHECKING:
@@ -50,8 +50,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Model types a stage refuses, and why (a clear error at Load, never wrong tokens).
-UNSUPPORTED: Dict[str, str] = {}
+# Model types that cannot be cut by layer, and why: a stage refuses any range of them
+# but the whole model (a clear error at Load, never wrong tokens). What they share:
+# their blocks hand each other more than the hidden state.
+UNSUPPORTED: Dict[str, str] = {
+    "afm7": "its last num_kv_reuse_layers blocks sit outside its `layers` list and reuse the keys and values "
+            "of earlier blocks",
+    "deepseek_v41": "its blocks pass several residual streams and a mixing state (hyper-connections) from "
+                    "one to the next, not one hidden state",
+    "gemma3n": "its hidden state is a stack of AltUp streams, and later blocks read the keys and values of "
+               "earlier ones",
+    "gemma4": "blocks hand their keys and values on to the later blocks that share them (num_kv_shared_layers)",
+    "gemma4_text": "blocks hand their keys and values on to the later blocks that share them "
+                   "(num_kv_shared_layers)",
+    "hunyuan": "cross-layer attention: a block reuses the keys and values the block before it computed",
+    "iquestloopcoder": "it runs its blocks' parts twice over, the second pass reading the first pass's keys "
+                       "and values",
+    "kimi_k3": "its blocks hand the next one attention-residual state besides the hidden state",
+    "muse_spark": "its blocks hand the next one their attention input besides the hidden state",
+    "rwkv7": "every block reads the first block's value vector (v_first) besides the hidden state",
+}
 
 
 class Unsupported(ValueError):
@@ -79,21 +97,37 @@ def _copy_plain(stand_in: nn.Module, block: nn.Module, depth: int) -> None:
                 stand_in[k] = _shell(v, depth - 1)
 
 
-def _mimic(stand_in: nn.Module, block: nn.Module) -> nn.Module:
-    """Give a stand-in what the model's code may read of the block it replaces
-    (flags such as ``use_sliding``, also on its sub-modules), but none of its weights."""
+_CLASSES: Dict[tuple, type] = {}
+
+
+def _mimic(kind: type, block: nn.Module, *args) -> nn.Module:
+    """A stand-in of ``kind`` for ``block``: of a class made from both (so the block's
+    properties, such as ``is_sliding``, and ``isinstance`` answer as the block's do),
+    with the block's plain attributes and shells of its sub-modules (``use_sliding``,
+    ``self_attn.is_local``), but none of its weights."""
+    key = (kind, type(block))
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{kind.__name__.strip('_')}{type(block).__name__}", (kind, type(block)), {})
+    stand_in = _CLASSES[key].__new__(_CLASSES[key])
+    nn.Module.__init__(stand_in)
     _copy_plain(stand_in, block, depth=2)
+    stand_in.setup(*args)
     return stand_in
 
 
-class _Skip(nn.Module):
+class _StandIn(nn.Module):
+    def setup(self) -> None:
+        pass
+
+
+class _Skip(_StandIn):
     """A block another stage holds."""
 
     def __call__(self, x, *args, **kwargs):
         return x
 
 
-class _Exit(nn.Module):
+class _Exit(_StandIn):
     """The first block after the range: hands the activations out of the forward."""
 
     def __call__(self, x, *args, **kwargs):
@@ -104,11 +138,10 @@ class _Inbox:
     hidden: Optional[mx.array] = None
 
 
-class _Enter(nn.Module):
+class _Enter(_StandIn):
     """The first block of a later stage: runs on the received activations."""
 
-    def __init__(self, block: nn.Module, inbox: _Inbox):
-        super().__init__()
+    def setup(self, block: nn.Module, inbox: _Inbox) -> None:
         self.block = block
         self._inbox = inbox
 
@@ -116,11 +149,10 @@ class _Enter(nn.Module):
         return self.block(self._inbox.hidden, *args, **kwargs)
 
 
-class _Recorder(nn.Module):
+class _Recorder(_StandIn):
     """Stands in for block ``index`` in the one forward that learns which cache slots it uses."""
 
-    def __init__(self, index: int, slots: list, seen: Dict[int, List[int]]):
-        super().__init__()
+    def setup(self, index: int, slots: list, seen: Dict[int, List[int]]) -> None:
         self._index, self._slots, self._seen = index, slots, seen
 
     def __call__(self, x, *args, **kwargs):
@@ -134,12 +166,13 @@ class _Recorder(nn.Module):
 def cache_slots(model: nn.Module, blocks: List[nn.Module], template: list) -> List[List[int]]:
     """For each block, the cache slots (indices into ``template``) the model hands it:
     learned from one lazy forward with every block swapped for a recorder (nothing is
-    evaluated, so no weight is read)."""
+    evaluated, so no weight is read). Slots no block gets are the model's own (an
+    n-gram history the embedding keeps): every stage runs that code, and keeps them."""
     n = len(blocks)
     seen: Dict[int, List[int]] = {i: [] for i in range(n)}
     real = list(blocks)
     try:
-        blocks[:] = [_mimic(_Recorder(i, template, seen), b) for i, b in enumerate(real)]
+        blocks[:] = [_mimic(_Recorder, b, i, template, seen) for i, b in enumerate(real)]
         model(mx.zeros((1, 1), dtype=mx.int32), cache=template)
         found = True
     except Exception as err:  # noqa: BLE001 - a model whose blocks must return more than the hidden state
@@ -147,7 +180,7 @@ def cache_slots(model: nn.Module, blocks: List[nn.Module], template: list) -> Li
         found = False
     finally:
         blocks[:] = real
-    if found and all(k in [s for v in seen.values() for s in v] for k in range(len(template))):
+    if found and any(seen.values()):
         return [seen[i] for i in range(n)]
     if len(template) == n:  # one per block, in order
         return [[i] for i in range(n)]
@@ -160,8 +193,7 @@ class SlicedModel:
     also runs the final norm and output head (returning logits)."""
 
     def __init__(self, model: nn.Module, start: int, end: int):
-        owner = layer_owner(model)
-        blocks: List[nn.Module] = owner["layers"]
+        blocks = layer_list(model)
         n = len(blocks)
         if not (0 <= start < end <= n):
             raise ValueError(f"layer range [{start}, {end}) is not inside the model's [0, {n})")
@@ -171,16 +203,18 @@ class SlicedModel:
         # The model's cache slots, and which blocks use which, learned before the blocks are replaced.
         self._template = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(n)]
         slots = cache_slots(model, blocks, self._template)
-        self.own = sorted({k for i in range(start, end) for k in slots[i]})  # slots of this stage's blocks
+        used = {k for ks in slots for k in ks}
+        # The slots of this stage's blocks, and the model's own.
+        self.own = sorted({k for i in range(start, end) for k in slots[i]} | set(range(len(self._template))) - used)
         self.blocks = list(blocks[start:end])  # this stage's own blocks
         self._inbox = _Inbox()
         for i in range(n):
             if i == start and not self.first:
-                blocks[i] = _mimic(_Enter(blocks[i], self._inbox), blocks[i])
+                blocks[i] = _mimic(_Enter, blocks[i], blocks[i], self._inbox)
             elif i == end:
-                blocks[i] = _mimic(_Exit(), blocks[i])
+                blocks[i] = _mimic(_Exit, blocks[i])
             elif not start <= i < end:
-                blocks[i] = _mimic(_Skip(), blocks[i])
+                blocks[i] = _mimic(_Skip, blocks[i])
         # Every other slot: the position (among this stage's caches) of one of the same
         # signature, or None (a phantom of its kind is made per call).
         mine = [kinds.signature(self._template[k]) for k in self.own]
@@ -217,6 +251,15 @@ class SlicedModel:
             self._inbox.hidden = None
 
 
+def refuse_cut(config: dict, start: int, end: int) -> None:
+    """Raise ``Unsupported`` for a range short of the whole of a model in ``UNSUPPORTED``."""
+    model_type = config.get("model_type")
+    layers = with_sizes(config.get("text_config", config)).get("num_hidden_layers")
+    if model_type in UNSUPPORTED and (start > 0 or end != layers):
+        raise Unsupported(f"{model_type} models cannot be cut into stages ({UNSUPPORTED[model_type]}); "
+                          "run one on a single stage")
+
+
 def load_stage(path: Path, start: int, end: int, strict: bool = True,
                quant: Optional["QuantSpec"] = None) -> tuple[SlicedModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
@@ -235,9 +278,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
 
     path = Path(path)
     try:
-        model_type = load_config(path).get("model_type")
-        if model_type in UNSUPPORTED:
-            raise Unsupported(f"mlxpipe cannot run {model_type} models: {UNSUPPORTED[model_type]}")
+        refuse_cut(load_config(path), start, end)
         if quant is not None:
             model, config = quantize_range(path, start, end, quant)
         else:

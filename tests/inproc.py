@@ -9,6 +9,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.server.prefix import snapshot_every
 from mlxpipe.server.scheduler import Scheduler, SchedulerConfig, Sequence as Seq
+from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.slicing import load_stage, warm_up
 from mlxpipe.shards.stage import ShardLimits, Shard
 
@@ -22,7 +23,7 @@ class InProcess:
         self.footprints = []
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
-            cfg = cfg.get("text_config", cfg)
+            cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
                                      tokenizer if model.last else None))
