@@ -177,6 +177,14 @@ TEXT_OVERRIDES: Dict[str, dict] = {
     "gemma3": dict(model_type="gemma3_text"),
     "gemma3n": dict(model_type="gemma3n_text"),
     "gemma4": dict(OVERRIDES["gemma4_text"], model_type="gemma4_text"),
+    "gemma3n": dict(model_type="gemma3n_text", num_kv_shared_layers=2, vocab_size_per_layer_input=TINY["vocab_size"],
+                    rope_local_base_freq=10000.0, final_logit_softcapping=30.0, layer_types=SLIDING,
+                    activation_sparsity_pattern=[0.0] * LAYERS, hidden_size_per_layer_input=16,
+                    altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0,
+                    laurel_rank=8),
+    "muse_spark": dict(post_norm_eps=1e-5, rope_parameters=dict(rope_theta=10000.0), layer_types=SLIDING,
+                       layer_rope_theta=[10000.0] * LAYERS, final_logit_softcapping=30.0, output_multiplier=1.0,
+                       moe_hidden_size=32, num_shared_experts=0, mlp_layer_types=["sparse"] * LAYERS),
     "kimi_k25": dict(model_type="deepseek_v3"),
     "kimi_k3": dict(OVERRIDES["kimi_linear"], model_type="kimi_linear", hidden_act="situ", q_lora_rank=32,
                     num_experts_per_token=2, routed_expert_hidden_size=32),
@@ -194,6 +202,38 @@ TEXT_OVERRIDES: Dict[str, dict] = {
     "minimax_m3_vl": dict(model_type="minimax_m3_vl", num_local_experts=4, moe_layer_freq=[1] * LAYERS,
                           dense_intermediate_size=128, shared_intermediate_size=64, rotary_dim=8),
 }
+
+
+def _not_here() -> Dict[str, str]:
+    out = {
+        "olmo": "mlx-lm's olmo needs the ai2-olmo package (hf_olmo), not installed",
+        "phi3small": "mlx-lm crashes (segmentation fault) in its block-sparse attention on the CPU",
+        "prism_hadamard_qwen35": "a pack of 2-bit weights with a folded Hadamard rotation, made by its own "
+                                 "tool; it runs as qwen3_5 does",
+    }
+    if not mx.metal.is_available():
+        out["bitnet"] = "mlx-lm's bitnet kernels need Metal"
+        out["muse_spark"] = "mlx-lm's muse_spark kernels need Metal"
+    return out
+
+
+# Types mlx-lm itself cannot run on this machine, or that have no toy version, and why.
+NOT_HERE: Dict[str, str] = _not_here()
+
+
+def cache_kinds(model_type: str) -> str:
+    """The kinds of cache a type's model makes, as letters: P positional, R rotating
+    window, S state arrays, L a list of caches, C a model's own class."""
+    from mlx_lm.models import cache as mc
+
+    try:
+        model, _ = make_model(model_type)
+    except Exception:  # noqa: BLE001 - a type whose toy config does not build
+        return "?"
+    made = model.make_cache() if hasattr(model, "make_cache") else [mc.KVCache()]
+    letter = {mc.KVCache: "P", mc.QuantizedKVCache: "P", mc.RotatingKVCache: "R", mc.ArraysCache: "S",
+              mc.CacheList: "L", mc.ChunkedKVCache: "P"}
+    return "".join(sorted({letter.get(type(c), "C") for c in made}))
 
 
 def model_types() -> List[str]:
@@ -266,14 +306,17 @@ def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
     return model, config
 
 
-def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0, weights: bool = True) -> Path:
     """A tiny ``model_type`` folder at ``out`` (weights as mlx-lm saves them, the config, and
-    the tokenizer of ``tokenizer_from``)."""
+    the tokenizer of ``tokenizer_from``); without ``weights``, the config only."""
     from mlx_lm.utils import save_model
 
-    model, config = make_model(model_type, seed)
     out.mkdir(parents=True, exist_ok=True)
-    save_model(out, model)
+    if weights:
+        model, config = make_model(model_type, seed)
+        save_model(out, model)
+    else:
+        config = dict(tiny_config(model_type), num_hidden_layers=LAYERS)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_from / name, out / name)
