@@ -28,7 +28,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList
 
+from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.errors import FrameError
 
 
 @dataclass
@@ -130,3 +132,34 @@ class BlockStore:
             else:
                 kinds.restore(c, blocks[-1].state[i])
         return n
+
+
+def check_blocks(store: Optional["BlockStore"], template: Sequence, frame: pb.Frame, e: pb.SeqEntry) -> None:
+    """The prefix-cache instructions of one entry of ``frame``, for a stage holding ``store``
+    (None: no prefix cache) whose sequences have caches like ``template``; raises ``FrameError``."""
+    if not (e.reuse or e.store or e.context):
+        return
+    if store is None:
+        raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")
+    b = store.block_tokens
+    evicting = set(frame.evict)
+    if e.reuse:
+        if frame.kind != pb.Frame.PREFILL or e.offset != len(e.reuse) * b:
+            raise FrameError(f"sequence {e.seq_id}: a prefill that reuses {len(e.reuse)} blocks of {b} "
+                             f"positions starts at offset {len(e.reuse) * b}, not {e.offset}")
+        missing = [k for k in e.reuse if k not in store or k in evicting]
+        if missing:
+            raise FrameError(f"sequence {e.seq_id}: prefix block {missing[0]:016x} is not held here",
+                             "FAILED_PRECONDITION")
+        if not store.startable(e.reuse[-1], template):
+            raise FrameError(f"sequence {e.seq_id}: this stage holds no state at the end of prefix block "
+                             f"{e.reuse[-1]:016x}, so nothing can start after it", "FAILED_PRECONDITION")
+    if e.context and not e.reuse:
+        raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
+    end = (e.store_first + len(e.store)) * b
+    if end > e.offset:
+        raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
+                         f"before offset {e.offset}")
+    if e.snap and (not e.store or end != e.offset):
+        raise FrameError(f"sequence {e.seq_id}: `snap` keeps the state at the end of the last stored block, "
+                         f"which must end at the frame's offset {e.offset}")

@@ -37,32 +37,24 @@ Sequences and caches:
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import ClassVar, Deque, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.clock import BusyClock, ClockView, ShardView  # noqa: F401 - Health reads them from here too
+from mlxpipe.shards.errors import FrameError
 from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.groups import Groups, batches
-from mlxpipe.shards.prefix import BlockStore
+from mlxpipe.shards.prefix import BlockStore, check_blocks
 from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
                                      pick_positions)
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
-
-
-class FrameError(ValueError):
-    """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -85,86 +77,7 @@ class ShardLimits:
     max_seqs: int = 256        # live sequences
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
-    max_rewind: int = 64       # drafted positions a trim may take back (state caches keep a snapshot per frame)
-
-
-@dataclass(frozen=True)
-class ClockView:
-    """A BusyClock as it was at one moment: what Health reads from the event loop."""
-
-    busy_seconds: float
-    frames: int
-    tokens: int
-    reused_tokens: int
-    prefilled_tokens: int
-    started: float
-    running_since: Optional[float]
-    recent: Tuple[Tuple[float, float, int], ...]
-    WINDOW: ClassVar[float] = 10.0  # seconds the recent figures cover
-
-    def busy_now(self) -> float:
-        """Busy seconds so far, the frame in progress included."""
-        since = self.running_since
-        return self.busy_seconds + (time.monotonic() - since if since is not None else 0.0)
-
-    def window(self) -> Tuple[float, float]:
-        """(busy fraction, token positions per second) over the last WINDOW seconds."""
-        now = time.monotonic()
-        lo = max(now - self.WINDOW, self.started)
-        span = max(now - lo, 1e-9)
-        busy = tokens = 0.0
-        for end, seconds, n in self.recent:
-            if end > lo:
-                busy += min(seconds, end - lo)
-                tokens += n
-        if self.running_since is not None:
-            busy += now - max(self.running_since, lo)
-        return min(busy / span, 1.0), tokens / span
-
-
-@dataclass
-class BusyClock:
-    """Busy time (computing a frame) against wall time: the rest is the bubble.
-    Changed only on the MLX thread; others read ``view()``s of it."""
-
-    busy_seconds: float = 0.0         # finished frames
-    frames: int = 0
-    tokens: int = 0
-    reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
-    prefilled_tokens: int = 0         # prompt positions computed
-    started: float = field(default_factory=time.monotonic)
-    running_since: Optional[float] = None  # the frame being computed now
-    recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
-
-    def begin(self) -> None:
-        self.running_since = time.monotonic()
-
-    def end(self, tokens: int) -> None:
-        now = time.monotonic()
-        seconds = now - self.running_since
-        self.running_since = None
-        self.busy_seconds += seconds
-        self.frames += 1
-        self.tokens += tokens
-        self.recent.append((now, seconds, tokens))
-        while self.recent and self.recent[0][0] < now - ClockView.WINDOW:
-            self.recent.popleft()
-
-    def view(self) -> ClockView:
-        return ClockView(self.busy_seconds, self.frames, self.tokens, self.reused_tokens, self.prefilled_tokens,
-                         self.started, self.running_since, tuple(self.recent))
-
-
-@dataclass(frozen=True)
-class ShardView:
-    """What Health reports of a shard, published by the MLX thread after each change:
-    the event loop never iterates state that thread mutates."""
-
-    live_seqs: Tuple[int, ...] = ()
-    cache_bytes: int = 0
-    prefix_bytes: int = 0
-    prefix_blocks: int = 0
-    clock: ClockView = field(default_factory=lambda: BusyClock().view())
+    max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
 
 
 def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
@@ -297,40 +210,45 @@ class Shard:
             raise FrameError("a sequence appears twice in one frame")
         freeing = set(frame.free)
         for e in frame.seqs:
-            if e.offset + e.num_tokens > lim.max_context:
-                raise FrameError(
-                    f"sequence {e.seq_id} would reach {e.offset + e.num_tokens} tokens; "
-                    f"the model's context is {lim.max_context}"
-                )
-            seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
-            self._check_blocks(frame, e)
-            if frame.kind == pb.Frame.PREFILL and (e.offset == 0 or e.reuse):
-                if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
-                    raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
-                held = self.cache_bytes() + self.prefix_bytes()
-                if lim.max_cache_bytes and held >= lim.max_cache_bytes:
-                    raise FrameError(f"this stage's KV caches hold {held} bytes, its cap is "
-                                     f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
-            elif seq is None:
-                raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
-            elif e.trim > seq.drafted:
-                raise FrameError(f"sequence {e.seq_id}: only the {seq.drafted} positions verify frames added "
-                                 f"may be trimmed, not {e.trim}")
-            elif e.trim and seq.rewind is not None and not seq.rewind.can(seq.length, e.trim):
-                raise FrameError(f"sequence {e.seq_id}: this stage can take back at most "
-                                 f"{self.limits.max_rewind} positions, not {e.trim}")
-            elif seq.length - e.trim != e.offset:
-                raise FrameError(
-                    f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset} "
-                    f"after trimming {e.trim}", "FAILED_PRECONDITION",
-                )
-            elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
-                raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
-            if self.model.last and e.sampling.ByteSize():
-                self._check_sampling(e)
-            if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
-                raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
+            self._check_entry(frame, e, freeing)
         return rows, n
+
+    def _check_entry(self, frame: pb.Frame, e: pb.SeqEntry, freeing: set) -> None:
+        """Validate one sequence's entry of ``frame`` (``freeing``: the sequences it frees first)."""
+        lim = self.limits
+        if e.offset + e.num_tokens > lim.max_context:
+            raise FrameError(
+                f"sequence {e.seq_id} would reach {e.offset + e.num_tokens} tokens; "
+                f"the model's context is {lim.max_context}"
+            )
+        seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
+        check_blocks(self.prefix, self._template, frame, e)
+        if frame.kind == pb.Frame.PREFILL and (e.offset == 0 or e.reuse):
+            if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
+                raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
+            held = self.cache_bytes() + self.prefix_bytes()
+            if lim.max_cache_bytes and held >= lim.max_cache_bytes:
+                raise FrameError(f"this stage's KV caches hold {held} bytes, its cap is "
+                                 f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
+        elif seq is None:
+            raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
+        elif e.trim > seq.drafted:
+            raise FrameError(f"sequence {e.seq_id}: only the {seq.drafted} positions verify frames added "
+                             f"may be trimmed, not {e.trim}")
+        elif e.trim and seq.rewind is not None and not seq.rewind.can(seq.length, e.trim):
+            raise FrameError(f"sequence {e.seq_id}: this stage can take back at most "
+                             f"{lim.max_rewind} positions, not {e.trim}")
+        elif seq.length - e.trim != e.offset:
+            raise FrameError(
+                f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset} "
+                f"after trimming {e.trim}", "FAILED_PRECONDITION",
+            )
+        elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
+            raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
+        if self.model.last and e.sampling.ByteSize():
+            self._check_sampling(e)
+        if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
+            raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
 
     def _check_sampling(self, e: pb.SeqEntry) -> None:
         try:
@@ -342,35 +260,6 @@ class Shard:
                              "FAILED_PRECONDITION")
         # A grammar that does not compile is this sequence's failure, not the frame's:
         # it is compiled off this thread and fails the sequence alone (``Constraint``).
-
-    def _check_blocks(self, frame: pb.Frame, e: pb.SeqEntry) -> None:
-        """The prefix-cache instructions of one entry: blocks held, positions sane."""
-        if not (e.reuse or e.store or e.context):
-            return
-        if self.prefix is None:
-            raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")
-        b = self.prefix.block_tokens
-        evicting = set(frame.evict)
-        if e.reuse:
-            if frame.kind != pb.Frame.PREFILL or e.offset != len(e.reuse) * b:
-                raise FrameError(f"sequence {e.seq_id}: a prefill that reuses {len(e.reuse)} blocks of {b} "
-                                 f"positions starts at offset {len(e.reuse) * b}, not {e.offset}")
-            missing = [k for k in e.reuse if k not in self.prefix or k in evicting]
-            if missing:
-                raise FrameError(f"sequence {e.seq_id}: prefix block {missing[0]:016x} is not held here",
-                                 "FAILED_PRECONDITION")
-            if not self.prefix.startable(e.reuse[-1], self._template):
-                raise FrameError(f"sequence {e.seq_id}: this stage holds no state at the end of prefix block "
-                                 f"{e.reuse[-1]:016x}, so nothing can start after it", "FAILED_PRECONDITION")
-        if e.context and not e.reuse:
-            raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
-        end = (e.store_first + len(e.store)) * b
-        if end > e.offset:
-            raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
-                             f"before offset {e.offset}")
-        if e.snap and (not e.store or end != e.offset):
-            raise FrameError(f"sequence {e.seq_id}: `snap` keeps the state at the end of the last stored block, "
-                             f"which must end at the frame's offset {e.offset}")
 
     # -- work --------------------------------------------------------------
 
