@@ -220,7 +220,7 @@ def _cell(o: Outcome, scenario: str) -> str:
 
 
 def table(outcomes: List[Outcome], not_here: Dict[str, str]) -> str:
-    """The matrix as a Markdown table (docs/models.md)."""
+    """The matrix as a Markdown table (docs/models.md), and what it adds up to."""
     from mlxpipe.bench import tiny
     from mlxpipe.shards.slicing import UNSUPPORTED
 
@@ -229,13 +229,22 @@ def table(outcomes: List[Outcome], not_here: Dict[str, str]) -> str:
     for o in outcomes:
         cells = [_cell(o, s) for s in SCENARIOS]
         lines.append(f"| {o.model_type} | {tiny.cache_kinds(o.model_type)} | {o.stages} | " + " | ".join(cells) + " |")
-    passed = sorted({o.model_type for o in outcomes if o.ok} - {o.model_type for o in outcomes if not o.ok})
-    failed = sorted({o.model_type for o in outcomes if not o.ok and not o.refused})
-    lines += ["", f"{len(passed)} types pass every scenario at 2 and 3 stages; {len(failed)} fail"
-              + (f": {', '.join(failed)}" if failed else "") + ".", "",
-              "Refused at Load (a pipeline of one stage runs them; `shards/slicing.py` `UNSUPPORTED`):", ""]
+    types = list(dict.fromkeys(o.model_type for o in outcomes))
+    ran = {t: [o for o in outcomes if o.model_type == t and not o.refused] for t in types}
+    passed = [t for t in types if ran[t] and all(o.ok for o in ran[t])]
+    failed = [t for t in types if any(not o.ok and not o.refused for o in outcomes if o.model_type == t)]
+    refused = [o for o in outcomes if o.refused and o.model_type not in UNSUPPORTED]
+    lines += ["", f"{len(types)} types: {len(passed)} equal mlx-lm in every scenario wherever they load; "
+              f"{len(failed)} fail" + (f" ({', '.join(failed)})" if failed else "") + ".", ""]
+    if refused:
+        lines += ["Refused at Load for a split (their blocks need more than the hidden state from a block "
+                  "another stage holds; other cuts run):", ""]
+        lines += [f"- {o.model_type} at {o.stages} stages: {o.refused.split('_ARGUMENT: ')[-1]}" for o in refused]
+        lines.append("")
+    lines += ["Refused at Load for any cut (a pipeline of one stage runs them; `shards/slicing.py` "
+              "`UNSUPPORTED`):", ""]
     lines += [f"- {t}: {why}" for t, why in sorted(UNSUPPORTED.items())]
-    lines += ["", "Not run here (mlx-lm itself cannot run them on this machine; `bench/tiny.py` `NOT_HERE`):", ""]
+    lines += ["", "Not run here (`bench/tiny.py` `NOT_HERE`):", ""]
     lines += [f"- {t}: {why}" for t, why in sorted(not_here.items())]
     return "\n".join(lines) + "\n"
 

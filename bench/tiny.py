@@ -79,7 +79,9 @@ OVERRIDES: Dict[str, dict] = {
     "hunyuan": dict(moe_topk=2, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, use_cla=True,
                     cla_share_factor=2, moe_intermediate_size=32, rope_scaling=dict(alpha=1.0, factor=1.0,
                                                                                      type="dynamic")),
-    "gemma4_text": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=16, global_head_dim=32,
+    # Gemma 4's larger models share no keys and values across layers; the small ones' shared layers
+    # can be cut from their sources only where no stage boundary falls between them.
+    "gemma4_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16, global_head_dim=32,
                         vocab_size_per_layer_input=TINY["vocab_size"], layer_types=SLIDING),
     "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=128, moe_topk=2,
                           expert_ffn_hidden_size=32, zero_expert_num=2, mla_scale_q_lora=True,

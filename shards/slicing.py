@@ -34,6 +34,8 @@ that kind, an empty cache of the kind whose offsets say where each sequence is
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
@@ -60,15 +62,10 @@ UNSUPPORTED: Dict[str, str] = {
                     "one to the next, not one hidden state",
     "gemma3n": "its hidden state is a stack of AltUp streams, and later blocks read the keys and values of "
                "earlier ones",
-    "gemma4": "blocks hand their keys and values on to the later blocks that share them (num_kv_shared_layers)",
-    "gemma4_text": "blocks hand their keys and values on to the later blocks that share them "
-                   "(num_kv_shared_layers)",
-    "hunyuan": "cross-layer attention: a block reuses the keys and values the block before it computed",
     "iquestloopcoder": "it runs its blocks' parts twice over, the second pass reading the first pass's keys "
                        "and values",
     "kimi_k3": "its blocks hand the next one attention-residual state besides the hidden state",
     "muse_spark": "its blocks hand the next one their attention input besides the hidden state",
-    "rwkv7": "every block reads the first block's value vector (v_first) besides the hidden state",
 }
 
 
@@ -121,10 +118,13 @@ class _StandIn(nn.Module):
 
 
 class _Skip(_StandIn):
-    """A block another stage holds."""
+    """A block another stage holds (returning as many values as the model's blocks do)."""
+
+    def setup(self, returns: int = 1) -> None:
+        self._returns = returns
 
     def __call__(self, x, *args, **kwargs):
-        return x
+        return x if self._returns == 1 else (x, *([None] * (self._returns - 1)))
 
 
 class _Exit(_StandIn):
@@ -149,43 +149,89 @@ class _Enter(_StandIn):
         return self.block(self._inbox.hidden, *args, **kwargs)
 
 
-class _Recorder(_StandIn):
-    """Stands in for block ``index`` in the one forward that learns which cache slots it uses."""
+@dataclass
+class Trace:
+    """What one lazy forward with every block swapped for a recorder shows of a model."""
 
-    def setup(self, index: int, slots: list, seen: Dict[int, List[int]]) -> None:
-        self._index, self._slots, self._seen = index, slots, seen
+    slots: List[List[int]]    # per block: the cache slots (indices into make_cache()) the model hands it
+    returns: int = 1          # values a block returns (the hidden state, and what the loop hands on)
+    reads: Dict[int, set] = field(default_factory=dict)  # block -> earlier blocks whose extra values it gets
+
+
+class _Returned:
+    """An extra value a recorder returns, tagged with its block."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+
+class _Recorder(_StandIn):
+    """Stands in for block ``index`` in the forward that traces the model."""
+
+    def setup(self, index: int, template: list, trace: Trace) -> None:
+        self._index, self._template, self._trace = index, template, trace
 
     def __call__(self, x, *args, **kwargs):
-        for value in (*args, *kwargs.values()):
-            for k, slot in enumerate(self._slots):
-                if value is slot and k not in self._seen[self._index]:
-                    self._seen[self._index].append(k)
-        return x
+        values = (*args, *kwargs.values())
+        for value in values:
+            for k, slot in enumerate(self._template):
+                if value is slot and k not in self._trace.slots[self._index]:
+                    self._trace.slots[self._index].append(k)
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, _Returned):
+                    self._trace.reads.setdefault(self._index, set()).add(v.block)
+        if self._trace.returns == 1:
+            return x
+        return (x, *(_Returned(self._index) for _ in range(self._trace.returns - 1)))
 
 
-def cache_slots(model: nn.Module, blocks: List[nn.Module], template: list) -> List[List[int]]:
-    """For each block, the cache slots (indices into ``template``) the model hands it:
-    learned from one lazy forward with every block swapped for a recorder (nothing is
-    evaluated, so no weight is read). Slots no block gets are the model's own (an
-    n-gram history the embedding keeps): every stage runs that code, and keeps them."""
+def trace_blocks(model: nn.Module, blocks: List[nn.Module], template: list) -> Trace:
+    """Which cache slots each block gets, how many values blocks return and which blocks
+    read what others returned besides the hidden state: learned from one lazy forward
+    with every block swapped for a recorder (nothing is evaluated, so no weight is
+    read; a loop that unpacks more values than a recorder returned says how many).
+    Slots no block gets are the model's own (an n-gram history the embedding keeps):
+    every stage runs that code, and keeps them."""
     n = len(blocks)
-    seen: Dict[int, List[int]] = {i: [] for i in range(n)}
     real = list(blocks)
-    try:
-        blocks[:] = [_mimic(_Recorder, b, i, template, seen) for i, b in enumerate(real)]
-        model(mx.zeros((1, 1), dtype=mx.int32), cache=template)
-        found = True
-    except Exception as err:  # noqa: BLE001 - a model whose blocks must return more than the hidden state
-        logger.info("could not trace cache slots (%s: %s)", type(err).__name__, err)
-        found = False
-    finally:
-        blocks[:] = real
-    if found and any(seen.values()):
-        return [seen[i] for i in range(n)]
+    for returns in range(1, 5):
+        trace = Trace([[] for _ in range(n)], returns)
+        try:
+            blocks[:] = [_mimic(_Recorder, b, i, template, trace) for i, b in enumerate(real)]
+            model(mx.zeros((1, 1), dtype=mx.int32), cache=template)
+        except Exception as err:  # noqa: BLE001 - the model's own code, run on stand-ins
+            more = re.search(r"not enough values to unpack \(expected (\d+)", str(err))
+            if more and int(more.group(1)) > returns:
+                continue
+            logger.info("could not trace %s (%s: %s)", type(model).__module__, type(err).__name__, err)
+            break
+        finally:
+            blocks[:] = real
+        if any(trace.slots) or not template:
+            return trace
+        break
     if len(template) == n:  # one per block, in order
-        return [[i] for i in range(n)]
+        return Trace([[i] for i in range(n)])
     raise Unsupported(f"{type(model).__module__}: cannot tell which of its {len(template)} caches each of its "
                       f"{n} blocks uses")
+
+
+def _refuse_reads(model: nn.Module, trace: Trace, start: int, end: int) -> None:
+    """Nothing but the hidden state crosses stages: a block of the range that reads what a
+    block of another stage returned besides it, or shares a cache with one, cannot run here."""
+    name = type(model).__module__
+    for i in range(start, end):
+        outside = sorted(j for j in trace.reads.get(i, ()) if not start <= j < end)
+        if outside:
+            raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} reads what "
+                              f"block {outside[0]} returns besides the hidden state, and that block is on another "
+                              "stage; cut the model elsewhere")
+        for k in trace.slots[i]:
+            sharing = [j for j, ks in enumerate(trace.slots) if k in ks and not start <= j < end]
+            if sharing:
+                raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} shares its "
+                                  f"cache with block {sharing[0]}, which is on another stage; cut the model "
+                                  "elsewhere")
 
 
 class SlicedModel:
@@ -202,7 +248,9 @@ class SlicedModel:
         self.first, self.last = start == 0, end == n
         # The model's cache slots, and which blocks use which, learned before the blocks are replaced.
         self._template = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(n)]
-        slots = cache_slots(model, blocks, self._template)
+        trace = trace_blocks(model, blocks, self._template)
+        _refuse_reads(model, trace, start, end)
+        slots = trace.slots
         used = {k for ks in slots for k in ks}
         # The slots of this stage's blocks, and the model's own.
         self.own = sorted({k for i in range(start, end) for k in slots[i]} | set(range(len(self._template))) - used)
@@ -214,7 +262,7 @@ class SlicedModel:
             elif i == end:
                 blocks[i] = _mimic(_Exit, blocks[i])
             elif not start <= i < end:
-                blocks[i] = _mimic(_Skip, blocks[i])
+                blocks[i] = _mimic(_Skip, blocks[i], trace.returns)
         # Every other slot: the position (among this stage's caches) of one of the same
         # signature, or None (a phantom of its kind is made per call).
         mine = [kinds.signature(self._template[k]) for k in self.own]
