@@ -275,8 +275,12 @@ async def run_matrix(types: Sequence[str], stage_counts: Sequence[int], tokenize
 
 
 async def bench_models(args) -> dict:
+    import logging
+
     from mlxpipe.bench import tiny
     from mlxpipe.shards.store import resolve_model
+
+    logging.getLogger("mlxpipe.server").setLevel(logging.ERROR)  # each replay's recovery is expected
 
     types = args.types.split(",") if args.types else [t for t in tiny.model_types() if t not in tiny.NOT_HERE]
     outcomes = await run_matrix(types, [int(s) for s in args.stages.split(",")], resolve_model("default"))

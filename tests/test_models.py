@@ -100,6 +100,15 @@ def test_verify_frames_of_several_positions_rewind_exactly(zoo, model_type):
 # -- cache mechanics ------------------------------------------------------------------------------
 
 
+def test_sizes_and_blocks_under_their_architectures_names():
+    from mlxpipe.shards.layers import layer_list, with_sizes
+
+    assert with_sizes({"n_embd": 64, "n_layer": 6, "vocab_size": 9}) | {} == {
+        "n_embd": 64, "n_layer": 6, "vocab_size": 9, "hidden_size": 64, "num_hidden_layers": 6}
+    model, _ = tiny.make_model("gpt2")  # its blocks sit in `h`; its `layers` property names them
+    assert layer_list(model) is model.model.h
+
+
 def test_kinds_come_from_mlx_lm_classes():
     assert kinds.positional(KVCache()) and kinds.sliceable(KVCache())
     assert not kinds.positional(RotatingKVCache(8)) and not kinds.positional(ArraysCache(2))
