@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 SCENARIOS = ("plain", "prefix", "speculation", "replay")
 NEW_TOKENS = 16
 VARIED = 8  # distinct tokens mlx-lm's answer must have, for equality to mean something
+REPLAY_TOKENS = 48  # the stream a node is killed under: still live when the kill lands
 SECRET = "bench-models-secret-0123456789"
 
 
@@ -173,31 +174,55 @@ async def _scenarios(cluster, path: Path, pool: NodePool, stages: int, ref: Refe
         engine.scheduler.drafters = drafters
     judged, accepted = drafts.judged - judged, drafts.accepted - accepted
     check("speculation", got, r1, "" if 0 < accepted < judged else f"{accepted} of {judged} drafts accepted")
-    out["replay"] = await _replay(cluster, pool, stages, p2, r2)
+    out["replay"] = await _replay(cluster, pool, stages, p2, ref(path, p2, REPLAY_TOKENS))
     return out
 
 
 async def _replay(cluster, pool: NodePool, stages: int, prompt: List[int], want: List[int]) -> str:
+    """The last stage's node killed at the stream's first token (the stream is long enough
+    to be live then), started again; the head rebuilds and replays."""
     engine = cluster.engine
     recoveries = engine.stats.recoveries
-    stream = engine.submit(prompt, NEW_TOKENS, stop_at_eos=False, speculation="none")
+    stream = engine.submit(prompt, len(want), stop_at_eos=False, speculation="none")
     got = []
     async for t in stream:
         got.append(t.id)
-        if len(got) == NEW_TOKENS // 3:
+        if len(got) == 1:
             await asyncio.to_thread(pool.kill, stages - 1)
     if engine.stats.recoveries == recoveries:
         return "the kill caused no recovery"
     return "ok" if got == want else "differs after the replay"
 
 
+async def _refusal(path: Path, address: str) -> str:
+    """What a node answers a Load of part of a model it must refuse (its first layer)."""
+    import grpc
+
+    from mlxpipe.proto import pipeline_pb2 as pb
+    from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+    from mlxpipe.proto.rpc import Security
+
+    security = Security(secret=SECRET)
+    async with security.channel(address) as channel:
+        try:
+            await pb_grpc.StageStub(channel).Load(pb.LoadRequest(model=str(path), start=0, end=1),
+                                                  metadata=security.metadata(), timeout=60)
+        except grpc.aio.AioRpcError as err:
+            return f"{err.code().name}: {err.details()}"
+    return ""
+
+
 async def check_type(model_type: str, path: Path, pool: NodePool, stages: int, ref: References) -> Outcome:
     """All scenarios of one type at ``stages`` stages (or the refusal of its Load)."""
     from mlxpipe.server.cluster import Cluster
     from mlxpipe.server.pipeline import PipelineError
+    from mlxpipe.shards.slicing import UNSUPPORTED
 
     outcome = Outcome(model_type, stages)
     t0 = time.monotonic()
+    if model_type in UNSUPPORTED:
+        outcome.refused = await _refusal(path, pool.addresses[0])
+        return outcome
     try:
         async with Cluster(_cluster_config(path, pool.addresses[:stages])) as cluster:
             outcome.results = await asyncio.wait_for(_scenarios(cluster, path, pool, stages, ref), 240)

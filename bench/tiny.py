@@ -64,11 +64,12 @@ LINEAR = ["linear_attention", "linear_attention", "linear_attention", "full_atte
 ROPE_L4 = dict(rope_theta=10000.0, rope_type="default", llama_4_scaling_beta=0.1,
                original_max_position_embeddings=4096)
 
-# What each type needs beyond TINY (``_embed``: the embedding's std, where its
-# default makes the model repeat itself). For a type that wraps a text model,
+# What each type needs beyond TINY (``_embed``: the embedding's std, ``_seed``: the
+# random weights', where the defaults make a model repeat itself). For a type that wraps a text model,
 # ``TEXT_OVERRIDES`` says what goes inside its ``text_config`` (TINY is there too).
 OVERRIDES: Dict[str, dict] = {
     "gemma2": dict(_embed=0.05),
+    "glm4": dict(_seed=1),
     "deepseek_v2": dict(n_group=1, topk_group=1, rope_scaling=dict(factor=1.0, type="yarn")),
     "minicpm3": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0,
                      rope_scaling=dict(original_max_position_embeddings=4096, short_factor=1.0, long_factor=1.0)),
@@ -108,7 +109,8 @@ OVERRIDES: Dict[str, dict] = {
     "dbrx": dict(ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
                  attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0)),
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
-    "exaone4": dict(rope_scaling=None, sliding_window_pattern="LLG"),
+    # mlx-lm reads the pattern, transformers (the tokenizer's AutoConfig) the layer types.
+    "exaone4": dict(rope_scaling=None, sliding_window_pattern="LLG", layer_types=SLIDING),
     "exaone_moe": dict(layer_types=SLIDING, is_moe_layer=[False] + [True] * (LAYERS - 1)),
     "gear": dict(layer_types=SLIDING),
     "glm4_moe": dict(rope_scaling=None, use_qk_norm=True),
@@ -301,7 +303,7 @@ def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
     """mlx-lm's ``Model`` of ``tiny_config(model_type)`` with widened random weights."""
     config = tiny_config(model_type)
     module = _module(model_type)
-    mx.random.seed(seed)
+    mx.random.seed(OVERRIDES.get(model_type, {}).get("_seed", seed))
     model = module.Model(module.ModelArgs.from_dict(config))
     _widen(model, TINY["vocab_size"], OVERRIDES.get(model_type, {}).get("_embed", 1.0))
     mx.eval(model.parameters())

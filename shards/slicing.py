@@ -37,7 +37,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,26 +112,39 @@ def _mimic(kind: type, block: nn.Module, *args) -> nn.Module:
     return stand_in
 
 
+Slot = Union[int, str]  # where a block's call carries the hidden state: a position, or a keyword
+
+
+def _hidden(args: tuple, kwargs: dict, slot: Slot):
+    return args[slot] if isinstance(slot, int) else kwargs[slot]
+
+
+def _with_hidden(args: tuple, kwargs: dict, slot: Slot, hidden) -> Tuple[tuple, dict]:
+    if isinstance(slot, int):
+        return args[:slot] + (hidden,) + args[slot + 1:], kwargs
+    return args, dict(kwargs, **{slot: hidden})
+
+
 class _StandIn(nn.Module):
-    def setup(self) -> None:
-        pass
+    def setup(self, hidden: Slot = 0, returns: int = 1) -> None:
+        self._slot, self._returns = hidden, returns
+
+    def _out(self, x):
+        return x if self._returns == 1 else (x, *([None] * (self._returns - 1)))
 
 
 class _Skip(_StandIn):
     """A block another stage holds (returning as many values as the model's blocks do)."""
 
-    def setup(self, returns: int = 1) -> None:
-        self._returns = returns
-
-    def __call__(self, x, *args, **kwargs):
-        return x if self._returns == 1 else (x, *([None] * (self._returns - 1)))
+    def __call__(self, *args, **kwargs):
+        return self._out(_hidden(args, kwargs, self._slot))
 
 
 class _Exit(_StandIn):
     """The first block after the range: hands the activations out of the forward."""
 
-    def __call__(self, x, *args, **kwargs):
-        raise _Leave(x)
+    def __call__(self, *args, **kwargs):
+        raise _Leave(_hidden(args, kwargs, self._slot))
 
 
 class _Inbox:
@@ -141,12 +154,13 @@ class _Inbox:
 class _Enter(_StandIn):
     """The first block of a later stage: runs on the received activations."""
 
-    def setup(self, block: nn.Module, inbox: _Inbox) -> None:
+    def setup(self, block: nn.Module, inbox: _Inbox, hidden: Slot = 0) -> None:
         self.block = block
-        self._inbox = inbox
+        self._inbox, self._slot = inbox, hidden
 
-    def __call__(self, x, *args, **kwargs):
-        return self.block(self._inbox.hidden, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        args, kwargs = _with_hidden(args, kwargs, self._slot, self._inbox.hidden)
+        return self.block(*args, **kwargs)
 
 
 @dataclass
@@ -156,6 +170,8 @@ class Trace:
     slots: List[List[int]]    # per block: the cache slots (indices into make_cache()) the model hands it
     returns: int = 1          # values a block returns (the hidden state, and what the loop hands on)
     reads: Dict[int, set] = field(default_factory=dict)  # block -> earlier blocks whose extra values it gets
+    hidden: Slot = 0          # where a block's call carries the hidden state (the previous block's output)
+    last: Any = None          # the previous recorder's output
 
 
 class _Returned:
@@ -171,18 +187,23 @@ class _Recorder(_StandIn):
     def setup(self, index: int, template: list, trace: Trace) -> None:
         self._index, self._template, self._trace = index, template, trace
 
-    def __call__(self, x, *args, **kwargs):
-        values = (*args, *kwargs.values())
-        for value in values:
-            for k, slot in enumerate(self._template):
-                if value is slot and k not in self._trace.slots[self._index]:
-                    self._trace.slots[self._index].append(k)
+    def __call__(self, *args, **kwargs):
+        trace = self._trace
+        if trace.last is None and not args:  # called by keyword: the first array it gets, until known
+            trace.hidden = next(k for k, v in kwargs.items() if isinstance(v, mx.array))
+        for slot, value in [*enumerate(args), *kwargs.items()]:
+            if trace.last is not None and value is trace.last:
+                trace.hidden = slot  # the previous block's output comes back here
+            for k, c in enumerate(self._template):
+                if value is c and k not in trace.slots[self._index]:
+                    trace.slots[self._index].append(k)
             for v in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(v, _Returned):
-                    self._trace.reads.setdefault(self._index, set()).add(v.block)
-        if self._trace.returns == 1:
-            return x
-        return (x, *(_Returned(self._index) for _ in range(self._trace.returns - 1)))
+                    trace.reads.setdefault(self._index, set()).add(v.block)
+        trace.last = mx.array(_hidden(args, kwargs, trace.hidden))  # a new object, to be recognized
+        if trace.returns == 1:
+            return trace.last
+        return (trace.last, *(_Returned(self._index) for _ in range(trace.returns - 1)))
 
 
 def trace_blocks(model: nn.Module, blocks: List[nn.Module], template: list) -> Trace:
@@ -258,11 +279,11 @@ class SlicedModel:
         self._inbox = _Inbox()
         for i in range(n):
             if i == start and not self.first:
-                blocks[i] = _mimic(_Enter, blocks[i], blocks[i], self._inbox)
+                blocks[i] = _mimic(_Enter, blocks[i], blocks[i], self._inbox, trace.hidden)
             elif i == end:
-                blocks[i] = _mimic(_Exit, blocks[i])
+                blocks[i] = _mimic(_Exit, blocks[i], trace.hidden)
             elif not start <= i < end:
-                blocks[i] = _mimic(_Skip, blocks[i], trace.returns)
+                blocks[i] = _mimic(_Skip, blocks[i], trace.hidden, trace.returns)
         # Every other slot: the position (among this stage's caches) of one of the same
         # signature, or None (a phantom of its kind is made per call).
         mine = [kinds.signature(self._template[k]) for k in self.own]
