@@ -11,12 +11,12 @@ import json
 import os
 import sys
 
-from mlxpipe.bench import balance, chat, grammar, load, overhead, prefill, quality, soak, stream
+from mlxpipe.bench import balance, chat, grammar, load, models, overhead, prefill, quality, soak, stream
 from mlxpipe.bench.common import baseline_worker
 
 # Each mode module adds its subcommand and the coroutine it runs (``measure``):
 # a new mode is a new module and an entry here.
-MODES = (stream, load, prefill, balance, chat, quality, grammar, soak, overhead)
+MODES = (stream, load, prefill, balance, chat, quality, grammar, soak, overhead, models)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
