@@ -1,4 +1,5 @@
-"""What Health reports of a stage's work: busy time against wall time, and a published view of the shard."""
+"""What Health reports of a stage's work: busy time against wall time, and a published view of the shard;
+and what a frame carries of it (``stage_timing``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Deque, Optional, Tuple
+
+from mlxpipe.proto import pipeline_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -85,3 +88,14 @@ class ShardView:
     prefix_bytes: int = 0
     prefix_blocks: int = 0
     clock: ClockView = field(default_factory=lambda: BusyClock().view())
+
+
+def stage_timing(arrived: Optional[float], started: float, decoded: float,
+                 computed: Optional[float] = None) -> pb.StageTiming:
+    """This stage's part of a frame's time (``time.perf_counter`` readings)."""
+    now = time.perf_counter()
+    computed = now if computed is None else computed
+    us = lambda seconds: max(int(seconds * 1e6), 0)  # noqa: E731
+    return pb.StageTiming(queued_us=us(started - arrived) if arrived is not None else 0,
+                          decode_us=us(decoded - started), compute_us=us(computed - decoded),
+                          encode_us=us(now - computed))

@@ -26,6 +26,7 @@ def layer_list(model: nn.Module) -> List[nn.Module]:
         f"{type(model).__module__} keeps its blocks in no `layers` list, so it cannot be cut by layer"
     )
 
+
 # How configs spell a model's sizes (mlx-lm's ModelArgs take each architecture's own names).
 SIZE_KEYS = {
     "hidden_size": ("hidden_size", "n_embd", "d_model", "hidden_dim", "model_dim", "dim"),

@@ -1,6 +1,6 @@
 """A stage's prefix cache: blocks of prefixes it has computed, kept under the head's hashes.
 
-The head owns the index of which blocks every stage holds (``server/prefix.py``)
+The head owns the index of which blocks every stage holds (``server/core/prefix_index.py``)
 and says, frame by frame, which cached blocks a sequence starts from
 (``reuse``), which of a sequence's completed blocks to keep (``store``, and
 ``snap``: keep the state at the end of the last of them too) and which blocks

@@ -46,8 +46,8 @@ import mlx.core as mx
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.clock import BusyClock, ClockView, ShardView  # noqa: F401 - Health reads them from here too
-from mlxpipe.shards.errors import FrameError
+from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
+from mlxpipe.shards.errors import FrameError, check_shape
 from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
@@ -56,9 +56,6 @@ from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, Sequen
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
-
-MAX_TIMINGS = 256  # stage timings a frame may carry (one per stage it passed)
-
 
 @dataclass
 class _Seq:
@@ -81,17 +78,6 @@ class ShardLimits:
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
     max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
-
-
-def _timing(arrived: Optional[float], started: float, decoded: float,
-            computed: Optional[float] = None) -> pb.StageTiming:
-    """This stage's part of a frame's time (``time.perf_counter`` readings)."""
-    now = time.perf_counter()
-    computed = now if computed is None else computed
-    us = lambda seconds: max(int(seconds * 1e6), 0)  # noqa: E731
-    return pb.StageTiming(queued_us=us(started - arrived) if arrived is not None else 0,
-                          decode_us=us(decoded - started), compute_us=us(computed - decoded),
-                          encode_us=us(now - computed))
 
 
 def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
@@ -183,47 +169,9 @@ class Shard:
 
     def _check(self, frame: pb.Frame) -> tuple[int, int]:
         """Validate ``frame`` against this stage; return (rows, tokens per row)."""
-        lim = self.limits
         if frame.evict and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
-        if len(frame.timings) > MAX_TIMINGS:
-            raise FrameError(f"a frame carries the timings of at most {MAX_TIMINGS} stages, not {len(frame.timings)}")
-        if frame.kind == pb.Frame.CONTROL:
-            if frame.seqs or frame.tokens or frame.HasField("hidden"):
-                raise FrameError("a CONTROL frame carries only `free` and `evict`")
-            return 0, 0
-        rows = len(frame.seqs)
-        if rows == 0:
-            raise FrameError("frame has no sequences")
-        if frame.kind in (pb.Frame.PREFILL, pb.Frame.VERIFY):  # one sequence, several positions
-            kind = pb.Frame.Kind.Name(frame.kind)
-            if rows != 1:
-                raise FrameError(f"a {kind} frame carries one sequence, got {rows}")
-            n = frame.seqs[0].num_tokens
-            if not 1 <= n <= lim.max_chunk_tokens:
-                what = "prefill chunk of {} tokens" if frame.kind == pb.Frame.PREFILL else "verify frame of {} positions"
-                raise FrameError(f"{what.format(n)}; this stage takes 1..{lim.max_chunk_tokens}")
-        elif frame.kind == pb.Frame.DECODE:
-            if rows > lim.max_batch:
-                raise FrameError(f"decode frame of {rows} rows; this stage takes at most {lim.max_batch}")
-            if any(e.num_tokens != 1 for e in frame.seqs):
-                raise FrameError("every row of a DECODE frame adds exactly one token")
-            n = 1
-        else:
-            raise FrameError(f"unknown frame kind {frame.kind}")
-        if len(frame.tokens) != rows * n:
-            raise FrameError(f"frame has {len(frame.tokens)} token ids for {rows} x {n} positions")
-        if self.model.first:
-            if frame.HasField("hidden"):
-                raise FrameError("the first stage takes token ids, not activations")
-            bad = [t for t in frame.tokens if not 0 <= t < self.vocab_size]
-            if bad:
-                raise FrameError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        elif not frame.HasField("hidden"):
-            raise FrameError("a frame into a later stage must carry activations")
-        ids = [e.seq_id for e in frame.seqs]
-        if len(set(ids)) != rows:
-            raise FrameError("a sequence appears twice in one frame")
+        rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
         freeing = set(frame.free)
         for e in frame.seqs:
             self._check_entry(frame, e, freeing)
@@ -314,7 +262,7 @@ class Shard:
             self.publish()
         if self.model.last:
             return pb.Result(frame_id=frame.frame_id, tokens=out or [],
-                             timings=[*frame.timings, _timing(arrived, started, decoded)])
+                             timings=[*frame.timings, stage_timing(arrived, started, decoded)])
         computed = time.perf_counter()
         nxt = pb.Frame(
             frame_id=frame.frame_id,
@@ -328,7 +276,7 @@ class Shard:
         )
         if out is not None:
             codec.encode(out, into=nxt.hidden)
-        nxt.timings.append(_timing(arrived, started, decoded, computed))
+        nxt.timings.append(stage_timing(arrived, started, decoded, computed))
         return nxt
 
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
