@@ -5,8 +5,6 @@ head's use of what the stages' caches can do."""
 
 from __future__ import annotations
 
-import asyncio
-
 import mlx.core as mx
 import pytest
 from conftest import run_async
