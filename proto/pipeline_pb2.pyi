@@ -59,7 +59,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class SeqEntry(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SNAP_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -82,7 +83,8 @@ class SeqEntry(_message.Message):
     context: _containers.RepeatedScalarFieldContainer[int]
     trim: int
     generated: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ...) -> None: ...
+    snap: bool
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -278,7 +280,7 @@ class LoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "mlx_peak_bytes", "memory_warning")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "mlx_peak_bytes", "memory_warning")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,9 @@ class LoadReply(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REWIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
@@ -309,9 +314,12 @@ class LoadReply(_message.Message):
     block_tokens: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     peak_bytes: int
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    max_rewind: int
+    state_bytes: int
     mlx_peak_bytes: int
     memory_warning: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

@@ -1,35 +1,71 @@
-"""A stage's prefix cache: KV blocks of prefixes it has computed, kept under the head's hashes.
+"""A stage's prefix cache: blocks of prefixes it has computed, kept under the head's hashes.
 
-The head owns the index of which blocks every stage holds (``server/prefix.py``)
+The head owns the index of which blocks every stage holds (``server/core/prefix_index.py``)
 and says, frame by frame, which cached blocks a sequence starts from
-(``reuse``), which of a sequence's completed blocks to keep (``store``) and
-which blocks to drop (``evict``). A stage never decides any of it, so stages
-can never disagree about where a sequence starts.
+(``reuse``), which of a sequence's completed blocks to keep (``store``, and
+``snap``: keep the state at the end of the last of them too) and which blocks
+to drop (``evict``). A stage never decides any of it, so stages can never
+disagree about where a sequence starts.
 
-A block is positions ``[k * block_tokens, (k + 1) * block_tokens)`` of every
-cache of the stage's layers, copied out of a sequence's caches: its own
-(mlx-lm ``KVCache``) or its row of a decode group's ``BatchKVCache``. A
-sequence that starts from blocks gets fresh caches holding their
-concatenation, so cached blocks are never shared with live sequences and can
-be dropped at any time. Only caches that are plain keys and values along a
-position axis can be cut like this (mlx-lm's ``KVCache``: GQA and MLA alike);
-``supports`` tells, and a stage whose model has others (sliding windows,
-state-space layers) reports that it keeps no prefix cache.
+A block is positions ``[k * block_tokens, (k + 1) * block_tokens)``. Of the
+stage's positional caches (``caches.sliceable``: mlx-lm's ``KVCache``, or a
+row of a decode group's ``BatchKVCache``) it holds those positions' keys and
+values. Of its state caches (rotating windows, state-space and linear-attention
+arrays: ``caches.py``) it holds a snapshot of the state at the block's end, but
+only when the head asked (``snap``): such state is valid for exactly that
+prefix, and costs far more than a block of keys. A sequence starts after blocks
+``k0 .. kn`` when the stage holds all of them and, if it has state caches, the
+state at the end of ``kn`` (``startable``). It gets fresh caches holding the
+blocks' keys and values and that state, so cached blocks are never shared with
+live sequences and can be dropped at any time.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, CacheList
 
-Block = List[Tuple[mx.array, mx.array]]  # (keys, values) per cache of the stage's layers
+from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.errors import FrameError
 
 
-def supports(caches: Sequence) -> bool:
-    """Whether caches like these can be cut into blocks."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
+@dataclass
+class Block:
+    kv: list                                # per cache: its keys and values (a list of pairs for a CacheList),
+                                            # None for a state cache
+    state: Optional[Dict[int, dict]] = None  # per state cache: its snapshot at the block's end
+    nbytes: int = 0
+
+
+def _cut(c, a: int, b: int, row: int):
+    """Copies of positions [a, b) of a sliceable cache (row ``row`` of a batched one)."""
+    if isinstance(c, CacheList):
+        return [_cut(k, a, b, row) for k in c.caches]
+    if c.keys is None:  # a cache its layer never fills
+        return None
+    if isinstance(c, BatchKVCache):
+        pad = c.left_padding[row].item()
+        k, v = c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
+    else:
+        k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
+    return mx.contiguous(k), mx.contiguous(v)  # copies: the sequence's buffers may go
+
+
+def _fill(c, parts: list, n: int) -> None:
+    """Put the concatenation of blocks' ``parts`` (from ``_cut``) into an empty cache."""
+    if isinstance(c, CacheList):
+        for i, k in enumerate(c.caches):
+            _fill(k, [p[i] for p in parts], n)
+        return
+    if any(p is None for p in parts):
+        return
+    c.keys = mx.concatenate([p[0] for p in parts], axis=2)
+    c.values = mx.concatenate([p[1] for p in parts], axis=2)
+    c.offset = n
 
 
 class BlockStore:
@@ -46,41 +82,84 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def keep(self, key: int, caches: Sequence, index: int, row: int = -1) -> None:
-        """Keep block ``index`` of a sequence under ``key``: from its own caches, or
-        from row ``row`` of batched caches. A key already held stays as it is."""
-        if key in self.blocks:
-            return
-        a = index * self.block_tokens
-        b = a + self.block_tokens
-        block = []
-        for c in caches:
-            if isinstance(c, BatchKVCache):
-                pad = c.left_padding[row].item()
-                k, v = c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
-            else:
-                k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
-            block.append((mx.contiguous(k), mx.contiguous(v)))  # a copy: the sequence's buffers may go
-        mx.eval(block)
-        self.blocks[key] = block
-        self.nbytes += sum(k.nbytes + v.nbytes for k, v in block)
+    def startable(self, key: int, caches: Sequence) -> bool:
+        """Whether a sequence with caches like ``caches`` can start after block ``key``."""
+        block = self.blocks.get(key)
+        if block is None:
+            return False
+        return block.state is not None or all(kinds.sliceable(c) for c in caches)
+
+    def starts(self, caches: Sequence) -> List[int]:
+        """The blocks a sequence can start after."""
+        return [k for k in self.blocks if self.startable(k, caches)]
+
+    def keep(self, key: int, caches: Sequence, index: int, row: int = -1, snap: bool = False) -> None:
+        """Keep block ``index`` of a sequence under ``key``: from its own caches, or from
+        row ``row`` of batched caches; with ``snap``, the state caches' state now (the
+        caches must be at the block's end). A key already held keeps what it has, and
+        gains the state if it lacked it."""
+        block = self.blocks.get(key)
+        if block is None:
+            a = index * self.block_tokens
+            kv = [_cut(c, a, a + self.block_tokens, row) if kinds.sliceable(c) else None for c in caches]
+            block = self.blocks[key] = Block(kv)
+            mx.eval(kinds.arrays(kv))
+        if snap and block.state is None and not all(kinds.sliceable(c) for c in caches):
+            block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
+            mx.eval(kinds.arrays(block.state))
+        self.nbytes -= block.nbytes
+        block.nbytes = kinds.nbytes(block.kv) + kinds.nbytes(block.state)
+        self.nbytes += block.nbytes
 
     def drop(self, keys: Iterable[int]) -> None:
         for key in keys:
             block = self.blocks.pop(key, None)
             if block is not None:
-                self.nbytes -= sum(k.nbytes + v.nbytes for k, v in block)
+                self.nbytes -= block.nbytes
 
     def clear(self) -> None:
         self.blocks.clear()
         self.nbytes = 0
 
-    def start(self, keys: Sequence[int], caches: Sequence[KVCache]) -> int:
-        """Fill a new sequence's empty caches with the blocks ``keys``, in order;
-        returns the positions they hold."""
+    def start(self, keys: Sequence[int], caches: Sequence) -> int:
+        """Fill a new sequence's empty caches with the blocks ``keys``, in order (the
+        state caches with the last one's state); returns the positions they hold."""
         blocks = [self.blocks[k] for k in keys]
+        n = len(blocks) * self.block_tokens
         for i, c in enumerate(caches):
-            c.keys = mx.concatenate([b[i][0] for b in blocks], axis=2)
-            c.values = mx.concatenate([b[i][1] for b in blocks], axis=2)
-            c.offset = len(blocks) * self.block_tokens
-        return len(blocks) * self.block_tokens
+            if kinds.sliceable(c):
+                _fill(c, [b.kv[i] for b in blocks], n)
+            else:
+                kinds.restore(c, blocks[-1].state[i])
+        return n
+
+
+def check_blocks(store: Optional["BlockStore"], template: Sequence, frame: pb.Frame, e: pb.SeqEntry) -> None:
+    """The prefix-cache instructions of one entry of ``frame``, for a stage holding ``store``
+    (None: no prefix cache) whose sequences have caches like ``template``; raises ``FrameError``."""
+    if not (e.reuse or e.store or e.context):
+        return
+    if store is None:
+        raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")
+    b = store.block_tokens
+    evicting = set(frame.evict)
+    if e.reuse:
+        if frame.kind != pb.Frame.PREFILL or e.offset != len(e.reuse) * b:
+            raise FrameError(f"sequence {e.seq_id}: a prefill that reuses {len(e.reuse)} blocks of {b} "
+                             f"positions starts at offset {len(e.reuse) * b}, not {e.offset}")
+        missing = [k for k in e.reuse if k not in store or k in evicting]
+        if missing:
+            raise FrameError(f"sequence {e.seq_id}: prefix block {missing[0]:016x} is not held here",
+                             "FAILED_PRECONDITION")
+        if not store.startable(e.reuse[-1], template):
+            raise FrameError(f"sequence {e.seq_id}: this stage holds no state at the end of prefix block "
+                             f"{e.reuse[-1]:016x}, so nothing can start after it", "FAILED_PRECONDITION")
+    if e.context and not e.reuse:
+        raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
+    end = (e.store_first + len(e.store)) * b
+    if end > e.offset:
+        raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
+                         f"before offset {e.offset}")
+    if e.snap and (not e.store or end != e.offset):
+        raise FrameError(f"sequence {e.seq_id}: `snap` keeps the state at the end of the last stored block, "
+                         f"which must end at the frame's offset {e.offset}")

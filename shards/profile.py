@@ -29,7 +29,8 @@ import mlx.nn as nn
 
 from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.slicing import layer_owner, load_stage
+from mlxpipe.shards.layers import layer_list, with_sizes
+from mlxpipe.shards.slicing import load_stage
 from mlxpipe.shards.store import mlxpipe_home, text_config
 
 logger = logging.getLogger(__name__)
@@ -109,13 +110,13 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
     from mlx_lm.utils import load_model
 
     model, config = load_model(path, lazy=True)
-    blocks = layer_owner(model)["layers"]
+    blocks = layer_list(model)
     n = len(blocks)
     kinds: Dict[str, List[int]] = {}
     for i, b in enumerate(blocks):
         kinds.setdefault(block_kind(b), []).append(i)
     del model, blocks
-    hidden = int(text_config(config)["hidden_size"])
+    hidden = int(with_sizes(text_config(config))["hidden_size"])
     timed: Dict[int, float] = {}
 
     def layer_time(i: int) -> float:

@@ -38,8 +38,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.convert import MODEL_CONVERSION_DTYPES, mixed_quant_predicate_builder
 from mlx_lm.utils import get_total_parameters, load_model, load_tokenizer, quantize_model, save_config
 
+from mlxpipe.shards.layers import layer_list
 from mlxpipe.shards.quant_spec import BITS, QuantSpec
-from mlxpipe.shards.slicing import layer_owner
 from mlxpipe.shards.weights import LAYER_RE, range_unit_names, unit_file, unit_of
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class QuantizeError(ValueError):
 
 
 def _num_layers(model: nn.Module) -> int:
-    return len(layer_owner(model)["layers"])
+    return len(layer_list(model))
 
 
 def _convert_dtype(model: nn.Module, config: dict) -> None:

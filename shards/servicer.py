@@ -33,6 +33,7 @@ from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, malformed, refuse_malformed
 from mlxpipe.shards import memory
 from mlxpipe.shards.grammar import tokenizer_from_json
+from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
@@ -157,11 +158,11 @@ class StageServicer(pb_grpc.StageServicer):
         stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
         read_weights(stage, progress=self.progress)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
-        text = text_config(config)
+        text = with_sizes(text_config(config))
         hidden = int(text["hidden_size"])
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
-        kv_bytes_per_token = warm_up(stage, hidden)
+        footprint = warm_up(stage, hidden)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(
@@ -189,13 +190,15 @@ class StageServicer(pb_grpc.StageServicer):
             model_bytes=model_bytes,
             max_context=max_context,
             fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
-            kv_bytes_per_token=kv_bytes_per_token,
+            kv_bytes_per_token=footprint.kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
             mlx_peak_bytes=mlx_peak_bytes,
             memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
                                              f"layers [{request.start}, {request.end})"),
+            max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
+            state_bytes=footprint.state_bytes,
         )
         return _Loaded(shard, reply, request)
 
@@ -206,6 +209,7 @@ class StageServicer(pb_grpc.StageServicer):
         reply.CopyFrom(loaded.reply)
         if loaded.shard.prefix is not None:
             reply.blocks.extend(loaded.shard.prefix.blocks)
+            reply.starts.extend(loaded.shard.starts())
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):

@@ -1,8 +1,9 @@
 """One stage's slice of an mlx-lm model: layers [start, end), run by the model's own code.
 
-Any mlx-lm model whose blocks sit in a ``layers`` list can be cut. Rather than
-re-implementing each architecture's forward pass, a stage calls the model's own
-``__call__`` with the blocks it does not hold swapped for stand-ins:
+Any mlx-lm model whose blocks sit in a ``layers`` list and pass each other only
+the hidden state can be cut. Rather than re-implementing each architecture's
+forward pass, a stage calls the model's own ``__call__`` with the blocks it does
+not hold swapped for stand-ins:
 
 - blocks before ``start`` pass their input through untouched (``_Skip``);
 - block ``start`` on a later stage ignores its input and runs on the
@@ -10,33 +11,67 @@ re-implementing each architecture's forward pass, a stage calls the model's own
 - block ``end`` raises ``_Leave`` with the activations, so nothing after the
   range (final norm, output head) is built on an earlier stage.
 
-Everything the model does around its blocks (masks, positions, embedding
-scale, final norm, head) therefore stays the model's own. MLX is lazy, so the
-embedding lookup that a later stage's forward builds from placeholder tokens is
-never evaluated, and weights are read from disk only when a computation uses
-them: a stage materializes exactly the tensors its range needs.
+A stand-in keeps what the model's code may read of the block it replaces (plain
+attributes such as ``use_sliding``, and those of its sub-modules, as in
+``layer.self_attn.is_local``) but none of its weights. Everything the model does
+around its blocks (masks, positions, embedding scale, final norm, head)
+therefore stays the model's own. MLX is lazy, so the embedding lookup that a
+later stage's forward builds from its tokens is never evaluated unless used,
+and weights are read from disk only when a computation uses them: a stage
+materializes exactly the tensors its range needs.
 
-Cache objects of the blocks a stage does not hold are stand-ins too: each
-points at one of the stage's own caches of the same kind, so a model that
-builds its attention mask from, say, ``cache[0]`` sees the right offset.
+Caches: ``make_cache()`` gives the model's cache slots, which need not be one per
+block (Nemotron-H gives none to its MLP blocks; a looped model gives a block
+two). Which block uses which slot is learned once, from one lazy forward with
+every block swapped for a recorder. A stage keeps the slots of its own blocks;
+every other slot is a stand-in: one of its own caches with the same
+``caches.signature`` (so a model that builds its attention mask or reads its
+positions from ``cache[i]`` sees the right offset), or, when it holds none of
+that kind, an empty cache of the kind whose offsets say where each sequence is
+(``caches.phantom``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.layers import layer_list, with_sizes
 from mlxpipe.shards.progress import Progress
+from mlxpipe.shards.quantize import QuantizeError, quantize_range
 
 if TYPE_CHECKING:
     from mlxpipe.shards.quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
+
+# Model types that cannot be cut by layer, and why: a stage refuses any range of them
+# but the whole model (a clear error at Load, never wrong tokens). What they share:
+# their blocks hand each other more than the hidden state.
+UNSUPPORTED: Dict[str, str] = {
+    "afm7": "its last num_kv_reuse_layers blocks sit outside its `layers` list and reuse the keys and values "
+            "of earlier blocks",
+    "deepseek_v41": "its blocks pass several residual streams and a mixing state (hyper-connections) from "
+                    "one to the next, not one hidden state",
+    "gemma3n": "its hidden state is a stack of AltUp streams, and later blocks read the keys and values of "
+               "earlier ones",
+    "iquestloopcoder": "it runs its blocks' parts twice over, the second pass reading the first pass's keys "
+                       "and values",
+    "kimi_k3": "its blocks hand the next one attention-residual state besides the hidden state",
+    "muse_spark": "its blocks hand the next one their attention input besides the hidden state",
+}
+
+
+class Unsupported(ValueError):
+    """A model, or a range of it, that this stage cannot run; the message says why."""
 
 
 class _Leave(Exception):
@@ -45,58 +80,180 @@ class _Leave(Exception):
         self.hidden = hidden
 
 
-def _mimic(stand_in: nn.Module, block: nn.Module) -> nn.Module:
-    """Give a stand-in the plain attributes of the block it replaces (flags such
-    as ``use_sliding`` that the model's code reads), but none of its weights."""
-    stand_in.__dict__.update(
-        {k: v for k, v in block.__dict__.items() if not k.startswith("_")}
-    )
+def _shell(module: nn.Module, depth: int = 2) -> nn.Module:
+    """A weightless module with ``module``'s plain attributes, and shells of its sub-modules."""
+    shell = nn.Module()
+    _copy_plain(shell, module, depth)
+    return shell
+
+
+def _copy_plain(stand_in: nn.Module, block: nn.Module, depth: int) -> None:
+    stand_in.__dict__.update({k: v for k, v in block.__dict__.items() if not k.startswith("_")})
+    if depth:
+        for k, v in block.items():
+            if isinstance(v, nn.Module):
+                stand_in[k] = _shell(v, depth - 1)
+
+
+_CLASSES: Dict[tuple, type] = {}
+
+
+def _mimic(kind: type, block: nn.Module, *args) -> nn.Module:
+    """A stand-in of ``kind`` for ``block``: of a class made from both (so the block's
+    properties, such as ``is_sliding``, and ``isinstance`` answer as the block's do),
+    with the block's plain attributes and shells of its sub-modules (``use_sliding``,
+    ``self_attn.is_local``), but none of its weights."""
+    key = (kind, type(block))
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{kind.__name__.strip('_')}{type(block).__name__}", (kind, type(block)), {})
+    stand_in = _CLASSES[key].__new__(_CLASSES[key])
+    nn.Module.__init__(stand_in)
+    _copy_plain(stand_in, block, depth=2)
+    stand_in.setup(*args)
     return stand_in
 
 
-class _Skip(nn.Module):
-    """A block another stage holds."""
-
-    def __call__(self, x, *args, **kwargs):
-        return x
+Slot = Union[int, str]  # where a block's call carries the hidden state: a position, or a keyword
 
 
-class _Exit(nn.Module):
+def _hidden(args: tuple, kwargs: dict, slot: Slot):
+    return args[slot] if isinstance(slot, int) else kwargs[slot]
+
+
+def _with_hidden(args: tuple, kwargs: dict, slot: Slot, hidden) -> Tuple[tuple, dict]:
+    if isinstance(slot, int):
+        return args[:slot] + (hidden,) + args[slot + 1:], kwargs
+    return args, dict(kwargs, **{slot: hidden})
+
+
+class _StandIn(nn.Module):
+    def setup(self, hidden: Slot = 0, returns: int = 1) -> None:
+        self._slot, self._returns = hidden, returns
+
+    def _out(self, x):
+        return x if self._returns == 1 else (x, *([None] * (self._returns - 1)))
+
+
+class _Skip(_StandIn):
+    """A block another stage holds (returning as many values as the model's blocks do)."""
+
+    def __call__(self, *args, **kwargs):
+        return self._out(_hidden(args, kwargs, self._slot))
+
+
+class _Exit(_StandIn):
     """The first block after the range: hands the activations out of the forward."""
 
-    def __call__(self, x, *args, **kwargs):
-        raise _Leave(x)
+    def __call__(self, *args, **kwargs):
+        raise _Leave(_hidden(args, kwargs, self._slot))
 
 
 class _Inbox:
     hidden: Optional[mx.array] = None
 
 
-class _Enter(nn.Module):
+class _Enter(_StandIn):
     """The first block of a later stage: runs on the received activations."""
 
-    def __init__(self, block: nn.Module, inbox: _Inbox):
-        super().__init__()
+    def setup(self, block: nn.Module, inbox: _Inbox, hidden: Slot = 0) -> None:
         self.block = block
-        self._inbox = inbox
+        self._inbox, self._slot = inbox, hidden
 
-    def __call__(self, x, *args, **kwargs):
-        return self.block(self._inbox.hidden, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        args, kwargs = _with_hidden(args, kwargs, self._slot, self._inbox.hidden)
+        return self.block(*args, **kwargs)
 
 
-def layer_owner(model: nn.Module) -> nn.Module:
-    """The module whose ``layers`` list the model's forward iterates."""
-    best = None
-    for _, module in model.named_modules():
-        layers = module.get("layers") if isinstance(module, dict) else None
-        if isinstance(layers, list) and layers and all(isinstance(b, nn.Module) for b in layers):
-            if best is None or len(layers) > len(best["layers"]):
-                best = module
-    if best is None:
-        raise ValueError(
-            f"{type(model).__module__} keeps its blocks in no `layers` list, so it cannot be cut by layer"
-        )
-    return best
+@dataclass
+class Trace:
+    """What one lazy forward with every block swapped for a recorder shows of a model."""
+
+    slots: List[List[int]]    # per block: the cache slots (indices into make_cache()) the model hands it
+    returns: int = 1          # values a block returns (the hidden state, and what the loop hands on)
+    reads: Dict[int, set] = field(default_factory=dict)  # block -> earlier blocks whose extra values it gets
+    hidden: Slot = 0          # where a block's call carries the hidden state (the previous block's output)
+    last: Any = None          # the previous recorder's output
+
+
+class _Returned:
+    """An extra value a recorder returns, tagged with its block."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+
+class _Recorder(_StandIn):
+    """Stands in for block ``index`` in the forward that traces the model."""
+
+    def setup(self, index: int, template: list, trace: Trace) -> None:
+        self._index, self._template, self._trace = index, template, trace
+
+    def __call__(self, *args, **kwargs):
+        trace = self._trace
+        if trace.last is None and not args:  # called by keyword: the first array it gets, until known
+            trace.hidden = next(k for k, v in kwargs.items() if isinstance(v, mx.array))
+        for slot, value in [*enumerate(args), *kwargs.items()]:
+            if trace.last is not None and value is trace.last:
+                trace.hidden = slot  # the previous block's output comes back here
+            for k, c in enumerate(self._template):
+                if value is c and k not in trace.slots[self._index]:
+                    trace.slots[self._index].append(k)
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, _Returned):
+                    trace.reads.setdefault(self._index, set()).add(v.block)
+        trace.last = mx.array(_hidden(args, kwargs, trace.hidden))  # a new object, to be recognized
+        if trace.returns == 1:
+            return trace.last
+        return (trace.last, *(_Returned(self._index) for _ in range(trace.returns - 1)))
+
+
+def trace_blocks(model: nn.Module, blocks: List[nn.Module], template: list) -> Trace:
+    """Which cache slots each block gets, how many values blocks return and which blocks
+    read what others returned besides the hidden state: learned from one lazy forward
+    with every block swapped for a recorder (nothing is evaluated, so no weight is
+    read; a loop that unpacks more values than a recorder returned says how many).
+    Slots no block gets are the model's own (an n-gram history the embedding keeps):
+    every stage runs that code, and keeps them."""
+    n = len(blocks)
+    real = list(blocks)
+    for returns in range(1, 5):
+        trace = Trace([[] for _ in range(n)], returns)
+        try:
+            blocks[:] = [_mimic(_Recorder, b, i, template, trace) for i, b in enumerate(real)]
+            model(mx.zeros((1, 1), dtype=mx.int32), cache=template)
+        except Exception as err:  # noqa: BLE001 - the model's own code, run on stand-ins
+            more = re.search(r"not enough values to unpack \(expected (\d+)", str(err))
+            if more and int(more.group(1)) > returns:
+                continue
+            logger.info("could not trace %s (%s: %s)", type(model).__module__, type(err).__name__, err)
+            break
+        finally:
+            blocks[:] = real
+        if any(trace.slots) or not template:
+            return trace
+        break
+    if len(template) == n:  # one per block, in order
+        return Trace([[i] for i in range(n)])
+    raise Unsupported(f"{type(model).__module__}: cannot tell which of its {len(template)} caches each of its "
+                      f"{n} blocks uses")
+
+
+def _refuse_reads(model: nn.Module, trace: Trace, start: int, end: int) -> None:
+    """Nothing but the hidden state crosses stages: a block of the range that reads what a
+    block of another stage returned besides it, or shares a cache with one, cannot run here."""
+    name = type(model).__module__
+    for i in range(start, end):
+        outside = sorted(j for j in trace.reads.get(i, ()) if not start <= j < end)
+        if outside:
+            raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} reads what "
+                              f"block {outside[0]} returns besides the hidden state, and that block is on another "
+                              "stage; cut the model elsewhere")
+        for k in trace.slots[i]:
+            sharing = [j for j, ks in enumerate(trace.slots) if k in ks and not start <= j < end]
+            if sharing:
+                raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} shares its "
+                                  f"cache with block {sharing[0]}, which is on another stage; cut the model "
+                                  "elsewhere")
 
 
 class SlicedModel:
@@ -104,54 +261,57 @@ class SlicedModel:
     also runs the final norm and output head (returning logits)."""
 
     def __init__(self, model: nn.Module, start: int, end: int):
-        owner = layer_owner(model)
-        blocks: List[nn.Module] = owner["layers"]
+        blocks = layer_list(model)
         n = len(blocks)
         if not (0 <= start < end <= n):
             raise ValueError(f"layer range [{start}, {end}) is not inside the model's [0, {n})")
         self.model = model
         self.start, self.end, self.num_layers = start, end, n
         self.first, self.last = start == 0, end == n
-        # The full-length cache layout the model expects, to learn each block's
-        # cache kind before the blocks are replaced.
-        template = self._full_cache()
+        # The model's cache slots, and which blocks use which, learned before the blocks are replaced.
+        self._template = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(n)]
+        trace = trace_blocks(model, blocks, self._template)
+        _refuse_reads(model, trace, start, end)
+        slots = trace.slots
+        used = {k for ks in slots for k in ks}
+        # The slots of this stage's blocks, and the model's own.
+        self.own = sorted({k for i in range(start, end) for k in slots[i]} | set(range(len(self._template))) - used)
         self.blocks = list(blocks[start:end])  # this stage's own blocks
         self._inbox = _Inbox()
         for i in range(n):
             if i == start and not self.first:
-                blocks[i] = _mimic(_Enter(blocks[i], self._inbox), blocks[i])
+                blocks[i] = _mimic(_Enter, blocks[i], blocks[i], self._inbox, trace.hidden)
             elif i == end:
-                blocks[i] = _mimic(_Exit(), blocks[i])
+                blocks[i] = _mimic(_Exit, blocks[i], trace.hidden)
             elif not start <= i < end:
-                blocks[i] = _mimic(_Skip(), blocks[i])
-        # For every block outside the range, the index (within the range) of a
-        # cache of the same kind to stand in for its own.
-        own = [type(c) for c in template[start:end]]
+                blocks[i] = _mimic(_Skip, blocks[i], trace.hidden, trace.returns)
+        # Every other slot: the position (among this stage's caches) of one of the same
+        # signature, or None (a phantom of its kind is made per call).
+        mine = [kinds.signature(self._template[k]) for k in self.own]
         self._stand_in = []
-        for i in range(n):
-            if start <= i < end:
-                continue
-            kind = type(template[i])
-            self._stand_in.append((i, own.index(kind) if kind in own else 0))
-
-    def _full_cache(self) -> list:
-        if hasattr(self.model, "make_cache"):
-            return self.model.make_cache()
-        return [KVCache() for _ in range(self.num_layers)]
+        for k, c in enumerate(self._template):
+            if k not in self.own:
+                sig = kinds.signature(c)
+                self._stand_in.append((k, mine.index(sig) if sig in mine else None))
 
     def make_cache(self) -> list:
-        """Fresh caches for one sequence, one per block of the range."""
-        return self._full_cache()[self.start : self.end]
+        """Fresh caches for one sequence, one per cache slot of the range."""
+        return [kinds.clone(self._template[k]) for k in self.own]
 
-    def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list) -> mx.array:
-        """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D].
+    def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list,
+                 lengths: Optional[Sequence[int]] = None) -> mx.array:
+        """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D];
+        ``lengths``: each row's positions before these (for caches of kinds this stage
+        does not hold, which some models read positions from).
 
         Returns activations [B, L, D], or logits [B, L, V] on the last stage.
         """
-        full: List[Any] = [None] * self.num_layers
-        full[self.start : self.end] = caches
-        for i, j in self._stand_in:
-            full[i] = caches[j]
+        full: List[Any] = [None] * len(self._template)
+        for k, c in zip(self.own, caches):
+            full[k] = c
+        rows = lengths if lengths is not None else [0] * tokens.shape[0]
+        for k, j in self._stand_in:
+            full[k] = caches[j] if j is not None else kinds.phantom(self._template[k], list(rows))
         self._inbox.hidden = hidden
         try:
             return self.model(tokens, cache=full)
@@ -159,6 +319,15 @@ class SlicedModel:
             return leave.hidden
         finally:
             self._inbox.hidden = None
+
+
+def refuse_cut(config: dict, start: int, end: int) -> None:
+    """Raise ``Unsupported`` for a range short of the whole of a model in ``UNSUPPORTED``."""
+    model_type = config.get("model_type")
+    layers = with_sizes(config.get("text_config", config)).get("num_hidden_layers")
+    if model_type in UNSUPPORTED and (start > 0 or end != layers):
+        raise Unsupported(f"{model_type} models cannot be cut into stages ({UNSUPPORTED[model_type]}); "
+                          "run one on a single stage")
 
 
 def load_stage(path: Path, start: int, end: int, strict: bool = True,
@@ -173,18 +342,18 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     """
     import json
 
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_config, load_model
 
-    from mlxpipe.shards.quantize import QuantizeError, quantize_range
     from mlxpipe.shards.store import BrokenModel
 
     path = Path(path)
     try:
+        refuse_cut(load_config(path), start, end)
         if quant is not None:
             model, config = quantize_range(path, start, end, quant)
         else:
             model, config = load_model(path, lazy=True, strict=strict)
-    except QuantizeError:
+    except (QuantizeError, Unsupported):
         raise
     except json.JSONDecodeError as err:
         raise BrokenModel(f"{path / 'config.json'} is not valid JSON: {err}") from err
@@ -209,19 +378,20 @@ def read_weights(stage: SlicedModel, progress: bool = False) -> None:
         shown.close()
 
 
-def warm_up(stage: SlicedModel, hidden_size: int) -> int:
-    """One throwaway token through the range: reads (materializes) exactly the
-    weights the range uses and compiles its kernels. Returns the range's KV-cache
-    bytes per token of context (float32 activations assumed on a later stage)."""
+def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":
+    """Two throwaway tokens through the range: read (materialize) exactly the weights
+    the range uses and compile its kernels. Returns what its caches cost: KV-cache bytes
+    per token of context, bytes of one sequence's state (float32 activations assumed
+    on a later stage). A range that cannot run on its own is ``Unsupported``."""
     caches = stage.make_cache()
-    tokens = mx.zeros((1, 1), dtype=mx.int32)
     hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
-    mx.eval(stage(tokens, hidden, caches))
-    per_token = 0
-    for c in caches:  # caches allocate ahead; measure per position of what they allocated
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-            per_token += (keys.nbytes + values.nbytes) // keys.shape[2]
+    try:
+        for i in range(2):  # a second position: caches that allocate on the first step show their growth
+            mx.eval(stage(mx.zeros((1, 1), dtype=mx.int32), hidden, caches, lengths=[i]))
+    except Exception as err:  # noqa: BLE001 - the model's own code, on a range it was not written for
+        raise Unsupported(f"layers [{stage.start}, {stage.end}) of {type(stage.model).__module__} cannot run "
+                          f"as a stage of their own: {type(err).__name__}: {err}") from err
+    footprint = kinds.footprint(caches)
     del caches
     mx.clear_cache()
-    return per_token
+    return footprint

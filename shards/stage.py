@@ -18,47 +18,44 @@ Sequences and caches:
 - A VERIFY frame carries positions of one sequence (its last token and
   tokens the head drafted: speculative decoding). The sequence leaves its
   decode group for caches of its own; the last stage samples after every
-  position. The head judges the drafts; a later frame's ``trim`` drops the
-  positions it rejected (mlx-lm's trimmable caches), before anything else.
+  position. The head judges the drafts; a later frame's ``trim`` takes back
+  the positions it rejected, before anything else: positional caches are
+  trimmed, state caches (rotating windows, state-space arrays) go back to a
+  snapshot taken before the verify frame, and what it accepted of that frame
+  is computed again (``caches.Rewind``). A stage can take back at most
+  ``ShardLimits.max_rewind`` positions and says so in its Load reply.
 - A sequence with a grammar (``grammar.py``, last stage only) never verifies
   drafts; when it is replayed, its first frame names the tokens it generated
   (``generated``) and the grammar advances past them again.
 - Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
   first drops the blocks in ``evict``; a sequence's first frame may start it
   after cached blocks (``reuse``); any later frame may name blocks of the
-  sequence to keep (``store``), copied out before the frame's work.
+  sequence to keep (``store``), copied out before the frame's work, with the
+  state at the end of the last (``snap``: the caches are exactly there).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import ClassVar, Deque, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
+from mlxpipe.shards.errors import FrameError, check_shape
 from mlxpipe.shards.grammar import Constraint
-from mlxpipe.shards.prefix import BlockStore, supports
+from mlxpipe.shards.groups import Groups, batches
+from mlxpipe.shards.prefix import BlockStore, check_blocks
 from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
                                      pick_positions)
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
-
-MAX_TIMINGS = 256  # stage timings a frame may carry (one per stage it passed)
-
-
-class FrameError(ValueError):
-    """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
-        super().__init__(message)
-        self.code = code
-
 
 @dataclass
 class _Seq:
@@ -69,12 +66,7 @@ class _Seq:
     session: int = 0                  # the Forward stream that brought it
     failed: str = ""                  # last stage: why it can go no further (its grammar, its sampling)
     drafted: int = 0                  # positions VERIFY frames added since it last decoded: what may be trimmed
-
-
-@dataclass
-class _Group:
-    members: List[int] = field(default_factory=list)  # row order of the caches
-    caches: list = field(default_factory=list)
+    rewind: Optional[kinds.Rewind] = None  # what taking drafted positions back needs (state caches)
 
 
 @dataclass
@@ -85,96 +77,7 @@ class ShardLimits:
     max_seqs: int = 256        # live sequences
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
-
-
-@dataclass(frozen=True)
-class ClockView:
-    """A BusyClock as it was at one moment: what Health reads from the event loop."""
-
-    busy_seconds: float
-    frames: int
-    tokens: int
-    reused_tokens: int
-    prefilled_tokens: int
-    started: float
-    running_since: Optional[float]
-    recent: Tuple[Tuple[float, float, int], ...]
-    WINDOW: ClassVar[float] = 10.0  # seconds the recent figures cover
-
-    def busy_now(self) -> float:
-        """Busy seconds so far, the frame in progress included."""
-        since = self.running_since
-        return self.busy_seconds + (time.monotonic() - since if since is not None else 0.0)
-
-    def window(self) -> Tuple[float, float]:
-        """(busy fraction, token positions per second) over the last WINDOW seconds."""
-        now = time.monotonic()
-        lo = max(now - self.WINDOW, self.started)
-        span = max(now - lo, 1e-9)
-        busy = tokens = 0.0
-        for end, seconds, n in self.recent:
-            if end > lo:
-                busy += min(seconds, end - lo)
-                tokens += n
-        if self.running_since is not None:
-            busy += now - max(self.running_since, lo)
-        return min(busy / span, 1.0), tokens / span
-
-
-@dataclass
-class BusyClock:
-    """Busy time (computing a frame) against wall time: the rest is the bubble.
-    Changed only on the MLX thread; others read ``view()``s of it."""
-
-    busy_seconds: float = 0.0         # finished frames
-    frames: int = 0
-    tokens: int = 0
-    reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
-    prefilled_tokens: int = 0         # prompt positions computed
-    started: float = field(default_factory=time.monotonic)
-    running_since: Optional[float] = None  # the frame being computed now
-    recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
-
-    def begin(self) -> None:
-        self.running_since = time.monotonic()
-
-    def end(self, tokens: int) -> None:
-        now = time.monotonic()
-        seconds = now - self.running_since
-        self.running_since = None
-        self.busy_seconds += seconds
-        self.frames += 1
-        self.tokens += tokens
-        self.recent.append((now, seconds, tokens))
-        while self.recent and self.recent[0][0] < now - ClockView.WINDOW:
-            self.recent.popleft()
-
-    def view(self) -> ClockView:
-        return ClockView(self.busy_seconds, self.frames, self.tokens, self.reused_tokens, self.prefilled_tokens,
-                         self.started, self.running_since, tuple(self.recent))
-
-
-@dataclass(frozen=True)
-class ShardView:
-    """What Health reports of a shard, published by the MLX thread after each change:
-    the event loop never iterates state that thread mutates."""
-
-    live_seqs: Tuple[int, ...] = ()
-    cache_bytes: int = 0
-    prefix_bytes: int = 0
-    prefix_blocks: int = 0
-    clock: ClockView = field(default_factory=lambda: BusyClock().view())
-
-
-def _timing(arrived: Optional[float], started: float, decoded: float,
-            computed: Optional[float] = None) -> pb.StageTiming:
-    """This stage's part of a frame's time (``time.perf_counter`` readings)."""
-    now = time.perf_counter()
-    computed = now if computed is None else computed
-    us = lambda seconds: max(int(seconds * 1e6), 0)  # noqa: E731
-    return pb.StageTiming(queued_us=us(started - arrived) if arrived is not None else 0,
-                          decode_us=us(decoded - started), compute_us=us(computed - decoded),
-                          encode_us=us(now - computed))
+    max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
 
 
 def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
@@ -198,11 +101,14 @@ class Shard:
         self.vocab_size = vocab_size
         self.limits = limits
         self.seqs: Dict[int, _Seq] = {}
-        self.groups: Dict[int, _Group] = {}
+        template = model.make_cache()
+        self.stateful = not all(kinds.positional(c) for c in template)  # caches that trims cannot take back
+        self.groups = Groups(self.seqs, batches(template))
         self.stats = BusyClock()
         self.prefix: Optional[BlockStore] = None
-        if limits.block_tokens and supports(model.make_cache()):
+        if limits.block_tokens:
             self.prefix = BlockStore(limits.block_tokens)
+        self._template = template
         self.view = ShardView()
         self.publish()
 
@@ -225,19 +131,8 @@ class Shard:
             if seq.group is not None:
                 by_group.setdefault(seq.group, []).append(sid)
         for gid, gone in by_group.items():
-            self._drop_rows(gid, gone)
+            self.groups.drop_rows(gid, gone)
         return freed
-
-    def _drop_rows(self, gid: int, sids: List[int]) -> None:
-        """Filter sequences out of a group's batched caches (the group goes when empty)."""
-        group = self.groups[gid]
-        keep = [i for i, s in enumerate(group.members) if s not in sids]
-        if not keep:
-            del self.groups[gid]
-            return
-        for c in group.caches:
-            c.filter(keep)
-        group.members = [group.members[i] for i in keep]
 
     def free_and_publish(self, seq_ids) -> int:
         freed = self.free(seq_ids)
@@ -260,9 +155,12 @@ class Shard:
 
     def cache_bytes(self) -> int:
         """KV-cache bytes of live sequences (cached prefix blocks not included)."""
-        caches = [c for g in self.groups.values() for c in g.caches]
-        caches += [c for s in self.seqs.values() if s.caches for c in s.caches]
+        caches = self.groups.caches() + [c for s in self.seqs.values() if s.caches for c in s.caches]
         return sum(c.nbytes for c in caches)
+
+    def starts(self) -> List[int]:
+        """The prefix blocks a sequence can start after on this stage."""
+        return self.prefix.starts(self._template) if self.prefix is not None else []
 
     def prefix_bytes(self) -> int:
         return self.prefix.nbytes if self.prefix is not None else 0
@@ -271,80 +169,50 @@ class Shard:
 
     def _check(self, frame: pb.Frame) -> tuple[int, int]:
         """Validate ``frame`` against this stage; return (rows, tokens per row)."""
-        lim = self.limits
         if frame.evict and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
-        if len(frame.timings) > MAX_TIMINGS:
-            raise FrameError(f"a frame carries the timings of at most {MAX_TIMINGS} stages, not {len(frame.timings)}")
-        if frame.kind == pb.Frame.CONTROL:
-            if frame.seqs or frame.tokens or frame.HasField("hidden"):
-                raise FrameError("a CONTROL frame carries only `free` and `evict`")
-            return 0, 0
-        rows = len(frame.seqs)
-        if rows == 0:
-            raise FrameError("frame has no sequences")
-        if frame.kind in (pb.Frame.PREFILL, pb.Frame.VERIFY):  # one sequence, several positions
-            kind = pb.Frame.Kind.Name(frame.kind)
-            if rows != 1:
-                raise FrameError(f"a {kind} frame carries one sequence, got {rows}")
-            n = frame.seqs[0].num_tokens
-            if not 1 <= n <= lim.max_chunk_tokens:
-                what = "prefill chunk of {} tokens" if frame.kind == pb.Frame.PREFILL else "verify frame of {} positions"
-                raise FrameError(f"{what.format(n)}; this stage takes 1..{lim.max_chunk_tokens}")
-        elif frame.kind == pb.Frame.DECODE:
-            if rows > lim.max_batch:
-                raise FrameError(f"decode frame of {rows} rows; this stage takes at most {lim.max_batch}")
-            if any(e.num_tokens != 1 for e in frame.seqs):
-                raise FrameError("every row of a DECODE frame adds exactly one token")
-            n = 1
-        else:
-            raise FrameError(f"unknown frame kind {frame.kind}")
-        if len(frame.tokens) != rows * n:
-            raise FrameError(f"frame has {len(frame.tokens)} token ids for {rows} x {n} positions")
-        if self.model.first:
-            if frame.HasField("hidden"):
-                raise FrameError("the first stage takes token ids, not activations")
-            bad = [t for t in frame.tokens if not 0 <= t < self.vocab_size]
-            if bad:
-                raise FrameError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        elif not frame.HasField("hidden"):
-            raise FrameError("a frame into a later stage must carry activations")
-        ids = [e.seq_id for e in frame.seqs]
-        if len(set(ids)) != rows:
-            raise FrameError("a sequence appears twice in one frame")
+        rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
         freeing = set(frame.free)
         for e in frame.seqs:
-            if e.offset + e.num_tokens > lim.max_context:
-                raise FrameError(
-                    f"sequence {e.seq_id} would reach {e.offset + e.num_tokens} tokens; "
-                    f"the model's context is {lim.max_context}"
-                )
-            seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
-            self._check_blocks(frame, e)
-            if frame.kind == pb.Frame.PREFILL and (e.offset == 0 or e.reuse):
-                if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
-                    raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
-                held = self.cache_bytes() + self.prefix_bytes()
-                if lim.max_cache_bytes and held >= lim.max_cache_bytes:
-                    raise FrameError(f"this stage's KV caches hold {held} bytes, its cap is "
-                                     f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
-            elif seq is None:
-                raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
-            elif e.trim > seq.drafted:
-                raise FrameError(f"sequence {e.seq_id}: only the {seq.drafted} positions verify frames added "
-                                 f"may be trimmed, not {e.trim}")
-            elif seq.length - e.trim != e.offset:
-                raise FrameError(
-                    f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset} "
-                    f"after trimming {e.trim}", "FAILED_PRECONDITION",
-                )
-            elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
-                raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
-            if self.model.last and e.sampling.ByteSize():
-                self._check_sampling(e)
-            if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
-                raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
+            self._check_entry(frame, e, freeing)
         return rows, n
+
+    def _check_entry(self, frame: pb.Frame, e: pb.SeqEntry, freeing: set) -> None:
+        """Validate one sequence's entry of ``frame`` (``freeing``: the sequences it frees first)."""
+        lim = self.limits
+        if e.offset + e.num_tokens > lim.max_context:
+            raise FrameError(
+                f"sequence {e.seq_id} would reach {e.offset + e.num_tokens} tokens; "
+                f"the model's context is {lim.max_context}"
+            )
+        seq = None if e.seq_id in freeing else self.seqs.get(e.seq_id)
+        check_blocks(self.prefix, self._template, frame, e)
+        if frame.kind == pb.Frame.PREFILL and (e.offset == 0 or e.reuse):
+            if seq is None and len(self.seqs) - len(freeing & self.seqs.keys()) >= lim.max_seqs:
+                raise FrameError(f"this stage already holds {lim.max_seqs} sequences", "RESOURCE_EXHAUSTED")
+            held = self.cache_bytes() + self.prefix_bytes()
+            if lim.max_cache_bytes and held >= lim.max_cache_bytes:
+                raise FrameError(f"this stage's KV caches hold {held} bytes, its cap is "
+                                 f"{lim.max_cache_bytes}", "RESOURCE_EXHAUSTED")
+        elif seq is None:
+            raise FrameError(f"unknown sequence {e.seq_id} (never prefilled here, or freed)", "NOT_FOUND")
+        elif e.trim > seq.drafted:
+            raise FrameError(f"sequence {e.seq_id}: only the {seq.drafted} positions verify frames added "
+                             f"may be trimmed, not {e.trim}")
+        elif e.trim and seq.rewind is not None and not seq.rewind.can(seq.length, e.trim):
+            raise FrameError(f"sequence {e.seq_id}: this stage can take back at most "
+                             f"{lim.max_rewind} positions, not {e.trim}")
+        elif seq.length - e.trim != e.offset:
+            raise FrameError(
+                f"sequence {e.seq_id} has {seq.length} tokens here, the frame says {e.offset} "
+                f"after trimming {e.trim}", "FAILED_PRECONDITION",
+            )
+        elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
+            raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
+        if self.model.last and e.sampling.ByteSize():
+            self._check_sampling(e)
+        if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
+            raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
 
     def _check_sampling(self, e: pb.SeqEntry) -> None:
         try:
@@ -356,28 +224,6 @@ class Shard:
                              "FAILED_PRECONDITION")
         # A grammar that does not compile is this sequence's failure, not the frame's:
         # it is compiled off this thread and fails the sequence alone (``Constraint``).
-
-    def _check_blocks(self, frame: pb.Frame, e: pb.SeqEntry) -> None:
-        """The prefix-cache instructions of one entry: blocks held, positions sane."""
-        if not (e.reuse or e.store or e.context):
-            return
-        if self.prefix is None:
-            raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")
-        b = self.prefix.block_tokens
-        evicting = set(frame.evict)
-        if e.reuse:
-            if frame.kind != pb.Frame.PREFILL or e.offset != len(e.reuse) * b:
-                raise FrameError(f"sequence {e.seq_id}: a prefill that reuses {len(e.reuse)} blocks of {b} "
-                                 f"positions starts at offset {len(e.reuse) * b}, not {e.offset}")
-            missing = [k for k in e.reuse if k not in self.prefix or k in evicting]
-            if missing:
-                raise FrameError(f"sequence {e.seq_id}: prefix block {missing[0]:016x} is not held here",
-                                 "FAILED_PRECONDITION")
-        if e.context and not e.reuse:
-            raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
-        if (e.store_first + len(e.store)) * b > e.offset:
-            raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
-                             f"before offset {e.offset}")
 
     # -- work --------------------------------------------------------------
 
@@ -416,7 +262,7 @@ class Shard:
             self.publish()
         if self.model.last:
             return pb.Result(frame_id=frame.frame_id, tokens=out or [],
-                             timings=[*frame.timings, _timing(arrived, started, decoded)])
+                             timings=[*frame.timings, stage_timing(arrived, started, decoded)])
         computed = time.perf_counter()
         nxt = pb.Frame(
             frame_id=frame.frame_id,
@@ -430,7 +276,7 @@ class Shard:
         )
         if out is not None:
             codec.encode(out, into=nxt.hidden)
-        nxt.timings.append(_timing(arrived, started, decoded, computed))
+        nxt.timings.append(stage_timing(arrived, started, decoded, computed))
         return nxt
 
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
@@ -451,16 +297,18 @@ class Shard:
         return seq
 
     def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq) -> None:
-        """Copy the blocks the head named out of the sequence's caches (before the frame's work)."""
+        """Copy the blocks the head named out of the sequence's caches (before the frame's
+        work), with the state at the end of the last when it says ``snap``."""
         if not entry.store:
             return
-        if seq.group is None:
+        group = self.groups[seq.group] if seq.group is not None else None
+        if group is None or group.caches is None:
             caches, row = seq.caches, -1
         else:
-            group = self.groups[seq.group]
             caches, row = group.caches, group.members.index(entry.seq_id)
+        last = len(entry.store) - 1
         for i, key in enumerate(entry.store):
-            self.prefix.keep(key, caches, entry.store_first + i, row)
+            self.prefix.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last)
 
     def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]
@@ -471,22 +319,30 @@ class Shard:
             self._keep_blocks(entry, seq)
         self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
-        out = self.model(tokens, hidden, seq.caches)
+        out = self.model(tokens, hidden, seq.caches, [seq.length])
         seq.length += entry.num_tokens
         if not self.model.last:
             mx.eval(out)
             return out
         seq.sampler.observe(frame.tokens)
         if not entry.sample:
-            mx.eval([c.state for c in seq.caches])
+            mx.eval(kinds.arrays(seq.caches))
             return []
         return self._sample([entry], [seq], out[:, -1, :])
 
     def _trim(self, seq: _Seq, n: int) -> None:
-        """Drop a sequence's last ``n`` positions (drafts the head rejected); it holds
+        """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
         caches of its own while it verifies drafts."""
-        for c in seq.caches:
-            c.trim(n)
+        if seq.rewind is None:
+            for c in seq.caches:
+                c.trim(n)
+        else:
+            def again(tokens, hidden, caches):  # accepted positions of a frame, computed again
+                start = seq.length - n - len(tokens)
+                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start])))
+                mx.eval(kinds.arrays(caches))
+
+            seq.rewind.back(seq.caches, seq.length, n, again)
         seq.length -= n
         seq.drafted -= n
         if seq.sampler is not None:
@@ -495,10 +351,14 @@ class Shard:
     def _verify(self, frame: pb.Frame, hidden: Optional[mx.array]):
         entry = frame.seqs[0]
         seq = self.seqs[entry.seq_id]
-        if seq.group is not None:  # caches of its own, so that rejected positions can be trimmed
-            self._detach(seq.group, [entry.seq_id])
+        if seq.group is not None:  # caches of its own, so that rejected positions can be taken back
+            self.groups.detach(seq.group, [entry.seq_id])
         self._keep_blocks(entry, seq)
-        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches)
+        if self.stateful:
+            if seq.rewind is None:
+                seq.rewind = kinds.Rewind(self.limits.max_rewind)
+            seq.rewind.mark(seq.caches, seq.length, frame.tokens, hidden)
+        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches, [seq.length])
         seq.length += entry.num_tokens
         seq.drafted += entry.num_tokens
         if not self.model.last:
@@ -513,13 +373,13 @@ class Shard:
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
-            self.seqs[e.seq_id].drafted = 0
-        group = self._regroup(frame.group, [e.seq_id for e in frame.seqs])
+            seq = self.seqs[e.seq_id]
+            seq.drafted, seq.rewind = 0, None
+        group = self.groups.regroup(frame.group, [e.seq_id for e in frame.seqs])
         for e in frame.seqs:
             self._keep_blocks(e, self.seqs[e.seq_id])
-        tokens = mx.array(list(frame.tokens), dtype=mx.int32)[:, None]
-        out = self.model(tokens, hidden, group.caches)
         seqs = [self.seqs[s] for s in group.members]
+        out = self._step(group, frame.tokens, hidden, [seq.length for seq in seqs])
         for seq in seqs:
             seq.length += 1
         if not self.model.last:
@@ -529,12 +389,22 @@ class Shard:
             seq.sampler.observe([t])
         picked = [i for i, e in enumerate(frame.seqs) if e.sample]
         if not picked:
-            mx.eval([c.state for c in group.caches])
+            mx.eval(kinds.arrays(group.caches or group.rows_of(self.seqs)))
             return []
         logits = out[:, -1, :]
         if len(picked) < len(seqs):
             logits = logits[mx.array(picked)]
         return self._sample([frame.seqs[i] for i in picked], [seqs[i] for i in picked], logits)
+
+    def _step(self, group, tokens, hidden: Optional[mx.array], lengths: List[int]) -> mx.array:
+        """One decode step of a group: its rows together, or one at a time when the
+        stage's caches do not batch."""
+        ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
+        if group.caches is not None:
+            return self.model(ids, hidden, group.caches, lengths)
+        rows = [self.model(ids[i : i + 1], None if hidden is None else hidden[i : i + 1], caches, [lengths[i]])
+                for i, caches in enumerate(group.rows_of(self.seqs))]
+        return mx.concatenate(rows, axis=0)
 
     def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
         """One pick per row; a row whose own sampling or grammar fails gets an error
@@ -556,48 +426,3 @@ class Shard:
             else:
                 out.append(_token_result(e.seq_id, pick, s.sampler.finished))
         return out
-
-    def _regroup(self, gid: int, members: List[int]) -> _Group:
-        """Make group ``gid`` hold exactly ``members``, caches in that row order."""
-        group = self.groups.get(gid)
-        if group is not None and group.members == members:
-            return group
-        wanted = set(members)
-        # Members that moved here from another group leave it first.
-        for sid in members:
-            seq = self.seqs[sid]
-            if seq.group is not None and seq.group != gid:
-                self._detach(seq.group, [sid])
-        if group is not None:
-            leaving = [s for s in group.members if s not in wanted]
-            if leaving:
-                self._detach(gid, leaving)
-            group = self.groups.get(gid)
-        joining = [s for s in members if self.seqs[s].group != gid]
-        if joining:
-            per_layer = list(zip(*(self.seqs[s].caches for s in joining)))
-            merged = [type(cs[0]).merge(list(cs)) for cs in per_layer]
-            if group is None:
-                group = self.groups[gid] = _Group(members=list(joining), caches=merged)
-            else:
-                for c, m in zip(group.caches, merged):
-                    c.extend(m)
-                group.members += joining
-            for s in joining:
-                self.seqs[s].caches = None
-                self.seqs[s].group = gid
-        if group.members != members:
-            order = [group.members.index(s) for s in members]
-            for c in group.caches:
-                c.filter(order)
-            group.members = list(members)
-        return group
-
-    def _detach(self, gid: int, sids: List[int]) -> None:
-        """Take sequences out of a group, back into caches of their own."""
-        group = self.groups[gid]
-        for sid in sids:
-            row = group.members.index(sid)
-            self.seqs[sid].caches = [c.extract(row) for c in group.caches]
-            self.seqs[sid].group = None
-        self._drop_rows(gid, sids)

@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 CHUNK_BYTES = 4 << 20
 _UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # mlx-lm models name their block list so
 
 
 class WeightsError(ValueError):

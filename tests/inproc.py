@@ -10,9 +10,11 @@ from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.slicing import load_stage
+from mlxpipe.shards.layers import with_sizes
+from mlxpipe.shards.slicing import load_stage, warm_up
 from mlxpipe.shards.stage import ShardLimits, Shard
 
 
@@ -44,11 +46,14 @@ class InProcess:
         """``tokenizer``: llguidance's, for the last stage's grammars."""
         self.eos = frozenset(eos)
         self.stages = []
+        self.footprints = []
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
+            cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
                                      tokenizer if model.last else None))
+            self.footprints.append(warm_up(model, int(cfg["hidden_size"])))
         self.scheduler = WiredScheduler(config)
         self.reset_prefix()
         self._ids = 0
@@ -56,7 +61,11 @@ class InProcess:
     def reset_prefix(self) -> None:
         """Tell the scheduler what each stage holds now (as a rebuilt pipeline's Load replies do)."""
         held = [list(st.prefix.blocks) if st.prefix else [] for st in self.stages]
-        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks)
+        starts = [st.starts() if f.state_bytes else None for st, f in zip(self.stages, self.footprints)]
+        every = snapshot_every(self.scheduler.config.block_tokens,
+                               [(f.kv_bytes_per_token, f.state_bytes) for f in self.footprints])
+        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every)
+        self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
 
     def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None,
                  replay_after: int = 0) -> Tuple[List[List[int]], List[Seq]]:

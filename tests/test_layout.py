@@ -138,8 +138,7 @@ def test_modules_import_with_what_they_must_not_reach_blocked(package):
 
 # -- no cycles --------------------------------------------------------------------------
 
-# Being untangled on another branch (shards/slicing.py <-> shards/quantize.py); the lead empties this.
-CYCLES_ALLOWED = [{"mlxpipe.shards.slicing", "mlxpipe.shards.quantize"}]
+CYCLES_ALLOWED: List[Set[str]] = []  # none: shards/layers.py broke the last (slicing <-> quantize)
 
 
 def _graph() -> Dict[str, Set[str]]:
@@ -203,7 +202,7 @@ def test_no_import_cycles_between_modules():
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 # Being rewritten on other branches; the lead empties this list.
-SIZE_ALLOWED = {"shards/stage.py", "shards/servicer.py", "server/cluster/cost.py"}
+SIZE_ALLOWED = {"shards/servicer.py", "server/cluster/cost.py"}
 
 
 def _sized() -> List[tuple]:

@@ -1,4 +1,7 @@
-"""Small random-weight models built from mlx-lm's own classes, saved as mlx-lm folders."""
+"""Small random-weight models built from mlx-lm's own classes, saved as mlx-lm folders.
+
+Every architecture mlx-lm ships, at toy size, for the coverage matrix: ``mlxpipe.bench.tiny``.
+"""
 
 from __future__ import annotations
 

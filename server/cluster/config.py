@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
 from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
@@ -271,13 +272,17 @@ def kv_token_budget(loads: Sequence) -> int:
 
 def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:
     """Prefix-cache blocks every stage may keep: ``cache_bytes`` on the stage where a
-    block costs most (default: half the KV budget); 0 when a stage keeps none."""
+    block costs most (default: half the KV budget; with state snapshots, half of each
+    stage's cache bytes); 0 when a stage keeps none."""
     block = loads[0].block_tokens
     if not block or any(r.block_tokens != block for r in loads):
         return 0
-    if cache_bytes is None:
+    every = snapshot_every(block, [(r.kv_bytes_per_token, r.state_bytes) for r in loads])
+    if cache_bytes is None and not every:
         return max_kv_tokens // 2 // block
-    return min(cache_bytes // (block * max(max(r.kv_bytes_per_token for r in loads), 1)), max_kv_tokens // block)
+    fits = [(r.max_cache_bytes // 2 if cache_bytes is None else cache_bytes)
+            // max(block_cost(block, r.kv_bytes_per_token, r.state_bytes, every), 1) for r in loads]
+    return min(min(fits), max_kv_tokens // block)
 
 
 def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks: int,

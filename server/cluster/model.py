@@ -19,6 +19,7 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.splits import fixed_ranges
+from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.store import resolve_model, text_config
 from mlxpipe.shards.tokenizer_json import tokenizer_json
@@ -28,7 +29,7 @@ def read_config(path: Path) -> dict:
     """mlx-lm's reading of the config (generation_config.json's eos_token_id wins); for a
     multimodal model its text part, with the model type and end-of-sequence ids of the whole."""
     config = load_config(path)
-    text = text_config(config) | {"model_type": config.get("model_type")}
+    text = with_sizes(text_config(config)) | {"model_type": config.get("model_type")}
     if "eos_token_id" in config:
         text["eos_token_id"] = config["eos_token_id"]
     return text

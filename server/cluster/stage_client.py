@@ -24,7 +24,7 @@ from mlxpipe.proto.rpc import Security, culprits_of
 from mlxpipe.server.cluster.budget import FrameBudget
 from mlxpipe.server.cluster.config import StageLimits
 from mlxpipe.server.cluster.weights import WeightSource, send_weights
-from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.server.core.transport import PipelineError, StageCaches
 from mlxpipe.shards.progress import Progress
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.weights import CHUNK_BYTES
@@ -221,9 +221,10 @@ class Pipeline:
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 
-    def held_blocks(self) -> List[List[int]]:
-        """The prefix-cache blocks each stage reported holding when it loaded."""
-        return [list(st.load.blocks) for st in self.stages]
+    def caches(self) -> List[StageCaches]:
+        """What each stage reported of its caches when it loaded."""
+        return [StageCaches(list(r.blocks), list(r.starts) if r.state_bytes else None, r.kv_bytes_per_token,
+                            r.state_bytes, r.max_rewind) for r in (st.load for st in self.stages)]
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
@@ -177,8 +178,14 @@ class Engine:
         self._supervisor = asyncio.ensure_future(self._supervise())
 
     def _held_blocks(self, capacity: int) -> None:
-        """Tell the scheduler which prefix blocks the stages hold (their Load replies)."""
-        self.scheduler.reset_prefix(self.pipeline.held_blocks(), capacity)
+        """Tell the scheduler what the stages' Load replies say: the prefix blocks they
+        hold (and, where they have state caches, can start after), how far apart
+        their state snapshots go, how many drafted positions they can take back."""
+        caches = self.pipeline.caches()
+        every = snapshot_every(self.scheduler.config.block_tokens,
+                               [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
+        self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every)
+        self.scheduler.max_rewind = min(c.max_rewind for c in caches)
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event

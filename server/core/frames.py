@@ -25,6 +25,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
     if e.store:
         out.store_first = e.store_first
         out.store.extend(e.store)
+        out.snap = e.snap
     if e.opening is not None:
         out.sampling.CopyFrom(e.opening.sampling.to_wire())
         out.reuse.extend(e.opening.reuse)

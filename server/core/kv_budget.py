@@ -5,11 +5,16 @@ cached prefix blocks (``PrefixIndex``) live in what is left and give way to
 live sequences: admission evicts least recently used blocks before it would
 make a request wait. Blocks a round's steps reuse or store are never evicted
 in that round.
+
+Where stages have state caches (rotating windows, state-space layers:
+``snapshot_every`` > 0), a sequence can start only after a block whose end
+state they keep: a step that starts exactly at a block's end asks for it
+(``snap``) every ``snapshot_every`` blocks and at the last block of a prompt.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.sequence import Seq
@@ -24,15 +29,20 @@ class KvBudget:
         self.pending_evict: List[int] = []  # blocks the next step tells the stages to drop
         self._keep: Set[int] = set()        # blocks this round's steps reuse or store: not evicted now
         self._room = 0                      # blocks the budget leaves for the cache this round
+        self.snapshot_every = 0  # blocks between state snapshots the stages keep (0: no stage has state caches)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
         self.max_tokens = max_tokens
 
-    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
-        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int,
+                     starts: Optional[Sequence[Optional[Iterable[int]]]] = None, snapshot_every: int = 0) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold;
+        ``starts``: per stage with state caches, the held blocks it can start after
+        (None for a stage without); ``snapshot_every``: see the module docstring."""
+        self.snapshot_every = snapshot_every
         if self.prefix is not None:
-            self.pending_evict = self.prefix.reset(held, capacity)
+            self.pending_evict = self.prefix.reset(held, capacity, starts)
 
     @property
     def cached_tokens(self) -> int:
@@ -74,18 +84,42 @@ class KvBudget:
             self.prefix.touch(hit)
             self._keep.update(hit)
 
-    def store(self, seq: Seq, offset: int) -> Tuple[int, List[int]]:
+    def store(self, seq: Seq, offset: int) -> Tuple[int, List[int], bool]:
         """The blocks ``seq`` completed before a step at ``offset`` that the stages are
-        to keep: (index of the first, their keys); none once they were asked for."""
+        to keep: (index of the first, their keys, whether stages with state caches keep
+        the state at the last one's end too); none once they were asked for."""
         if self.prefix is None:
-            return 0, []
+            return 0, [], False
         # Only confirmed positions: a verify step's offset may lie past drafted ones.
         upto = min(offset, len(seq.prompt) + len(seq.generated) - 1) // self.block_tokens
         if upto <= seq.stored:
-            return 0, []
+            return 0, [], False
         first = seq.stored
         keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
-        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room)
+        snap = self._snaps(seq, offset, upto)
+        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None)
         self._keep.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
-        return (first if kept else 0), keys[:kept]
+        return (first if kept else 0), keys[:kept], snap and kept == len(keys)
+
+    def _snaps(self, seq: Seq, offset: int, upto: int) -> bool:
+        """Whether stages with state caches keep the state at the end of block ``upto``
+        - 1 (they are exactly there: it ends at the step's offset)."""
+        every = self.snapshot_every
+        if not every or upto * self.block_tokens != offset:
+            return False
+        return upto % every == 0 or upto == (len(seq.feed) - 1) // self.block_tokens
+
+    def chunk_end(self, seq: Seq, n: int, body: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``seq.sent``, shortened where stages
+        have state caches so that it ends at a block boundary (and at the body's last
+        one): the next step can then ask for the state there (``snap``)."""
+        b = self.block_tokens
+        if not self.snapshot_every or self.prefix is None:
+            return n
+        end, last = seq.sent + n, body // b * b
+        if end < body and end - end % b > seq.sent:
+            end -= end % b
+        if seq.sent < last < end:
+            end = last
+        return end - seq.sent

@@ -43,6 +43,7 @@ class Entry:
     trim: int = 0           # positions the stages drop first (rejected drafts)
     store_first: int = 0    # with ``store``: the index of the first block to keep
     store: List[int] = field(default_factory=list)  # keys of blocks the stages keep after this step
+    snap: bool = False      # with ``store``: stages with state caches keep the state at the last one's end
     opening: Optional[Opening] = None  # set on its first step
 
 

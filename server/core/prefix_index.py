@@ -11,16 +11,39 @@ through every stage), records what it told stages to keep (``add``) and picks
 what to drop (least recently used first). Stages follow the head's word, so
 they never disagree; after a fault each stage reports what it still holds
 (``reset``), which may differ from stage to stage.
+
+A stage with state caches (rotating windows, state-space layers) can start a
+sequence after a block only where it holds the state at the block's end, which
+it keeps only where the scheduler asked (``SeqEntry.snap``: its ``starts``).
+``match`` ends a reuse at such a block; ``snapshot_every`` says how sparse the
+snapshots are, so that they cost about what the blocks' keys and values do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
-from typing import Iterable, List, Sequence, Set
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 _ROOT = 0
+MAX_SNAPSHOT_EVERY = 16  # blocks between state snapshots, at most (a reuse may start this far back)
+
+
+def snapshot_every(block_tokens: int, stages: Sequence[Tuple[int, int]]) -> int:
+    """Blocks between state snapshots for stages of (KV bytes per token, bytes of one
+    state snapshot): 0 when no stage has state caches; else about as many blocks as
+    one snapshot costs in keys and values, within 1 .. MAX_SNAPSHOT_EVERY."""
+    ratios = [state / max(block_tokens * kv, 1) for kv, state in stages if state]
+    if not ratios:
+        return 0
+    return int(min(max(1, math.ceil(max(ratios))), MAX_SNAPSHOT_EVERY))
+
+
+def block_cost(block_tokens: int, kv_bytes_per_token: int, state_bytes: int, every: int) -> int:
+    """Bytes a cached block costs a stage, its share of the snapshots included."""
+    return block_tokens * kv_bytes_per_token + (state_bytes // every if every else 0)
 
 
 def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int) -> List[int]:
@@ -40,11 +63,16 @@ class PrefixIndex:
         self.capacity = capacity  # blocks any stage may hold
         self.held: List[Set[int]] = [set() for _ in range(num_stages)]
         self.lru: "OrderedDict[int, None]" = OrderedDict()  # every block some stage holds, oldest first
+        # Per stage with state caches: the held blocks it can start a sequence after (None: stateless).
+        self.starts: List[Optional[Set[int]]] = [None] * num_stages
 
-    def reset(self, held: Sequence[Iterable[int]], capacity: int) -> List[int]:
-        """What each stage of a (re)built pipeline holds. Returns the blocks to drop
-        to fit ``capacity`` (oldest first, in the stages' own order)."""
+    def reset(self, held: Sequence[Iterable[int]], capacity: int,
+              starts: Optional[Sequence[Optional[Iterable[int]]]] = None) -> List[int]:
+        """What each stage of a (re)built pipeline holds (and, for a stage with state
+        caches, which of those it can start after). Returns the blocks to drop to fit
+        ``capacity`` (oldest first, in the stages' own order)."""
         self.held = [set(h) for h in held]
+        self.starts = [None if s is None else set(s) for s in (starts or [None] * len(self.held))]
         self.capacity = capacity
         self.lru = OrderedDict((k, None) for h in held for k in h)
         return self.evict(len(self.lru) - capacity)
@@ -59,12 +87,15 @@ class PrefixIndex:
         return len(self.lru) * self.block_tokens
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many of a sequence's first blocks every stage holds."""
+        """How many of a sequence's first blocks every stage holds, ending at one every
+        stage can start after."""
         n = 0
         for key in hashes:
             if not all(key in h for h in self.held):
                 break
             n += 1
+        while n and not all(s is None or hashes[n - 1] in s for s in self.starts):
+            n -= 1
         return n
 
     def touch(self, keys: Iterable[int]) -> None:
@@ -72,10 +103,12 @@ class PrefixIndex:
             if key in self.lru:
                 self.lru.move_to_end(key)
 
-    def add(self, keys: Sequence[int], protected: Set[int], evicted: List[int], room: int) -> int:
+    def add(self, keys: Sequence[int], protected: Set[int], evicted: List[int], room: int,
+            start: Optional[int] = None) -> int:
         """Record that every stage keeps ``keys`` (in order), within ``capacity`` and
         ``room`` blocks, making room by evicting least recently used blocks not in
-        ``protected`` (appended to ``evicted``). Returns how many of ``keys`` fit:
+        ``protected`` (appended to ``evicted``); with ``start``, that every stage
+        keeps the state at the end of that key too. Returns how many of ``keys`` fit:
         the stages must be told to keep only those."""
         protected = protected | set(keys)
         limit = min(self.capacity, room)
@@ -89,6 +122,10 @@ class PrefixIndex:
             self.lru.move_to_end(key)
             for h in self.held:
                 h.add(key)
+            if key == start:
+                for s in self.starts:
+                    if s is not None:
+                        s.add(key)
         return len(keys)
 
     def evict(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
@@ -103,4 +140,7 @@ class PrefixIndex:
             del self.lru[key]
             for h in self.held:
                 h.discard(key)
+            for s in self.starts:
+                if s is not None:
+                    s.discard(key)
         return gone

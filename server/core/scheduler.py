@@ -24,7 +24,9 @@ Rules:
   it may grow to fits; it starts after the longest run of its first blocks that
   every stage holds, its first step names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
-  the first step of a round carries the blocks to drop (``evict``).
+  the first step of a round carries the blocks to drop (``evict``). Where
+  stages have state caches, prefill chunks end at block boundaries, so that a
+  step can ask them to keep the state there (``snap``, ``kv_budget.py``).
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``Sample.done``); replayed, its first step names the tokens
@@ -110,9 +112,21 @@ class Scheduler:
         """A rebuilt pipeline holds a different number of KV positions."""
         self.kv.resize(max_kv_tokens)
 
-    def reset_prefix(self, held: List[Iterable[int]], capacity: int) -> None:
-        """What each stage of a (re)built pipeline holds, and the blocks it may hold."""
-        self.kv.reset_prefix(held, capacity)
+    def reset_prefix(self, held: List[Iterable[int]], capacity: int,
+                     starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold;
+        ``starts``: per stage with state caches, the held blocks it can start after
+        (None for a stage without); ``snapshot_every``: see ``kv_budget.py``."""
+        self.kv.reset_prefix(held, capacity, starts, snapshot_every)
+
+    @property
+    def max_rewind(self) -> int:
+        """Drafted positions every stage can take back (0: no speculation)."""
+        return self.speculator.max_rewind
+
+    @max_rewind.setter
+    def max_rewind(self, n: int) -> None:
+        self.speculator.max_rewind = n
 
     @property
     def max_kv_tokens(self) -> int:
@@ -238,7 +252,7 @@ class Scheduler:
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
         """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
         entry = Entry(seq.seq_id, offset, num_tokens, sample, trim)
-        entry.store_first, entry.store = self.kv.store(seq, offset)
+        entry.store_first, entry.store, entry.snap = self.kv.store(seq, offset)
         return entry
 
     def _opening(self, seq: Seq) -> Opening:
@@ -284,7 +298,7 @@ class Scheduler:
             while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
                 body = len(seq.feed) - 1  # all but the last token go in chunks
                 if seq.sent < body:
-                    n, sample = min(self._chunk(seq), body - seq.sent), False
+                    n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
                 else:
                     n, sample = 1, True
                 if not seq.known:  # its first step

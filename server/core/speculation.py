@@ -17,7 +17,10 @@ counts, the rest is void (results of steps already in flight are stale) and
 the next step trims it from the stages. Greedy and seeded output is therefore
 exactly what plain decoding gives. The depth follows the acceptance (halved on
 a miss, one more after as many drafts in a row matched); a sequence whose
-drafts keep failing decodes in its group again for a while.
+drafts keep failing decodes in its group again for a while. Nor does a
+sequence speculate while a stage cannot take drafts back (``max_rewind`` 0:
+the stages' Load replies), and drafts in flight never exceed what every stage
+can take back.
 
 Speculation must pay where it runs: a VERIFY frame costs more than a decode
 step, by how much depends on the hardware. So it is decided by measured cost:
@@ -99,15 +102,17 @@ class Speculator:
         self.costs, self.clock = costs, clock  # the pipeline's measured costs per frame kind; seconds
         self.solo: List[int] = []  # sequences verifying drafts instead of decoding in a group
         self.stats = DraftStats()
+        self.max_rewind = 1 << 30  # drafted positions every stage can take back (0: none)
 
     def may(self, seq: Seq, live: int) -> bool:
         cfg = self.config
         return (cfg.speculate and seq.speculation != "none" and seq.max_drafts != 0 and not seq.sampling.grammar
-                and live <= cfg.spec_max_running)
+                and self.max_rewind > 0 and live <= cfg.spec_max_running)
 
     def state(self, seq: Seq) -> SpeculationState:
         if seq.spec_state is None:
-            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth)
+            # A miss takes back at most `cap` positions: no more than every stage can.
+            cap = min(self.config.spec_depth, seq.max_drafts or self.config.spec_depth, self.max_rewind)
             seq.spec_state = SpeculationState(depth=cap, cap=cap, drafter=self.drafters(seq))
         return seq.spec_state
 

@@ -4,6 +4,7 @@ knows only this protocol."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, List, Optional, Protocol, Sequence, Tuple
 
 
@@ -31,6 +32,17 @@ class StageView(Protocol):
 StageHealth = Tuple[StageView, Optional[Any], str]
 
 
+@dataclass
+class StageCaches:
+    """What one stage said of its caches when it loaded (its Load reply)."""
+
+    blocks: List[int]            # the prefix-cache blocks it holds
+    starts: Optional[List[int]]  # with state caches: those of ``blocks`` a sequence can start after (else None)
+    kv_bytes_per_token: int
+    state_bytes: int             # one sequence's state caches (0: none)
+    max_rewind: int              # drafted positions it can take back (0: none)
+
+
 class Transport(Protocol):
     stages: List[StageView]
     budget: Any  # where frames' time goes: ``.kinds``, kind -> ``core/budget.KindTotals``
@@ -50,8 +62,8 @@ class Transport(Protocol):
     async def health(self, timeout: float) -> List[StageHealth]:
         """Every stage's health, asked at once."""
 
-    def held_blocks(self) -> List[List[int]]:
-        """The prefix-cache blocks each stage reported holding when it loaded."""
+    def caches(self) -> List[StageCaches]:
+        """What each stage reported of its caches when it loaded."""
 
     async def close(self) -> None:
         """Close the streams and channels."""
