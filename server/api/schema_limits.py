@@ -13,7 +13,6 @@ recurse deeply or take long.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -151,6 +150,26 @@ def _ref_chains(root: Any, limits: SchemaLimits) -> None:
         todo += _children(node)
 
 
+def _json_size_over(node: Any, limit: int) -> bool:
+    """Whether ``node`` written as compact JSON takes more than ``limit`` bytes (about:
+    escapes not counted), walked only until it does: unlike ``json.dumps``, which
+    holds the GIL (and so the event loop) for the whole of a multi-megabyte schema."""
+    size, todo = 0, [node]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            size += 1 + sum(len(k) + 4 for k in node)  # braces, "key": and a comma each
+            todo += node.values()
+        elif isinstance(node, list):
+            size += 1 + len(node)
+            todo += node
+        else:
+            size += len(node) + 2 if isinstance(node, str) else len(str(node))
+        if size > limit:
+            return True
+    return False
+
+
 def check_schema(schema: Any, limits: SchemaLimits = LIMITS) -> None:
     """Raise ``SchemaTooComplex`` (a GrammarError) for a schema over ``limits``, or
     GrammarError for one that is no schema at all. Cost: linear in its size."""
@@ -158,9 +177,8 @@ def check_schema(schema: Any, limits: SchemaLimits = LIMITS) -> None:
         return
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}")
-    size = len(json.dumps(schema, separators=(",", ":")))
-    if size > limits.max_bytes:
-        raise SchemaTooComplex(f"the schema is {size} bytes as JSON; at most {limits.max_bytes}")
+    if _json_size_over(schema, limits.max_bytes):
+        raise SchemaTooComplex(f"the schema is more than {limits.max_bytes} bytes as JSON")
     _count(schema, limits)
     _ref_chains(schema, limits)
     _Depth(schema, limits).below(schema, 1)
