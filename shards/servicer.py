@@ -18,8 +18,6 @@ import collections
 import gc
 import itertools
 import logging
-import os
-import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,14 +46,6 @@ logger = logging.getLogger(__name__)
 
 QUEUE_FRAMES = 64  # frames buffered per Forward stream before gRPC flow control pushes back
 NEXT_HOP_TIMEOUT_S = 5.0  # how long Load waits to reach the next stage
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # macOS: ru_maxrss is in bytes there
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _model_status(err: ValueError) -> grpc.StatusCode:
@@ -331,7 +321,7 @@ class StageServicer(pb_grpc.StageServicer):
             state=self.state,
             detail=self.detail,
             active_bytes=mx.get_active_memory(),
-            rss_bytes=_rss_bytes(),
+            rss_bytes=memory.resident_bytes(),
         )
         loaded = self.loaded
         if loaded is not None:
