@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from typing import Dict, List
@@ -28,7 +27,7 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (HttpServer, add_common_arguments, free_port, long_text, median, percentile,
-                                  pin_flags, progress_bar)
+                                  pin_flags, progress_bar, stream_chat)
 from mlxpipe.shards.store import resolve_model
 
 QUESTION = "Summarize the passage above in one sentence."
@@ -37,26 +36,12 @@ QUESTION = "Summarize the passage above in one sentence."
 async def ask(http: httpx.AsyncClient, server: HttpServer, model: str, messages: List[dict],
               max_tokens: int) -> dict:
     """One streamed chat completion: its text, TTFT and usage (cached tokens included)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     t0 = time.monotonic()
-    ttft, text, usage = None, [], {}
-    async with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{server.name}: HTTP {resp.status_code}: {await resp.aread()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else time.monotonic() - t0
-                    text.append(piece)
-            usage = event.get("usage") or usage
+    times, text, usage = await stream_chat(http, server.url, body, server.name)
     prompt = usage.get("prompt_tokens") or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft if ttft is not None else time.monotonic() - t0, "text": "".join(text),
+    return {"ttft": (times[0] if times else time.monotonic()) - t0, "text": text,
             "prompt_tokens": prompt, "cached_tokens": cached}
 
 

@@ -215,6 +215,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def stream_chat(http: httpx.AsyncClient, url: str, body: dict, name: str = "") -> Tuple[List[float], str, dict]:
+    """One streamed chat completion (``body`` without ``stream``): when each content
+    piece arrived, the text, and the usage the server reported."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    times, text, usage = [], [], {}
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{name or url}: HTTP {resp.status_code}: {await resp.aread()}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    times.append(time.monotonic())
+                    text.append(piece)
+    return times, "".join(text), usage
+
+
 def pin_flags(pin) -> List[str]:
     """``mlxpipe serve``'s option for the bench's --pin/--no-pin (none: serve's default)."""
     return [] if pin is None else ["--pin" if pin else "--no-pin"]

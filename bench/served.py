@@ -9,7 +9,6 @@ identical."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Dict, List, Tuple
@@ -17,7 +16,7 @@ from typing import Dict, List, Tuple
 import httpx
 
 from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, median, pin_flags,
-                                  progress_bar)
+                                  progress_bar, stream_chat)
 from mlxpipe.shards.store import resolve_model
 
 PARTS = "\n".join(f"{i + 1}. {name}: {qty} x part {1000 + 37 * i}" for i, (name, qty) in enumerate([
@@ -32,25 +31,13 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_t
                speculation: str = "") -> Tuple[float, str, int]:
     """Decode tokens/s after the first token, the text, the tokens counted."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0}
     if speculation:
         body["speculation"] = speculation
-    times, text, tokens = [], [], 0
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {await resp.aread()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for c in event.get("choices") or []:
-                if (c.get("delta") or {}).get("content"):
-                    times.append(time.monotonic())
-                    text.append(c["delta"]["content"])
+    times, text, usage = await stream_chat(http, url, body)
+    tokens = usage.get("completion_tokens") or 0
     span = times[-1] - times[0] if len(times) > 1 else float("nan")
-    return (tokens - 1) / span if span > 0 else float("nan"), "".join(text), tokens
+    return (tokens - 1) / span if span > 0 else float("nan"), text, tokens
 
 
 async def bench_served(args) -> dict:
