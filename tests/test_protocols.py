@@ -162,7 +162,8 @@ def test_a_forced_tool_call_on_a_model_without_tool_markers(oai, choice):
              {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
     tool_choice = {"type": "function", "function": {"name": "get_person"}} if choice == "named" else "required"
     out = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Who is Ada?"}],
-                                      tools=tools, tool_choice=tool_choice, max_tokens=64, temperature=1.0)
+                                      tools=tools, tool_choice=tool_choice, max_tokens=64, temperature=1.0,
+                                      seed=7, parallel_tool_calls=False)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls" and message.tool_calls, out
     for call in message.tool_calls:

@@ -94,3 +94,16 @@ def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):
                       seqs=[pb.SeqEntry(seq_id=1, offset=2, num_tokens=2, sample=True)])
     with pytest.raises(FrameError, match="cannot verify drafts"):
         single.run(verify)
+
+
+def test_a_forced_parallel_call_cut_off_keeps_the_calls_written_whole():
+    from mlxpipe.server.api.chat_template import ForcedReply
+
+    reply = ForcedReply([{"name": "get_weather"}, {"name": "get_person"}], parallel=True)
+    delta = reply.feed('[{"name": "get_person", "arguments": {"name": "Ada", "age": 36}}, '
+                       '{"name": "get_weather", "arguments": {"ci', final=True)
+    assert [c["function"]["name"] for c in delta.tool_calls] == ["get_person"]
+    assert json.loads(delta.tool_calls[0]["function"]["arguments"]) == {"name": "Ada", "age": 36}
+    assert reply.finish_reason("length") == "length" and delta.content == ""
+    cut = ForcedReply([{"name": "get_weather"}, {"name": "get_person"}], parallel=True)
+    assert cut.feed('[{"name": "get_per', final=True).content == '[{"name": "get_per'

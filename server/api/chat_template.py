@@ -119,6 +119,23 @@ class Reply:
         return "tool_calls" if reason == "stop" and self.calls else reason
 
 
+def _complete_items(text: str) -> List[Any]:
+    """The items of a JSON array cut off part-way that were written whole
+    (``'[{"a": 1}, {"b"'`` -> ``[{"a": 1}]``); nothing when ``text`` is not an array."""
+    decoder, items, rest = json.JSONDecoder(), [], text.lstrip()
+    if not rest.startswith("["):
+        return items
+    while True:
+        try:
+            item, end = decoder.raw_decode(rest[1:].lstrip())
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+        rest = rest[1:].lstrip()[end:].lstrip()
+        if not rest.startswith(","):
+            return items
+
+
 class ForcedReply:
     """A forced tool call written as bare JSON (``structured.bare_call_grammar``), for
     a model whose chat template has no JSON tool-call markers: the whole reply is
@@ -151,7 +168,9 @@ class ForcedReply:
         try:
             value = json.loads(self.text)
         except json.JSONDecodeError:  # cut off (max_tokens): a single function's partial arguments stay its
-            return [{"name": self.functions[0]["name"], "arguments": self.text}] if len(self.functions) == 1 else []
+            if len(self.functions) == 1:
+                return [{"name": self.functions[0]["name"], "arguments": self.text}]
+            value = _complete_items(self.text)  # a parallel list keeps the calls written whole
         if len(self.functions) == 1:
             return [{"name": self.functions[0]["name"], "arguments": json.dumps(value, ensure_ascii=False)}]
         value = value if isinstance(value, list) else [value]
