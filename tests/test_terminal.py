@@ -17,7 +17,7 @@ import pytest
 from server_proc import ServerProcess
 
 LINE = re.compile(r"^(POST|GET) (\S+) (\d{3})(?: prompt=(\d+) cached=(\d+) completion=(\d+) ttft=([\d.]+)s"
-                  r"(?: ([\d.]+) tok/s)?)? ([\d.]+)s$")
+                  r"(?: ([\d.]+) tok/s)?)? ([\d.]+)s(?:: (.+))?$")
 
 
 def mlxpipe(*args, env=None, timeout=120):
@@ -83,7 +83,7 @@ def test_one_line_per_request_with_tokens_and_timings(server):
 
     c, s = log_lines(server, "/v1/chat/completions", since, 2)
     usage = chat["usage"]
-    assert c.group(3) == "200"
+    assert c.group(3) == "200" and c.group(10) is None
     assert (int(c.group(4)), int(c.group(6))) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert int(c.group(5)) == usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     assert 0 < float(c.group(7)) <= float(c.group(9))  # the first token came before the end
@@ -104,6 +104,7 @@ def test_refusals_get_a_line_and_no_misleading_tokenizer_warning(server):
     assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
     (line,) = log_lines(server, "/v1/chat/completions", since)
     assert line.group(3) == "400" and line.group(4) is None  # no token counts for a refusal
+    assert "maximum context length" in line.group(10), line.group(0)  # and the reason it was given
     assert not any("Token indices sequence length" in x for x in server.log)
 
 

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxpipe.server.api import request_log
+
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -71,7 +73,8 @@ class AsciiJSONResponse(JSONResponse):
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None,
                    headers: Optional[Dict[str, str]] = None, path: str = "") -> JSONResponse:
-    """An error response in the dialect of ``path``."""
+    """An error response in the dialect of ``path`` (its reason goes in the request's log line)."""
+    request_log.refused(message)
     return AsciiJSONResponse(error_body(message, type_, param, code, status, dialect(path)), status_code=status,
                              headers=headers)
 

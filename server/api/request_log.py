@@ -10,7 +10,8 @@ the response has been sent, a request that generated, or was refused (4xx,
 
 (tok/s: completion tokens after the first over the time since the first, as
 the chat page counts them). Polls of /health, /metrics and the page's files
-get none.
+get none. A refusal's line ends with the reason the client was given
+(``POST /v1/chat/completions 400 0.01s: max_tokens must be at least 1``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 class _Record:
     started: float                 # time.monotonic() when the request came in
     generation: Any = None         # its Generation, once one started
+    error: Optional[str] = None    # why it was refused, when it was
 
 
 _current: contextvars.ContextVar[Optional[_Record]] = contextvars.ContextVar("mlxpipe_request", default=None)
@@ -40,12 +42,26 @@ def attach(generation) -> None:
         record.generation = generation
 
 
+def refused(message: str) -> None:
+    """Say in the line of the request being served why it was refused."""
+    record = _current.get()
+    if record is not None:
+        record.error = message
+
+
+def _why(record: _Record) -> str:
+    if record.error is None:
+        return ""
+    text = " ".join(record.error.split())
+    return f": {text[:197] + '...' if len(text) > 200 else text}"
+
+
 def line(method: str, path: str, status: Optional[int], record: _Record, now: float) -> str:
     """The request's log line (tokens and timings when it generated)."""
     text = f"{method} {path} {status or 500}"
     gen = record.generation
     if gen is None:
-        return f"{text} {now - record.started:.2f}s"
+        return f"{text} {now - record.started:.2f}s{_why(record)}"
     u = gen.usage()
     text += f" prompt={u.prompt_tokens} cached={u.cached_tokens} completion={u.completion_tokens}"
     firsts = [s.first_token_at for s in gen.streams if s.first_token_at is not None]
@@ -55,7 +71,7 @@ def line(method: str, path: str, status: Optional[int], record: _Record, now: fl
         decoded, span = u.completion_tokens - len(firsts), max(lasts) - min(firsts)
         if decoded > 0 and span > 0:
             text += f" {decoded / span:.1f} tok/s"
-    return f"{text} {now - record.started:.2f}s"
+    return f"{text} {now - record.started:.2f}s{_why(record)}"
 
 
 class RequestLog:
