@@ -182,11 +182,11 @@ def test_speculative_tokens_equal_plain_decoding(model, ranges, positions, reque
     code = _code_prompt(tok)
     chat = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True)
     for prompt in (code, chat):
-        (out,), (seq,) = pipe.generate([prompt], 40)
-        assert out == reference(path, prompt, 40)
+        (out,), _ = pipe.generate([prompt], 24)
+        assert out == reference(path, prompt, 24)
         if prompt is code and model == "default_model":
-            assert seq.spec_state is not None and seq.spec_state.matched > 0, "the code block should be copied from the prompt"
+            assert pipe.scheduler.drafts.accepted > 0, "the code block should be copied from the prompt"
     # Sampled, with a seed: the same tokens as without speculation.
     plain = InProcess(path, ranges, SchedulerConfig(chunk_size=64, num_groups=len(ranges)), eos=tok.eos_token_ids)
     sampling = Sampling(temperature=0.8, top_p=0.95, seed=7, repetition_penalty=1.1)
-    assert pipe.generate([code], 30, sampling)[0] == plain.generate([code], 30, sampling)[0]
+    assert pipe.generate([code], 16, sampling)[0] == plain.generate([code], 16, sampling)[0]
