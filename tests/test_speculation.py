@@ -23,6 +23,12 @@ def test_prompt_lookup_continues_the_latest_match():
     tokens += [7, 1, 2]  # now "1 2" was last followed by 3 and by 7: the latest wins
     assert d.propose(tokens, 2, confirmed=len(tokens)) == [3, 7]
     assert PromptLookup().propose([5, 6, 7, 8], 3, confirmed=4) == []   # nothing repeats
+    # A list's lines that end alike: "5 5 5 8" was last followed by 1 3 (line b), but the line
+    # being copied is a, as the longer "12 5 5 5 8" says.
+    a, b = [11, 12, 5, 5, 5], [21, 22, 5, 5, 5]
+    lines = [*a, 8, 1, 9, *b, 8, 1, 3, *a, 8]
+    assert PromptLookup().propose(lines, 2, confirmed=len(lines)) == [1, 9]
+    assert PromptLookup(max_ngram=3).propose(lines, 2, confirmed=len(lines)) == [1, 3]
     # Unjudged drafts extend the key but never enter the index.
     d = PromptLookup()
     assert d.propose([1, 2, 3, 1, 2, 3, 4], 2, confirmed=6) == []
