@@ -11,7 +11,7 @@ the response has been sent, a request that generated, or was refused (4xx,
 (tok/s: completion tokens after the first over the time since the first, as
 the chat page counts them). Polls of /health, /metrics and the page's files
 get none. A refusal's line ends with the reason the client was given
-(``POST /v1/chat/completions 400 0.01s: max_tokens must be at least 1``).
+(``POST /v1/chat/completions 400 0.00s: max_tokens: Input should be greater than or equal to 1``).
 """
 
 from __future__ import annotations
