@@ -52,34 +52,54 @@ class QueueDepth:
 
 
 class _FrameJob:
-    """One frame of a stream, run on the MLX thread: its output (or why it failed) goes
-    back to the event loop in one ``call_soon_threadsafe``."""
+    """One frame of a stream on the MLX thread (``MlxThread.frame``): launched, then
+    finished; its output (or why it failed) goes back to the event loop in one
+    ``call_soon_threadsafe``."""
 
-    __slots__ = ("stream", "frame", "arrived")
+    __slots__ = ("stream", "frame", "arrived", "launched")
 
     def __init__(self, stream: "ForwardStream", frame, arrived: float):
         self.stream, self.frame, self.arrived = stream, frame, arrived
+        self.launched = None
 
-    def __call__(self) -> None:
-        stream, frame = self.stream, self.frame
+    def launch(self):
+        stream = self.stream
         stream.depth.taken += 1
         if stream.failed or stream.closed:  # an earlier frame failed, or the stream is gone: run no more
-            return
+            return None
         try:
-            out = stream.shard.run(frame, stream.session, self.arrived)
-        except FrameError as err:  # the frame's own fault: refused, nothing changed
-            stream.failed, out = True, err
-        except Exception as err:  # noqa: BLE001 - any failure to run an accepted frame
+            self.launched = stream.shard.launch(self.frame, stream.session, self.arrived)
+        except Exception as err:  # noqa: BLE001 - the frame's fault, or the stage's
+            self._fail(err)
+            return None
+        return self
+
+    def independent(self, job) -> bool:
+        return self.launched.independent(job.frame)
+
+    def finish(self, stolen: float) -> None:
+        stream = self.stream
+        if stream.failed or stream.closed:  # a frame launched after it failed first: its output is void
+            self.launched.drop()
+            return
+        self.launched.stolen = stolen
+        try:
+            out = self.launched.finish()
+        except Exception as err:  # noqa: BLE001
+            self._fail(err)
+            return
+        stream.hand_back(out)
+
+    def _fail(self, err: Exception) -> None:
+        stream, frame = self.stream, self.frame
+        stream.failed = True
+        if not isinstance(err, FrameError):  # not the frame's own fault (refused, nothing changed): the stage's
             logger.exception("frame %d failed on this stage", frame.frame_id)
             req = stream.request
-            stream.failed = True
-            out = StageFault(f"stage with layers [{req.start}, {req.end}) failed running frame "
-                             f"{frame.frame_id}: {type(err).__name__}: {err}", [e.seq_id for e in frame.seqs])
-            out.__cause__ = err
-        try:
-            stream.loop.call_soon_threadsafe(stream.deliver, out)
-        except RuntimeError:  # the event loop is closed: the node is stopping
-            pass
+            fault = StageFault(f"stage with layers [{req.start}, {req.end}) failed running frame "
+                               f"{frame.frame_id}: {type(err).__name__}: {err}", [e.seq_id for e in frame.seqs])
+            fault.__cause__, err = err, fault
+        stream.hand_back(err)
 
 
 class ForwardStream:
@@ -125,9 +145,16 @@ class ForwardStream:
             await self.room.acquire()
             self.depth.arrived += 1
             self.submitted += 1
-            self.mlx.submit(_FrameJob(self, frame, time.perf_counter()))
+            self.mlx.frame(_FrameJob(self, frame, time.perf_counter()))
         self.read_all = True
         self.wake.set()
+
+    def hand_back(self, out) -> None:
+        """From the MLX thread: a frame's output, or its failure."""
+        try:
+            self.loop.call_soon_threadsafe(self.deliver, out)
+        except RuntimeError:  # the event loop is closed: the node is stopping
+            pass
 
     def deliver(self, out) -> None:
         """A frame's output (or its failure) back from the MLX thread, in frame order (event loop)."""

@@ -17,7 +17,6 @@ import gc
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +31,7 @@ from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, Stag
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.metal import Metal
+from mlxpipe.shards.mlx_thread import MlxThread
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
@@ -74,7 +74,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
-        self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self.mlx = MlxThread()  # all MLX work, in order; frames launched one ahead (mlx_thread.py)
         self.loaded: Optional[_Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
         self.next_channel: Optional[grpc.aio.Channel] = None
