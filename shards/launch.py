@@ -43,7 +43,7 @@ class Launched:
         shard = self.shard
         try:
             if shard.model.last:
-                out = self.out()  # sampling, once its logits are there
+                out = self.out() if self.out is not None else []  # sampling, once its logits are there
             else:
                 out = self.out
                 if out is not None:

@@ -257,12 +257,13 @@ class Shard:
                 self._trim(self.seqs[e.seq_id], e.trim)
         self.stats.begin()
         self.publish()
+        out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
                 out = self._prefill(frame, hidden, session)
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
-            else:
+            elif frame.kind == pb.Frame.VERIFY:
                 out = self._verify(frame, hidden)
         except BaseException:
             self.stats.end(rows * n)

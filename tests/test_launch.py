@@ -107,6 +107,8 @@ def _greedy(shard, overlapped: bool, steps: int = 6):
 def test_overlapped_frames_sample_what_frames_one_by_one_do(default_model):
     shard = _shard(default_model, 0, 30)
     assert _greedy(shard, overlapped=True) == _greedy(_shard(default_model, 0, 30), overlapped=False)
+    control = shard.run(pb.Frame(frame_id=9, kind=pb.Frame.CONTROL, free=[1]))  # no work, only a free
+    assert list(control.tokens) == [] and len(control.timings) == 1 and sorted(shard.seqs) == [2]
 
 
 def test_a_chunk_launched_before_the_last_finished_reads_its_cache_updates(default_model):
