@@ -7,10 +7,14 @@ later, or None). A launched frame is finished at once unless the next job is the
 already and is a frame it is ``independent`` of: that one is launched first, so
 that the thread builds its graph while MLX runs the earlier one (``stolen``: the
 seconds that took). A plain call always finds every earlier frame finished.
+
+At exit the thread is stopped and joined (as ``ThreadPoolExecutor``'s are): jobs
+still queued are dropped, so that no MLX work runs while the interpreter ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -45,6 +49,7 @@ class MlxThread(Executor):
         self._stopped = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         if self._stopped:
@@ -58,9 +63,11 @@ class MlxThread(Executor):
         self._jobs.put(job)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._stopped = True
-        self._jobs.put(None)
-        if wait:
+        """Stop after the job in progress (jobs still queued are dropped, their futures cancelled)."""
+        if not self._stopped:
+            self._stopped = True
+            self._jobs.put(None)
+        if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _work(self) -> None:
@@ -72,7 +79,8 @@ class MlxThread(Executor):
                 held.finish(0.0)
                 held = None
                 continue
-            if held is not None and not isinstance(job, _Call) and job is not None and held.independent(job):
+            if held is not None and job is not None and not isinstance(job, _Call) and not self._stopped \
+                    and held.independent(job):
                 t0 = time.perf_counter()
                 launched = job.launch()
                 held.finish(time.perf_counter() - t0)
@@ -83,6 +91,10 @@ class MlxThread(Executor):
                 held = None
             if job is None:
                 return
+            if self._stopped:  # dropped: nothing runs once the thread is told to stop
+                if isinstance(job, _Call):
+                    job.future.cancel()
+                continue
             if isinstance(job, _Call):
                 job.run()
             else:
