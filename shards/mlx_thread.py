@@ -7,6 +7,10 @@ later, or None). A launched frame is finished at once unless the next job is the
 already and is a frame it is ``independent`` of: that one is launched first, so
 that the thread builds its graph while MLX runs the earlier one (``stolen``: the
 seconds that took). A plain call always finds every earlier frame finished.
+Launching ahead is on where MLX computes on a GPU (the thread is free while it
+runs); on MLX's CPU backend it is off by default: measured with ``mlxpipe bench
+overhead`` on 2 shared cores, the stream thread and this one contend, and 8
+streams lost a third of their tokens/s to it.
 
 At exit the thread is stopped and joined (as ``ThreadPoolExecutor``'s are): jobs
 still queued are dropped, so that no MLX work runs while the interpreter ends.
@@ -20,6 +24,9 @@ import queue
 import threading
 import time
 from concurrent.futures import Executor, Future
+from typing import Optional
+
+import mlx.core as mx
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +51,8 @@ class _Call:
 class MlxThread(Executor):
     """A one-thread executor that also takes frames in two halves (module docstring)."""
 
-    def __init__(self, name: str = "mlx"):
+    def __init__(self, name: str = "mlx", ahead: Optional[bool] = None):
+        self.ahead = ahead if ahead is not None else mx.default_device().type == mx.DeviceType.gpu
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -80,7 +88,7 @@ class MlxThread(Executor):
                 held = None
                 continue
             if held is not None and job is not None and not isinstance(job, _Call) and not self._stopped \
-                    and held.independent(job):
+                    and self.ahead and held.independent(job):
                 t0 = time.perf_counter()
                 launched = job.launch()
                 held.finish(time.perf_counter() - t0)

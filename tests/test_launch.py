@@ -37,7 +37,7 @@ class _Job:
 
 def test_the_thread_launches_one_independent_frame_ahead_and_calls_wait_for_every_frame():
     log, gate = [], threading.Event()
-    thread = MlxThread("test-mlx")
+    thread = MlxThread("test-mlx", ahead=True)
     try:
         blocked = thread.submit(gate.wait)  # everything below is queued before the thread goes on
         for name, seqs in (("a", [1]), ("b", [2]), ("c", [2, 3])):
@@ -49,6 +49,17 @@ def test_the_thread_launches_one_independent_frame_ahead_and_calls_wait_for_ever
         thread.submit(lambda: None).result(timeout=10)
     finally:
         thread.shutdown()
+    off = MlxThread("test-mlx-off", ahead=False)
+    try:
+        log2, gate2 = [], threading.Event()
+        off.submit(gate2.wait)
+        for name, seqs in (("a", [1]), ("b", [2])):
+            off.frame(_Job(name, seqs, log2))
+        gate2.set()
+        off.submit(lambda: None).result(timeout=10)
+    finally:
+        off.shutdown()
+    assert log2 == ["launch a", "finish a", "launch b", "finish b"]
     # b shares nothing with a: launched before a finishes (a waited behind it); c shares
     # sequence 2 with b: b finishes first; a plain call finds every frame before it finished.
     assert log == ["launch a", "launch b", "finish a (stolen)", "finish b", "launch c", "finish c", "call",
