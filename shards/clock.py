@@ -56,16 +56,22 @@ class BusyClock:
     reused_tokens: int = 0            # prompt positions taken from cached prefix blocks
     prefilled_tokens: int = 0         # prompt positions computed
     started: float = field(default_factory=time.monotonic)
-    running_since: Optional[float] = None  # the frame being computed now
+    running_since: Optional[float] = None  # since when frames have run (uncounted busy time)
     recent: Deque[Tuple[float, float, int]] = field(default_factory=deque)  # (end, seconds, tokens)
+    running: int = 0  # frames begun and not ended (two while one is launched before the last finishes)
 
     def begin(self) -> None:
-        self.running_since = time.monotonic()
+        if not self.running:
+            self.running_since = time.monotonic()
+        self.running += 1
 
     def end(self, tokens: int) -> None:
+        """A frame is over: the busy time since the last end (or begin) is counted once,
+        however many frames overlapped in it."""
         now = time.monotonic()
         seconds = now - self.running_since
-        self.running_since = None
+        self.running -= 1
+        self.running_since = now if self.running else None
         self.busy_seconds += seconds
         self.frames += 1
         self.tokens += tokens
@@ -91,11 +97,13 @@ class ShardView:
 
 
 def stage_timing(arrived: Optional[float], started: float, decoded: float,
-                 computed: Optional[float] = None) -> pb.StageTiming:
-    """This stage's part of a frame's time (``time.perf_counter`` readings)."""
+                 computed: Optional[float] = None, stolen: float = 0.0) -> pb.StageTiming:
+    """This stage's part of a frame's time (``time.perf_counter`` readings). ``stolen``:
+    seconds of its compute span the MLX thread spent launching later frames; it waited
+    behind them, so they count as queueing."""
     now = time.perf_counter()
     computed = now if computed is None else computed
     us = lambda seconds: max(int(seconds * 1e6), 0)  # noqa: E731
-    return pb.StageTiming(queued_us=us(started - arrived) if arrived is not None else 0,
-                          decode_us=us(decoded - started), compute_us=us(computed - decoded),
+    return pb.StageTiming(queued_us=us(started - arrived + stolen) if arrived is not None else 0,
+                          decode_us=us(decoded - started), compute_us=us(computed - decoded - stolen),
                           encode_us=us(now - computed))

@@ -1,12 +1,11 @@
 """The stage's gRPC servicer: the data path in front of one ``Shard``.
 
 Threads: asyncio runs the gRPC server; one worker thread owns MLX and does all
-array work (loading, every frame, frees). They meet through queues.
+array work (loading, every frame, frees), in the order it is given it.
 
-Per ``Forward`` stream three tasks run: a reader (frames off the wire into a
-bounded queue: its length is the stage's queue depth), a computer (one frame at
-a time on the MLX thread) and a sender (outputs to the next stage's
-``Forward`` stream, or, on the last stage, to the head's ``Results`` stream).
+Each ``Forward`` stream is a ``forward.ForwardStream``: every frame is handed to
+the MLX thread as it is read and its output handed back once, to go to the next
+stage's ``Forward`` stream or, on the last stage, the head's ``Results`` stream.
 Activations go straight from a stage to the next, never through the head.
 ``node.py`` runs it as ``mlxpipe node``.
 """
@@ -14,12 +13,10 @@ Activations go straight from a stage to the next, never through the head.
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -28,11 +25,13 @@ import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
-from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, malformed, refuse_malformed
+from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
 from mlxpipe.shards import memory
+from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.metal import Metal
+from mlxpipe.shards.mlx_thread import MlxThread
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
@@ -44,7 +43,6 @@ from mlxpipe.shards.weight_service import WeightService
 
 logger = logging.getLogger(__name__)
 
-QUEUE_FRAMES = 64  # frames buffered per Forward stream before gRPC flow control pushes back
 NEXT_HOP_TIMEOUT_S = 5.0  # how long Load waits to reach the next stage
 
 
@@ -76,14 +74,14 @@ class StageServicer(pb_grpc.StageServicer):
         self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
-        self.mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self.mlx = MlxThread()  # all MLX work, in order; frames launched one ahead (mlx_thread.py)
         self.loaded: Optional[_Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
         self.next_channel: Optional[grpc.aio.Channel] = None
         self.next_stub: Optional[pb_grpc.StageStub] = None
         self.results: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
         self._results_reader: Optional[asyncio.Task] = None
-        self._queued = 0
+        self.depth = QueueDepth()  # frames read by Forward streams, not yet started on the MLX thread
         self._load_lock = asyncio.Lock()
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
@@ -268,7 +266,7 @@ class StageServicer(pb_grpc.StageServicer):
         loaded = self.loaded
         if loaded is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
-        stream = _ForwardStream(self, loaded, request_iterator, next(self._sessions))
+        stream = ForwardStream(self, loaded, request_iterator, next(self._sessions))
         me = asyncio.current_task()
         self._streams.add(me)
         try:
@@ -340,103 +338,8 @@ class StageServicer(pb_grpc.StageServicer):
                 pb.StageStats(
                     busy_seconds=clock.busy_now(), busy_fraction=busy_fraction, tokens_per_s=tokens_per_s,
                     uptime_seconds=time.monotonic() - clock.started, frames=clock.frames, tokens=clock.tokens,
-                    queue_depth=max(self._queued, 0), reused_tokens=clock.reused_tokens,
+                    queue_depth=int(self.depth), reused_tokens=clock.reused_tokens,
                     prefilled_tokens=clock.prefilled_tokens,
                 )
             )
         return reply
-
-
-
-class StageFault(RuntimeError):
-    """A frame this stage accepted and then could not run (an error of the model's
-    code, of MLX): the pipeline's fault, not the frame's. Names the frame's sequences,
-    so that the head can tell a sequence that keeps breaking the pipeline."""
-
-    def __init__(self, message: str, seq_ids):
-        super().__init__(message)
-        self.seq_ids = list(seq_ids)
-
-    def metadata(self):
-        return culprits_metadata(self.seq_ids)
-
-
-class _ForwardStream:
-    """One Forward call: a reader (frames off the wire into a bounded queue: its
-    length is the stage's queue depth), a computer (one frame at a time on the MLX
-    thread), a sender (to the next stage's Forward, or the head's Results) and,
-    into a next stage, a watcher: when that stage's stream ends, for any reason,
-    this one ends at once with it, so a fault anywhere reaches the head at once."""
-
-    def __init__(self, servicer: "StageServicer", loaded: _Loaded, request_iterator, session: int):
-        self.servicer, self.loaded, self.requests, self.session = servicer, loaded, request_iterator, session
-        self.last = not loaded.request.next_address
-        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
-        self.arrivals: collections.deque = collections.deque()  # when each frame in the inbox was read
-        self.outbox: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_FRAMES)
-        self.downstream = None
-        if not self.last:
-            self.downstream = servicer.next_stub.Forward(metadata=servicer.security.metadata())
-        self.count = 0
-        self.tasks = []
-
-    async def run(self) -> None:
-        steps = [self.read, self.compute, self.send] + ([self.watch] if self.downstream is not None else [])
-        self.tasks = [asyncio.ensure_future(step()) for step in steps]
-        done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()
-        await asyncio.gather(*self.tasks)
-
-    async def read(self) -> None:
-        async for frame in self.requests:
-            if (why := malformed(frame)) is not None:
-                raise FrameError(why)
-            self.servicer._queued += 1
-            self.arrivals.append(time.perf_counter())
-            await self.inbox.put(frame)
-        await self.inbox.put(None)
-
-    async def compute(self) -> None:
-        shard = self.loaded.shard
-        while (frame := await self.inbox.get()) is not None:
-            self.servicer._queued -= 1
-            try:
-                out = await self.servicer._mlx(shard.run, frame, self.session, self.arrivals.popleft())
-            except FrameError:
-                raise
-            except Exception as err:  # noqa: BLE001 - any failure to run an accepted frame
-                logger.exception("frame %d failed on this stage", frame.frame_id)
-                req = self.loaded.request
-                raise StageFault(f"stage with layers [{req.start}, {req.end}) failed running frame "
-                                 f"{frame.frame_id}: {type(err).__name__}: {err}",
-                                 [e.seq_id for e in frame.seqs]) from err
-            self.count += 1
-            await self.outbox.put(out)
-        await self.outbox.put(None)
-
-    async def send(self) -> None:
-        while (out := await self.outbox.get()) is not None:
-            if self.last:
-                await self.servicer.results.put(out)
-            else:
-                await self.downstream.write(out)
-        if self.downstream is not None:
-            await self.downstream.done_writing()
-
-    async def watch(self) -> None:
-        await self.downstream  # its summary once it ends after our done_writing; raises if it fails first
-
-    async def close(self) -> None:
-        """However the stream ended: stop its tasks and the next stage's stream, and
-        free its sequences (the head replays them)."""
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.servicer._queued -= self.inbox.qsize()
-        if self.downstream is not None and not self.downstream.done():
-            self.downstream.cancel()
-        freed = await asyncio.shield(self.servicer._mlx(self.loaded.shard.free_session, self.session))
-        if freed:
-            logger.info("stream %d ended; freed %d sequences", self.session, freed)

@@ -49,6 +49,7 @@ from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
 from mlxpipe.shards.errors import FrameError, check_shape
 from mlxpipe.shards.grammar import Constraint
+from mlxpipe.shards.launch import Launched, later
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
 from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
@@ -231,6 +232,13 @@ class Shard:
         """Do one frame from Forward stream ``session`` (read off it at ``arrived``, a
         ``time.perf_counter`` reading). Returns the Frame for the next stage, or, on
         the last stage, the Result for the head; either carries this stage's timing."""
+        return self.launch(frame, session, arrived).finish()
+
+    def launch(self, frame: pb.Frame, session: int = 0, arrived: Optional[float] = None) -> Launched:
+        """The first half of ``run``: check the frame, make its state changes and launch
+        its graph (``mx.async_eval``); ``Launched.finish`` waits for it and builds the
+        output. Another frame may be launched in between if ``Launched.independent``
+        says so: its graph reads this one's cache updates, lazily."""
         started = time.perf_counter()
         rows, n = self._check(frame)
         hidden = None
@@ -249,7 +257,7 @@ class Shard:
                 self._trim(self.seqs[e.seq_id], e.trim)
         self.stats.begin()
         self.publish()
-        out = None
+        out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
                 out = self._prefill(frame, hidden, session)
@@ -257,26 +265,23 @@ class Shard:
                 out = self._decode(frame, hidden)
             elif frame.kind == pb.Frame.VERIFY:
                 out = self._verify(frame, hidden)
-        finally:
+        except BaseException:
             self.stats.end(rows * n)
             self.publish()
+            raise
+        return Launched(self, frame, out, rows * n, (arrived, started, decoded))
+
+    def _output(self, frame: pb.Frame, out, times, computed: float, stolen: float):
+        """The Frame for the next stage (``out``: its activations, evaluated), or the last
+        stage's Result (``out``: its token results), with this stage's timing."""
         if self.model.last:
-            return pb.Result(frame_id=frame.frame_id, tokens=out or [],
-                             timings=[*frame.timings, stage_timing(arrived, started, decoded)])
-        computed = time.perf_counter()
-        nxt = pb.Frame(
-            frame_id=frame.frame_id,
-            kind=frame.kind,
-            group=frame.group,
-            seqs=frame.seqs,
-            tokens=frame.tokens,
-            free=frame.free,
-            evict=frame.evict,
-            timings=frame.timings,
-        )
+            return pb.Result(frame_id=frame.frame_id, tokens=out,
+                             timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
+        nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
+                       tokens=frame.tokens, free=frame.free, evict=frame.evict, timings=frame.timings)
         if out is not None:
             codec.encode(out, into=nxt.hidden)
-        nxt.timings.append(stage_timing(arrived, started, decoded, computed))
+        nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
         return nxt
 
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
@@ -322,13 +327,13 @@ class Shard:
         out = self.model(tokens, hidden, seq.caches, [seq.length])
         seq.length += entry.num_tokens
         if not self.model.last:
-            mx.eval(out)
+            mx.async_eval(out)
             return out
         seq.sampler.observe(frame.tokens)
         if not entry.sample:
-            mx.eval(kinds.arrays(seq.caches))
-            return []
-        return self._sample([entry], [seq], out[:, -1, :])
+            return later(kinds.arrays(seq.caches), list)
+        logits = out[:, -1, :]
+        return later(logits, lambda: self._sample([entry], [seq], logits))
 
     def _trim(self, seq: _Seq, n: int) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
@@ -362,9 +367,12 @@ class Shard:
         seq.length += entry.num_tokens
         seq.drafted += entry.num_tokens
         if not self.model.last:
-            mx.eval(out)
+            mx.async_eval(out)
             return out
-        picks = pick_positions(seq.sampler, out[0], list(frame.tokens), seq.length - entry.num_tokens)
+        return later(out, lambda: self._pick_positions(entry, seq, out, list(frame.tokens)))
+
+    def _pick_positions(self, entry: pb.SeqEntry, seq: _Seq, out: mx.array, tokens: List[int]):
+        picks = pick_positions(seq.sampler, out[0], tokens, seq.length - entry.num_tokens)
         failed = next((p for p in picks if isinstance(p, SequenceFailure)), None)
         if failed is not None or seq.failed:
             seq.failed = seq.failed or str(failed)
@@ -383,18 +391,18 @@ class Shard:
         for seq in seqs:
             seq.length += 1
         if not self.model.last:
-            mx.eval(out)
+            mx.async_eval(out)
             return out
         for seq, t in zip(seqs, frame.tokens):
             seq.sampler.observe([t])
         picked = [i for i, e in enumerate(frame.seqs) if e.sample]
         if not picked:
-            mx.eval(kinds.arrays(group.caches or group.rows_of(self.seqs)))
-            return []
+            return later(kinds.arrays(group.caches or group.rows_of(self.seqs)), list)
         logits = out[:, -1, :]
         if len(picked) < len(seqs):
             logits = logits[mx.array(picked)]
-        return self._sample([frame.seqs[i] for i in picked], [seqs[i] for i in picked], logits)
+        entries, rows = [frame.seqs[i] for i in picked], [seqs[i] for i in picked]
+        return later(logits, lambda: self._sample(entries, rows, logits))
 
     def _step(self, group, tokens, hidden: Optional[mx.array], lengths: List[int]) -> mx.array:
         """One decode step of a group: its rows together, or one at a time when the

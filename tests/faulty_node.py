@@ -14,16 +14,16 @@ import sys
 from mlxpipe.shards import node, stage
 
 POISON = int(sys.argv.pop(1))
-_run = stage.Shard.run
+_launch = stage.Shard.launch
 
 
-def run(self, frame, *args, **kwargs):
+def launch(self, frame, *args, **kwargs):
     if POISON in frame.tokens:
         raise RuntimeError(f"injected failure: frame {frame.frame_id} carries token {POISON}")
-    return _run(self, frame, *args, **kwargs)
+    return _launch(self, frame, *args, **kwargs)
 
 
-stage.Shard.run = run
+stage.Shard.launch = launch
 
 if __name__ == "__main__":
     node.main()
