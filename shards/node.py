@@ -32,21 +32,21 @@ from mlxpipe.shards.sizes import parse_size
 logger = logging.getLogger(__name__)
 
 
-async def _exit_with_parent(server) -> None:
-    """Stop when the process that started us is gone (a head killed with -9
-    must not leave stage processes behind)."""
+async def _exit_with_parent(stop) -> None:
+    """Stop (``stop(0)``) when the process that started us is gone (a head killed
+    with -9 must not leave stage processes behind)."""
     parent = os.getppid()
     while os.getppid() == parent:
         await asyncio.sleep(1.0)
     logger.warning("parent process %d is gone; stopping", parent)
-    await server.stop(grace=None)
-    os._exit(0)  # skip interpreter teardown: MLX's threads need none, and abort noisily
+    stop(0)
 
 
 async def _stop(server, code: int) -> None:
-    """SIGINT/SIGTERM: end every call with a status, then leave at once (the exit
-    code the shell expects): interpreter teardown under MLX's and gRPC's threads
-    can only abort noisily ("terminate called without an active exception")."""
+    """SIGINT/SIGTERM, or the parent gone: end every call with a status, then leave at
+    once (the exit code the shell expects): interpreter teardown under MLX's and
+    gRPC's threads can only abort noisily ("terminate called without an active
+    exception")."""
     await server.stop(grace=1.0)
     logging.shutdown()
     os._exit(code)
@@ -113,20 +113,28 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
+    stopping = []  # the stop under way, which main awaits: returning first would start the noisy teardown
+
+    def stop(code: int) -> None:
+        if not stopping:
+            stopping.append(asyncio.ensure_future(_stop(server, code)))
+
+    loop = asyncio.get_running_loop()
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):  # before anyone knows our address
+        loop.add_signal_handler(sig, stop, code)
     # The one line a parent process waits for to learn the address.
     print(f"mlxpipe node listening on {host}:{bound}", flush=True)
     logger.info("stage listening on %s:%d (%s, %s)", host, bound,
                 "secret required" if security.secret else "no secret",
                 "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
-    watcher = asyncio.ensure_future(_exit_with_parent(server)) if exit_with_parent else None
-    loop = asyncio.get_running_loop()
-    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
-        loop.add_signal_handler(sig, lambda c=code: asyncio.ensure_future(_stop(server, c)))
+    watcher = asyncio.ensure_future(_exit_with_parent(stop)) if exit_with_parent else None
     joiner = None
     if join:
         address = advertise or _advertised(f"{host}:{bound}", join)
         joiner = asyncio.ensure_future(_join_or_exit(join, address, security, memory_bytes))
     await server.wait_for_termination()
+    if stopping:
+        await stopping[0]  # it leaves the process with os._exit
     for task in (watcher, joiner):
         if task is not None:
             task.cancel()

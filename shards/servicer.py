@@ -281,8 +281,13 @@ class StageServicer(pb_grpc.StageServicer):
                 f"next stage {loaded.request.next_address} failed: {err.code().name}: {err.details()}",
                 trailing_metadata=culprits_metadata(culprits_of(err)),
             )
+        except asyncio.CancelledError:  # the node stopping, or its streams ended for a new shard: the call just
+            pass                         # ends (raised on, grpc logs an "Exception not handled" traceback)
         finally:
-            await stream.close()
+            try:
+                await stream.close()
+            except asyncio.CancelledError:  # cancelled again while closing: its sequences are freed all the same
+                pass
             self._streams.discard(me)
         return pb.ForwardSummary(frames=stream.count)
 
