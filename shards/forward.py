@@ -166,16 +166,22 @@ class ForwardStream:
             return
         if self.last and not self.ready and not self.sending and not self.results.full():
             self.results.put_nowait(out)  # no task to wake on the way to the head
-            self.count += 1
-            self.room.release()
-            if self.read_all and self.count == self.submitted:
+            self._sent()
+            if self._all_sent():
                 self.wake.set()
             return
         self.ready.append(out)
         self.wake.set()
 
+    def _sent(self) -> None:
+        self.count += 1
+        self.room.release()
+
+    def _all_sent(self) -> bool:
+        return self.read_all and self.count == self.submitted
+
     async def send(self) -> None:
-        while self.ready or not (self.read_all and self.count == self.submitted):
+        while self.ready or not self._all_sent():
             if not self.ready:
                 self.wake.clear()
                 await self.wake.wait()
@@ -187,8 +193,7 @@ class ForwardStream:
             else:
                 await self.downstream.write(out)
             self.sending = False
-            self.count += 1
-            self.room.release()
+            self._sent()
         if self.downstream is not None:
             await self.downstream.done_writing()
         if not self.outcome.done():

@@ -52,7 +52,9 @@ class ApiError(Exception):
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None, status: int = 400, speaks: str = "openai") -> dict:
-    """The error in a dialect's shape: in a response, or as a stream's last event."""
+    """The error in a dialect's shape: in a response, or as a stream's last event (either
+    way what the client is told, so it also ends the request's log line)."""
+    request_log.refused(message)
     if speaks == "anthropic":
         kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
@@ -73,8 +75,7 @@ class AsciiJSONResponse(JSONResponse):
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None,
                    headers: Optional[Dict[str, str]] = None, path: str = "") -> JSONResponse:
-    """An error response in the dialect of ``path`` (its reason goes in the request's log line)."""
-    request_log.refused(message)
+    """An error response in the dialect of ``path``."""
     return AsciiJSONResponse(error_body(message, type_, param, code, status, dialect(path)), status_code=status,
                              headers=headers)
 

@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from mlxpipe.server.api.chat_template import Delta, ForcedReply, Reply, render, thinks_first
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.request import GenerationRequest
-from mlxpipe.server.api.request_log import attach, refused
+from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import TextChunk, stream_text
@@ -310,7 +310,6 @@ class Generator:
         """A failure after the request started: the pipeline's (503, retry), or the
         request's own on a stage (its grammar, its sampling: a 400 naming what it asked;
         no other request noticed)."""
-        refused(str(err))  # the request's log line says why it ended
         if isinstance(err, SequenceFailed):
             return ApiError(400, f"generation failed for this request: {err}", param=req.constrained_param(),
                             code="generation_failed")
