@@ -103,7 +103,8 @@ def baseline_worker(model: str) -> None:
             steps = speculative_generate_step(prompt, model_obj, drafts[req["draft"]], max_tokens=req["max_tokens"],
                                               num_draft_tokens=req["num_draft_tokens"])
         else:
-            steps = generate_step(prompt, model_obj, max_tokens=req["max_tokens"])
+            steps = generate_step(prompt, model_obj, max_tokens=req["max_tokens"],
+                                  prefill_step_size=req.get("prefill_step_size") or 2048)
         t0 = time.monotonic()
         times, tokens = [], []
         for step in steps:
@@ -124,9 +125,11 @@ class Baseline:
             raise RuntimeError("the mlx-lm baseline process failed to start")
 
     def run(self, prompt: List[int], max_tokens: int, draft: Optional[str] = None,
-            num_draft_tokens: int = 3) -> RunResult:
+            num_draft_tokens: int = 3, prefill_step_size: Optional[int] = None) -> RunResult:
+        """``prefill_step_size``: mlx-lm's prompt chunk (None: its default, 2048)."""
         self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens, "draft": draft,
-                                          "num_draft_tokens": num_draft_tokens}) + "\n")
+                                          "num_draft_tokens": num_draft_tokens,
+                                          "prefill_step_size": prefill_step_size}) + "\n")
         self.proc.stdin.flush()
         return RunResult(**json.loads(self.proc.stdout.readline()))
 

@@ -332,7 +332,7 @@ class ProfileRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost")
+    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost", "prefill_layer_seconds", "prefill_embed_seconds", "prefill_tokens")
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,9 @@ class ProfileReply(_message.Message):
     CACHED_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     ROW_COST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     embed_seconds: float
     head_seconds: float
@@ -349,7 +352,10 @@ class ProfileReply(_message.Message):
     cached: bool
     bandwidth_bytes_per_s: float
     row_cost: float
-    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ...) -> None: ...
+    prefill_layer_seconds: _containers.RepeatedScalarFieldContainer[float]
+    prefill_embed_seconds: float
+    prefill_tokens: int
+    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ..., prefill_layer_seconds: _Optional[_Iterable[float]] = ..., prefill_embed_seconds: _Optional[float] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)

@@ -4,8 +4,10 @@ The planner needs seconds per decode step for each layer and for the first
 and last stages' extras. A profile times, on a batch of ``batch`` rows of one
 token each, one block of every kind the model has (blocks alike in class and
 sub-module classes cost alike), the first block with the embedding, and the
-last block with the final norm, output head and sampling; and one block on a
-single row too, to tell what extra rows cost (``row_cost``: near 1 where a
+last block with the final norm, output head and sampling; each kind and the
+embedding also on one row's prompt chunk of ``PREFILL_TOKENS`` positions (per
+prompt token; no head: an unsampled chunk reads only its caches on the last
+stage), for the planner's prefill cost; and one block on a single row too, to tell what extra rows cost (``row_cost``: near 1 where a
 step's time grows with its rows, as on CPUs; near 0 where reading the weights
 dominates, as on Apple silicon). Each measurement loads just the blocks it
 runs. Results are cached per model fingerprint, node
@@ -22,11 +24,12 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.layers import layer_list, with_sizes
@@ -35,6 +38,7 @@ from mlxpipe.shards.store import mlxpipe_home, text_config
 
 logger = logging.getLogger(__name__)
 
+PREFILL_TOKENS = 128  # a prompt chunk's positions, as timed for the planner's prefill cost
 MEMORY_SHARE = 0.75  # of physical memory a node offers by default (macOS's default GPU wired limit)
 
 
@@ -79,23 +83,31 @@ def block_kind(block: nn.Module) -> str:
 
 
 def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, repeats: int,
-                quant: Optional[QuantSpec]) -> float:
+                quant: Optional[QuantSpec], prefill: int = 0) -> Tuple[float, float]:
+    """Seconds of a decode step of ``batch`` rows through ``[start, end)``, and (with ``prefill``)
+    per prompt token of one row's chunk of ``prefill`` tokens (no head: a prefill chunk samples nothing)."""
     stage, _ = load_stage(path, start, end, quant=quant)
-    tokens = mx.zeros((batch, 1), dtype=mx.int32)
-    hidden = None if stage.first else mx.zeros((batch, 1, hidden_size), dtype=mx.float32)
 
-    def once() -> float:
+    def once(rows: int, positions: int, head: bool) -> float:
+        tokens = mx.zeros((rows, positions), dtype=mx.int32)
+        hidden = None if stage.first else mx.zeros((rows, positions, hidden_size), dtype=mx.float32)
         caches = stage.make_cache()
         t0 = time.perf_counter()
         out = stage(tokens, hidden, caches)
-        if stage.last:  # what sampling adds: log-softmax and a pick per row
+        if stage.last and head:  # what sampling adds: log-softmax and a pick per row
             logits = out[:, -1, :]
             out = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        elif stage.last:
+            out = kinds.arrays(caches)  # the chunk's work, as the stage does it: its caches, not its logits
         mx.eval(out)
         return time.perf_counter() - t0
 
-    once()  # reads the weights and compiles kernels
-    return statistics.median(once() for _ in range(repeats))
+    def timed(rows: int, positions: int, head: bool) -> float:
+        once(rows, positions, head)  # reads the weights and compiles kernels
+        return statistics.median(once(rows, positions, head) for _ in range(repeats))
+
+    step = timed(batch, 1, True)
+    return step, (timed(1, prefill, False) / prefill if prefill else 0.0)
 
 
 def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
@@ -105,7 +117,7 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
     cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
     if cache_file.exists():
         cached = json.loads(cache_file.read_text())
-        if "row_cost" in cached:  # (older profiles lack it: measure again)
+        if "prefill_layer_seconds" in cached:  # (older profiles lack it: measure again)
             return cached | {"cached": True}
     from mlx_lm.utils import load_model
 
@@ -117,40 +129,44 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
         kinds.setdefault(block_kind(b), []).append(i)
     del model, blocks
     hidden = int(with_sizes(text_config(config))["hidden_size"])
-    timed: Dict[int, float] = {}
+    timed: Dict[int, Tuple[float, float]] = {}  # layer -> (decode step, prefill per token)
 
-    def layer_time(i: int) -> float:
+    def layer_time(i: int) -> Tuple[float, float]:
         # A kind found only at layer 0 or n - 1 (or a one-layer model) would load and time it twice.
         if i not in timed:
-            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats, quant)
+            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats, quant, PREFILL_TOKENS)
         return timed[i]
 
     seconds_of_kind = {}
     for kind, idx in kinds.items():
         inner = [i for i in idx if 0 < i < n - 1] or idx
         seconds_of_kind[kind] = layer_time(inner[len(inner) // 2])
-    layer_seconds = [0.0] * n
+    layer_seconds, prefill_seconds = [0.0] * n, [0.0] * n
     for kind, idx in kinds.items():
         for i in idx:
-            layer_seconds[i] = seconds_of_kind[kind]
+            layer_seconds[i], prefill_seconds[i] = seconds_of_kind[kind]
     first = layer_time(0)
-    last = layer_time(n - 1)
+    last = layer_time(n - 1)[0]
     typical = max(kinds.values(), key=len)
     inner = [i for i in typical if 0 < i < n - 1] or typical
     middle = inner[len(inner) // 2]  # timed above, at `batch` rows
-    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats, quant)
-    row_cost = (timed[middle] / one_row - 1) / (batch - 1) if batch > 1 and one_row > 0 else 1.0
+    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats, quant)[0]
+    row_cost = (timed[middle][0] / one_row - 1) / (batch - 1) if batch > 1 and one_row > 0 else 1.0
     result = {
         "layer_seconds": layer_seconds,
         "row_cost": min(max(row_cost, 0.0), 1.0),
-        "embed_seconds": max(first - layer_seconds[0], 0.0),
+        "embed_seconds": max(first[0] - layer_seconds[0], 0.0),
         "head_seconds": max(last - layer_seconds[n - 1], 0.0),
+        "prefill_layer_seconds": prefill_seconds,
+        "prefill_embed_seconds": max(first[1] - prefill_seconds[0], 0.0),
+        "prefill_tokens": PREFILL_TOKENS,
         "batch": batch,
         "node": node_name(),
     }
     mx.clear_cache()
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text(json.dumps(result))
-    logger.info("profiled %s: %.1f ms per layer (median), head %.1f ms, batch %d", path,
-                1000 * statistics.median(layer_seconds), 1000 * result["head_seconds"], batch)
+    logger.info("profiled %s: %.1f ms per layer (median), head %.1f ms, batch %d; prefill %.2f ms per layer "
+                "and prompt token", path, 1000 * statistics.median(layer_seconds), 1000 * result["head_seconds"],
+                batch, 1000 * statistics.median(prefill_seconds))
     return result | {"cached": False}

@@ -113,6 +113,8 @@ class StageServicer(pb_grpc.StageServicer):
         reply.embed_seconds, reply.head_seconds = result["embed_seconds"], result["head_seconds"]
         reply.cached = result["cached"]
         reply.row_cost = result["row_cost"]
+        reply.prefill_layer_seconds.extend(result["prefill_layer_seconds"])
+        reply.prefill_embed_seconds, reply.prefill_tokens = result["prefill_embed_seconds"], result["prefill_tokens"]
         return reply
 
     async def Profile(self, request: pb.ProfileRequest, context):

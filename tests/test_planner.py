@@ -393,3 +393,25 @@ def test_cli_shows_the_chosen_and_the_decode_only_split_for_deepseek_v3(capsys):
     assert plan_command.parse_flops("25TFLOPS") == 25e12 == plan_command.parse_flops("2.5e13")
     with pytest.raises(ValueError, match="cannot read compute"):
         plan_command.parse_flops("fast")
+
+
+def test_measured_prefill_weighs_each_decode_rows_share_of_prompt_tokens():
+    """Nodes that timed prefill themselves: a decode step of 8 rows generates 8 tokens, so it
+    carries 8 x prompt_ratio prompt tokens' prefill; the head (decode only) then moves layers
+    to the last stage's side no further than that balance."""
+    cost = ModelCost("t", "t", tuple(LayerCost("dense", 10**6, 10**6, 10**6, 10**6, 0) for _ in range(30)),
+                     0, 0, 0, 0, 0, 0, False, None, 64, "config")
+
+    def nodes(rows):
+        return [P.NodeSpec(f"n{i}", 10 * GB, layer_seconds={"dense": 0.018}, head_seconds=0.16,
+                           prefill_layer_seconds={"dense": 0.002}, decode_rows=rows) for i in range(2)]
+
+    decode = P.plan(cost, nodes(8), workload=P.Workload(0), every_node=True)
+    assert decode.ranges == [(0, 19), (19, 30)]  # 19 x 18 ms against 11 x 18 + 160 ms
+    mixed = P.plan(cost, nodes(8), every_node=True)  # 80 prompt tokens per step: 160 ms a layer
+    assert mixed.ranges == [(0, 15), (15, 30)]
+    assert [s.prefill_seconds for s in mixed.stages] == pytest.approx([0.030, 0.030])
+    one_row = P.plan(cost, nodes(1), every_node=True)  # 10 prompt tokens a step: 38 ms a layer
+    assert one_row.ranges == [(0, 17), (17, 30)]
+    with pytest.raises(ValueError, match="at least one token"):
+        P.plan(cost, nodes(0))

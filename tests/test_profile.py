@@ -29,6 +29,9 @@ def test_stage_profiles_the_model_and_caches_it(default_model, tmp_path, monkeyp
         # The tied 49,152-row head costs more than one of the 30 layers.
         assert first.head_seconds > max(first.layer_seconds)
         assert first.memory_bytes > 1 << 30
+        # Prefill per prompt token, timed in a chunk: one per layer, less than a step of 4 rows.
+        assert first.prefill_tokens == 128 and len(first.prefill_layer_seconds) == 30
+        assert 0 < max(first.prefill_layer_seconds) < min(first.layer_seconds)
         again = stub.Profile(pb.ProfileRequest(model=str(default_model), batch=4), timeout=60)
         assert again.cached and list(again.layer_seconds) == list(first.layer_seconds)
         assert list(tmp_path.glob("profiles/*-b4.json"))
@@ -36,16 +39,22 @@ def test_stage_profiles_the_model_and_caches_it(default_model, tmp_path, monkeyp
         local.stop()
 
 
-def test_planned_split_gives_the_last_stage_fewer_layers(default_model):
-    async def main():
-        async with Cluster(ClusterConfig(model=str(default_model), stages=2)) as cluster:
+def test_planned_split_weighs_the_head_against_the_workloads_prefill(default_model):
+    """Balanced for decode alone, the last stage (which carries the output head) gets fewer
+    layers; balanced for a chat workload's prompt tokens too (the default), where a prompt
+    token costs about what a decoded one does (this CPU), it gets more of them back."""
+    async def main(ratio):
+        async with Cluster(ClusterConfig(model=str(default_model), stages=2, prompt_ratio=ratio)) as cluster:
             return [(s.start, s.end) for s in cluster.pipeline.stages], cluster.plan_note
 
-    ranges, note = run_async(main())
-    (a0, a1), (b0, b1) = ranges
+    decode, note = run_async(main(0.0))
+    (a0, a1), (b0, b1) = decode
     assert a0 == 0 and a1 == b0 and b1 == 30
-    assert b1 - b0 < a1 - a0, f"the last stage carries the head: {ranges}"
-    assert "planned" in note
+    assert b1 - b0 < a1 - a0, f"the last stage carries the head: {decode}"
+    assert "planned" in note and "prompt chunks" not in note
+    mixed, note = run_async(main(ClusterConfig.prompt_ratio))
+    assert mixed[1][1] - mixed[1][0] > b1 - b0, (decode, mixed)
+    assert "prompt chunks, for 10 prompt tokens per generated token" in note and "per prompt token" in note
 
 
 def test_plan_command_needs_no_weights():

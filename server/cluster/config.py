@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
+from mlxpipe.server.cluster.planner import Workload
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
@@ -70,6 +71,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def ratio(text: str) -> float:
+    """An argparse type: a ratio, 0 or more."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _node_list(text: str) -> List[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
@@ -110,6 +119,9 @@ class ClusterConfig:
                             factory=list, parse=_node_list, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
+    prompt_ratio: float = knob(Workload.prompt_ratio, "prompt tokens per generated token the 'auto' split is "
+                               "balanced for, from each node's measured prefill and decode (default %(default)s: "
+                               "chat and agents, which resend long contexts; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "

@@ -66,11 +66,16 @@ class Placer:
             by_kind: Dict[str, List[float]] = {}
             for layer, secs in zip(cost.layers, prof.layer_seconds):
                 by_kind.setdefault(layer.kind, []).append(secs)
+            prefill: Dict[str, List[float]] = {}
+            for layer, secs in zip(cost.layers, prof.prefill_layer_seconds):
+                prefill.setdefault(layer.kind, []).append(secs)
             nodes.append(planner.NodeSpec(
                 name=address, memory_bytes=mem,
                 layer_seconds={k: statistics.median(v) for k, v in by_kind.items()},
                 embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds,
-                profiled=cost if auto else None))
+                profiled=cost if auto else None,
+                prefill_layer_seconds={k: statistics.median(v) for k, v in prefill.items()} or None,
+                prefill_embed_seconds=prof.prefill_embed_seconds, decode_rows=self.config.profile_batch))
         return nodes
 
     async def plan(self, pipeline: Pipeline) -> Tuple[List[Tuple[int, int]], List[int]]:
@@ -88,17 +93,23 @@ class Placer:
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
         context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
+        work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
         if auto:
             choice = planner.plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
                                        group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                                       every_node=self.local)
+                                       every_node=self.local, workload=work)
             plan, self.model.quant = choice.plan, choice.spec
             logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
         else:
-            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local)
-        ranges, seconds = plan.ranges, [s.seconds for s in plan.stages]
+            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local,
+                                workload=work)
+        ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
+        costed = any(s.prefill_seconds for s in plan.stages)
+        if costed and cfg.prompt_ratio:
+            basis += f" and prompt chunks, for {cfg.prompt_ratio:g} prompt tokens per generated token"
         self.note = (f"planned from {basis}: " + ", ".join(
-            f"[{a}, {b}) {1000 * t:.0f} ms" for (a, b), t in zip(ranges, seconds)))
+            f"[{s.start}, {s.end}) {1000 * s.seconds:.0f} ms"
+            + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
         return ranges, [s.node_index for s in plan.stages]

@@ -53,7 +53,11 @@ class NodeSpec:
     ``embed_seconds`` the embedding; measured figures win where both are given.
     ``profiled``: the cost of the model as it was measured (say, at 4 bits); a
     cost of other bits then scales each measured time by the bytes it reads.
-    ``flops_per_s``: compute, for prefill on paper (None: prefill is not costed).
+    ``flops_per_s``: compute, for prefill on paper (None: prefill is not costed);
+    ``prefill_layer_seconds`` (by kind) and ``prefill_embed_seconds``: measured
+    seconds per prompt token in a chunk, which win over ``flops_per_s``.
+    ``decode_rows``: the tokens one decode step generates (the rows it was
+    measured at), so that a step carries that many tokens' share of prefill.
     """
 
     name: str
@@ -64,11 +68,19 @@ class NodeSpec:
     head_seconds: Optional[float] = None
     profiled: Optional[ModelCost] = None
     flops_per_s: Optional[float] = None
+    prefill_layer_seconds: Optional[Dict[str, float]] = None
+    prefill_embed_seconds: float = 0.0
+    decode_rows: int = 1
 
     def prefill_times(self, cost: ModelCost, chunk: int) -> Tuple[List[float], float]:
-        """Seconds per prompt token of each layer and the embedding at ``chunk`` tokens a frame: 2 flops
-        per active parameter, the layer's weights read once a chunk (the head runs for a prompt's last
-        token only: a decode step). Zeros without ``flops_per_s``."""
+        """Seconds per prompt token of each layer and the embedding at ``chunk`` tokens a frame: as
+        measured, or 2 flops per active parameter and the layer's weights read once a chunk (the head
+        runs for a prompt's last token only: a decode step). Zeros without either."""
+        if self.prefill_layer_seconds is not None:
+            missing = {l.kind for l in cost.layers} - set(self.prefill_layer_seconds)
+            if missing:
+                raise ValueError(f"node {self.name}: prefill_layer_seconds lacks {sorted(missing)}")
+            return [float(self.prefill_layer_seconds[l.kind]) for l in cost.layers], self.prefill_embed_seconds
         if not self.flops_per_s:
             return [0.0] * cost.num_layers, 0.0
         bw = self.bandwidth_bytes_per_s or math.inf
@@ -257,6 +269,8 @@ class _Problem:
         for node in nodes:
             if node.memory_bytes <= 0:
                 raise ValueError(f"node {node.name}: memory must be positive")
+            if node.decode_rows < 1:
+                raise ValueError(f"node {node.name}: a decode step generates at least one token")
         self.cost, self.nodes, self.hop, self.work = cost, list(nodes), hop_seconds, workload
         self.L, self.N = cost.num_layers, len(nodes)
         tokens = context * concurrency
@@ -287,8 +301,10 @@ class _Problem:
         return t + self.hop / self.work.chunk_tokens if t else 0.0
 
     def time(self, n: int, s: int, e: int) -> float:
-        """What the planner balances: a decode step and the workload's prompt tokens of prefill."""
-        return self.decode_time(n, s, e) + self.work.prompt_ratio * self.prefill_time(n, s, e)
+        """What the planner balances: a decode step and the workload's prompt tokens of prefill
+        for the tokens that step generates."""
+        rows = self.nodes[n].decode_rows
+        return self.decode_time(n, s, e) + self.work.prompt_ratio * rows * self.prefill_time(n, s, e)
 
     def plan(self, stages: Sequence[Tuple[int, int, int]]) -> Plan:
         out = tuple(PlannedStage(n, self.nodes[n].name, s, e, self.weights(s, e), self.kv(s, e),
