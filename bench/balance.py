@@ -1,5 +1,6 @@
 """``mlxpipe bench balance``: per-stage time per decode step under load, the planner's split vs
-the even split."""
+the even split. The load is decode alone (8 streams), so the planner balances for decode
+alone (``--prompt-ratio 0``), not for ``serve``'s default chat mix."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ async def bench_balance(args) -> dict:
     path = str(resolve_model(args.model))
     out = {}
     for split in ("auto", "even"):
-        async with Cluster(ClusterConfig(model=path, stages=args.stages, pin=args.pin, split=split)) as cluster:
+        async with Cluster(ClusterConfig(model=path, stages=args.stages, pin=args.pin, split=split,
+                                               prompt_ratio=0.0)) as cluster:
             tok = cluster.tokenizer
             prompts = [tok.encode(f"Item {i}: ") for i in range(args.streams)]
             streams = [cluster.engine.submit(p, 100000, stop_at_eos=False) for p in prompts]

@@ -9,6 +9,7 @@ identical."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from typing import Dict, List, Tuple
@@ -48,7 +49,8 @@ async def bench_served(args) -> dict:
     series: Dict[str, Dict[str, list]] = {p: {name: [] for name, _ in configs} for p in prompts}
     try:
         ours = HttpServer("mlxpipe", [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0",
-                                      "--model", path, "--stages", str(args.stages)] + pin_flags(args.pin))
+                                      "--model", path, "--stages", str(args.stages)] + pin_flags(args.pin)
+                            + shlex.split(args.serve_args))
         servers.append(ours)
         port = free_port()
         theirs = HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
@@ -78,7 +80,8 @@ async def bench_served(args) -> dict:
 
 
 def _report(args, series: Dict[str, Dict[str, list]]) -> dict:
-    lines = [f"one stream through `mlxpipe serve --stages {args.stages}` ({pin_flags(args.pin) or 'default placement'})"
+    extra = " ".join(pin_flags(args.pin) + shlex.split(args.serve_args)) or "default placement"
+    lines = [f"one stream through `mlxpipe serve --stages {args.stages}` ({extra})"
              f" and mlx_lm.server, {args.max_tokens} tokens at most, greedy, {args.runs} runs; decode tok/s (medians)"]
     out = {}
     for p, runs in series.items():
@@ -101,4 +104,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
     q.add_argument("--max-tokens", type=int, default=400, help="tokens per answer, at most (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt (a user message)")
+    q.add_argument("--serve-args", default="",
+                   help="more options for the mlxpipe serve it starts, e.g. '--prompt-ratio 0'")
     q.set_defaults(measure=bench_served)
