@@ -26,7 +26,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.cli.options import table
-from mlxpipe.server.cluster.planner import NodeSpec, plan_bits
+from mlxpipe.server.cluster.bits import plan_bits
+from mlxpipe.server.cluster.planner import NodeSpec
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.quantize import quantize_range
 from mlxpipe.shards.store import DEFAULT_MODEL, models_dir, pull_default, resolve_model

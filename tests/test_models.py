@@ -14,6 +14,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlxpipe.bench import models as matrix
 from mlxpipe.bench import tiny
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.core.drafting import PromptLookup
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
@@ -181,11 +182,13 @@ def test_chunks_end_at_block_boundaries_and_snapshots_are_asked_there():
 
 
 def test_no_speculation_where_a_stage_cannot_take_drafts_back():
-    s = WiredScheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_frames=8, max_prefill_inflight=8))
+    config = SchedulerConfig(speculate=True, spec_depth=4, spec_frames=8, max_prefill_inflight=8)
+    one_token = lambda seq: PromptLookup(min_ngram=1)  # noqa: E731 - 50 drafts 51 52 ...
+    s = WiredScheduler(config, drafters=one_token)
     s.core.max_rewind = 0
     _, frames = _running(s, [50, 51, 52, 53, 9, 8, 7])
     assert frames and all(f.kind == pb.Frame.DECODE for f in frames)
-    s = WiredScheduler(SchedulerConfig(speculate=True, spec_depth=4, spec_frames=8, max_prefill_inflight=8))
+    s = WiredScheduler(config, drafters=one_token)
     s.core.max_rewind = 2
     _, frames = _running(s, [50, 51, 52, 53, 9, 8, 7])
     assert [f.kind for f in frames] == [pb.Frame.VERIFY] * 3  # the last token and 2 drafts: no more in flight

@@ -12,6 +12,7 @@ import pytest
 from planner_oracle import brute_force
 
 from mlxpipe.server.cli import plan as plan_command
+from mlxpipe.server.cluster import bits as B
 from mlxpipe.server.cluster import planner as P
 from mlxpipe.server.cluster.cost import LayerCost, ModelCost, load_model_cost
 from mlxpipe.shards.quant_spec import QuantSpec
@@ -261,13 +262,13 @@ def test_auto_bits_fit_deepseek_v3_on_two_178GB_above_3_bits():
     nodes = [P.NodeSpec(f"m{i}", 178 * GB, bandwidth_bytes_per_s=800 * GB) for i in range(2)]
     with pytest.raises(P.PlanInfeasible, match="short"):
         P.plan(_dsv3_cost(QuantSpec("4")), nodes, context=8192)
-    choice = P.plan_bits(_dsv3_cost, nodes, context=8192)
+    choice = B.plan_bits(_dsv3_cost, nodes, context=8192)
     check_plan(choice.plan, choice.cost, nodes, 8192)
     assert choice.cost.mean_bits > 3.5 and choice.higher == "4" and choice.raised > 0
     assert choice.cost.weight_bytes < 356 * GB < _dsv3_cost(QuantSpec("4")).weight_bytes
     # The most that fits: the next layer in the raising order at `higher` does not.
     L = choice.cost.num_layers
-    more = set(P.raise_order(L)[:choice.raised + 1])
+    more = set(B.raise_order(L)[:choice.raised + 1])
     spec = QuantSpec("4", 64, tuple("4" if i in more else choice.lower for i in range(L)))
     with pytest.raises(P.PlanInfeasible):
         P.plan(_dsv3_cost(spec), nodes, context=8192)
@@ -280,11 +281,11 @@ def test_auto_bits_fit_deepseek_v3_on_two_178GB_above_3_bits():
 
 def test_auto_bits_ends_of_the_ladder():
     roomy = [P.NodeSpec("big", 2000 * GB, bandwidth_bytes_per_s=800 * GB)]
-    choice = P.plan_bits(_dsv3_cost, roomy)
+    choice = B.plan_bits(_dsv3_cost, roomy)
     assert choice.spec == QuantSpec("8") and choice.higher is None and "nothing given up" in choice.trade()
     with pytest.raises(P.PlanInfeasible, match="not even 3-bit fits"):
-        P.plan_bits(_dsv3_cost, [P.NodeSpec("small", 100 * GB, bandwidth_bytes_per_s=800 * GB)])
-    assert P.raise_order(5) == [0, 4, 1, 3, 2] and P.raise_order(4) == [0, 3, 1, 2]
+        B.plan_bits(_dsv3_cost, [P.NodeSpec("small", 100 * GB, bandwidth_bytes_per_s=800 * GB)])
+    assert B.raise_order(5) == [0, 4, 1, 3, 2] and B.raise_order(4) == [0, 3, 1, 2]
 
 
 def test_recipe_rungs_cost_what_mlx_lm_gives_each_module():

@@ -10,7 +10,8 @@ from typing import List, Optional, Tuple
 
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
-from mlxpipe.server.cluster.planner import BitsChoice, NodeSpec, Plan, Workload, plan, plan_bits
+from mlxpipe.server.cluster.bits import BitsChoice, plan_bits
+from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, plan
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
 

@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster import planner
+from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.model import Model
@@ -95,7 +96,7 @@ class Placer:
         context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
         work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
         if auto:
-            choice = planner.plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
+            choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
                                        group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
                                        every_node=self.local, workload=work)
             plan, self.model.quant = choice.plan, choice.spec
