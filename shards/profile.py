@@ -7,11 +7,11 @@ sub-module classes cost alike), the first block with the embedding, and the
 last block with the final norm, output head and sampling; each kind and the
 embedding also on one row's prompt chunk of ``PREFILL_TOKENS`` positions (per
 prompt token; no head: an unsampled chunk reads only its caches on the last
-stage), for the planner's prefill cost; and one block on a single row too, to tell what extra rows cost (``row_cost``: near 1 where a
-step's time grows with its rows, as on CPUs; near 0 where reading the weights
-dominates, as on Apple silicon). Each measurement loads just the blocks it
-runs. Results are cached per model fingerprint, node
-and batch under ``$MLXPIPE_HOME/profiles``.
+stage), for the planner's prefill cost; and one block on a single row too, to
+tell what extra rows cost (``row_cost``: near 1 where a step's time grows with
+its rows, as on CPUs; near 0 where reading the weights dominates, as on Apple
+silicon). Each measurement loads just the blocks it runs. Results are cached
+per model fingerprint, node and batch under ``$MLXPIPE_HOME/profiles``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ planner's split (``planner.plan``). Pure Python, no I/O."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, PlanInfeasible, plan

@@ -97,8 +97,8 @@ class Placer:
         work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
         if auto:
             choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
-                                       group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                                       every_node=self.local, workload=work)
+                               group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
+                               every_node=self.local, workload=work)
             plan, self.model.quant = choice.plan, choice.spec
             logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
         else:
