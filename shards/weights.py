@@ -269,8 +269,12 @@ class Receiver:
             total += f.stat().st_size - data_start(f)
         for chunkmap in self.dir.glob("*.chunks"):
             partial = chunkmap.with_suffix(".partial")
-            data = partial.stat().st_size - data_start(partial)
-            total += sum(chunk_size(data, i, self.chunk_bytes) for i, got in enumerate(chunkmap.read_bytes()) if got)
+            try:
+                data = partial.stat().st_size - data_start(partial)
+                got = chunkmap.read_bytes()
+            except FileNotFoundError:  # completed (renamed) since the listing, by a receiver writing now
+                continue
+            total += sum(chunk_size(data, i, self.chunk_bytes) for i, g in enumerate(got) if g)
         return total
 
     def complete(self, units: List[str]) -> bool:
