@@ -88,6 +88,7 @@ BAD_ARGUMENTS = [
     (["generate", "--stages", "-1", "hi"], "argument --stages: must be at least 1"),
     (["serve", "--port", "99999"], "argument --port: a port is 0 to 65535"),
     (["serve", "--max-batch", "0"], "argument --max-batch: must be at least 1"),
+    (["serve", "--prompt-ratio", "-1"], "argument --prompt-ratio: must be 0 or more, got -1"),
     # The port is taken before the model is looked for, let alone loaded.
     (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
     (["serve", "--api-key-file", "EMPTY"], "--api-key-file EMPTY is empty"),
