@@ -63,20 +63,21 @@ def port(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a duration in seconds, 0 or more."""
+def _non_negative(text: str, unit: str = "") -> float:
     value = float(text)
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be 0 or more{unit}, got {text}")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, 0 or more."""
+    return _non_negative(text, " seconds")
 
 
 def ratio(text: str) -> float:
     """An argparse type: a ratio, 0 or more."""
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+    return _non_negative(text)
 
 
 def _node_list(text: str) -> List[str]:

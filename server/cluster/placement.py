@@ -64,18 +64,11 @@ class Placer:
                 nodes.append(planner.NodeSpec(name=address, memory_bytes=mem,
                                               bandwidth_bytes_per_s=prof.bandwidth_bytes_per_s or 1e9))
                 continue
-            by_kind: Dict[str, List[float]] = {}
-            for layer, secs in zip(cost.layers, prof.layer_seconds):
-                by_kind.setdefault(layer.kind, []).append(secs)
-            prefill: Dict[str, List[float]] = {}
-            for layer, secs in zip(cost.layers, prof.prefill_layer_seconds):
-                prefill.setdefault(layer.kind, []).append(secs)
             nodes.append(planner.NodeSpec(
-                name=address, memory_bytes=mem,
-                layer_seconds={k: statistics.median(v) for k, v in by_kind.items()},
+                name=address, memory_bytes=mem, layer_seconds=_by_kind(cost, prof.layer_seconds),
                 embed_seconds=prof.embed_seconds, head_seconds=prof.head_seconds,
                 profiled=cost if auto else None,
-                prefill_layer_seconds={k: statistics.median(v) for k, v in prefill.items()} or None,
+                prefill_layer_seconds=_by_kind(cost, prof.prefill_layer_seconds) or None,
                 prefill_embed_seconds=prof.prefill_embed_seconds, decode_rows=self.config.profile_batch))
         return nodes
 
@@ -114,3 +107,12 @@ class Placer:
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
         return ranges, [s.node_index for s in plan.stages]
+
+
+def _by_kind(cost: ModelCost, seconds) -> Dict[str, float]:
+    """A profile's per-layer seconds as the median per layer kind (what ``NodeSpec`` takes);
+    empty for a profile without them."""
+    by_kind: Dict[str, List[float]] = {}
+    for layer, secs in zip(cost.layers, seconds):
+        by_kind.setdefault(layer.kind, []).append(secs)
+    return {k: statistics.median(v) for k, v in by_kind.items()}

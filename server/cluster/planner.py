@@ -77,15 +77,20 @@ class NodeSpec:
         measured, or 2 flops per active parameter and the layer's weights read once a chunk (the head
         runs for a prompt's last token only: a decode step). Zeros without either."""
         if self.prefill_layer_seconds is not None:
-            missing = {l.kind for l in cost.layers} - set(self.prefill_layer_seconds)
-            if missing:
-                raise ValueError(f"node {self.name}: prefill_layer_seconds lacks {sorted(missing)}")
-            return [float(self.prefill_layer_seconds[l.kind]) for l in cost.layers], self.prefill_embed_seconds
+            return self._per_layer(cost, self.prefill_layer_seconds, "prefill_layer_seconds"), \
+                self.prefill_embed_seconds
         if not self.flops_per_s:
             return [0.0] * cost.num_layers, 0.0
         bw = self.bandwidth_bytes_per_s or math.inf
         layers = [2 * l.active_params / self.flops_per_s + l.weight_bytes / (bw * chunk) for l in cost.layers]
         return layers, cost.embed_read_bytes / bw
+
+    def _per_layer(self, cost: ModelCost, by_kind: Dict[str, float], what: str) -> List[float]:
+        """Each layer's measured seconds, looked up by its kind."""
+        missing = {l.kind for l in cost.layers} - set(by_kind)
+        if missing:
+            raise ValueError(f"node {self.name}: {what} lacks {sorted(missing)}")
+        return [float(by_kind[l.kind]) for l in cost.layers]
 
     def times(self, cost: ModelCost) -> Tuple[List[float], float, float]:
         """Seconds per decoded token: of each layer, of the embedding, of the head."""
@@ -93,10 +98,7 @@ class NodeSpec:
         if bw is not None and not bw > 0:
             raise ValueError(f"node {self.name}: bandwidth must be positive")
         if self.layer_seconds is not None:
-            missing = {l.kind for l in cost.layers} - set(self.layer_seconds)
-            if missing:
-                raise ValueError(f"node {self.name}: layer_seconds lacks {sorted(missing)}")
-            layers = [float(self.layer_seconds[l.kind]) for l in cost.layers]
+            layers = self._per_layer(cost, self.layer_seconds, "layer_seconds")
             if self.profiled is not None:  # decode reads weights: time scales with the bytes read
                 layers = [t * l.read_bytes / max(p.read_bytes, 1)
                           for t, l, p in zip(layers, cost.layers, self.profiled.layers)]
