@@ -146,8 +146,6 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
         for i in idx:
             layer_seconds[i], prefill_seconds[i] = seconds_of_kind[kind]
     first = layer_time(0)
-    # The last block's decode step (with the head); its prefill is wanted only where its kind is
-    # found nowhere else, and then it was timed above.
     last = timed[n - 1][0] if n - 1 in timed else _time_range(path, n - 1, n, batch, hidden, repeats, quant)[0]
     typical = max(kinds.values(), key=len)
     inner = [i for i in typical if 0 < i < n - 1] or typical
