@@ -14,7 +14,11 @@ hop. Beside it, in the same run:
 - the wire's floor: a bidirectional gRPC ping-pong of the same frame bytes (a
   decode frame of as many rows, its activations and stage timings) to a process
   of its own, over the same transport (``proto/rpc.py``'s channel and server
-  options and the cluster-secret interceptor); half a round trip is one hop;
+  options and the cluster-secret interceptor); half a round trip is one hop.
+  Twice: back to back (hot), and with each end working a stage's compute per
+  frame (from the same run) before it sends (idle), so that each frame reaches
+  an end that was waiting for it, as in a pipeline: where cores sleep when idle
+  (a VM's virtual CPUs), waking one is part of every hop;
 - plain mlx-lm's ``generate_step`` on the same model, in a process of its own.
 
 Then the per-token budget of a real model (``--model``, 2 stages): where a
@@ -84,17 +88,30 @@ def tiny_model() -> Path:
 # -- the floor: a gRPC ping-pong of the same bytes ------------------------------------
 
 
+WORK_KEY = "mlxpipe-bench-work-us"  # a ping-pong call's metadata: how long each end works between frames
+
+
+def busy(seconds: float) -> None:
+    """Keep this core busy for ``seconds``, as a stage computing a frame does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def echo_worker(secret: str) -> None:
     """A process that answers each frame of a bidirectional stream with the frame itself,
     parsed and serialized again as a stage does, behind the stages' server options and
-    secret check. Prints its port, serves until stdin closes."""
+    secret check; with the call's ``WORK_KEY`` metadata, after working that long on it.
+    Prints its port, serves until stdin closes."""
     import grpc
 
     from mlxpipe.proto import pipeline_pb2 as pb
     from mlxpipe.proto.rpc import Security, secured_server
 
     async def echo(frames, context):
+        work = int(dict(context.invocation_metadata()).get(WORK_KEY, 0)) / 1e6
         async for frame in frames:
+            busy(work)
             yield frame
 
     async def main() -> None:
@@ -126,21 +143,26 @@ def decode_frame(rows: int, hidden: int, stages: int):
     return frame
 
 
-async def ping_pong(address: str, secret: str, frame, count: int) -> float:
-    """Median seconds of one hop: half a round trip of ``frame`` over one stream."""
+async def ping_pong(address: str, secret: str, frame, count: int, work: float = 0.0) -> float:
+    """Median seconds of one hop: half a round trip of ``frame`` over one stream. With
+    ``work``, each end works that long between frames, as stages do, so that each frame
+    reaches an end that has waited for it (an idle core, whose waking the wire then
+    includes); the work is not counted."""
     from mlxpipe.proto import pipeline_pb2 as pb
     from mlxpipe.proto.rpc import Security
 
     security = Security(secret=secret)
     async with security.channel(address) as channel:
         call = channel.stream_stream(ECHO_METHOD, request_serializer=pb.Frame.SerializeToString,
-                                     response_deserializer=pb.Frame.FromString)(metadata=security.metadata())
+                                     response_deserializer=pb.Frame.FromString)(
+            metadata=security.metadata() + ((WORK_KEY, str(round(work * 1e6))),))
         trips = []
         for _ in range(count + 20):  # the first 20 warm up
+            busy(work)
             t0 = time.perf_counter()
             await call.write(frame)
             await call.read()
-            trips.append(time.perf_counter() - t0)
+            trips.append(time.perf_counter() - t0 - work)
         await call.done_writing()
         return statistics.median(trips[20:]) / 2
 
@@ -243,6 +265,7 @@ async def bench_overhead(args) -> dict:
     baseline = Baseline(str(path), 0 if args.pin else None)
     clusters: Dict[int, Cluster] = {}
     floors: Dict = {c: [] for c in configs}
+    idle_floors: Dict = {c: [] for c in configs}
     runs: Dict = {c: [] for c in configs}
     steps = []
     try:
@@ -252,12 +275,15 @@ async def bench_overhead(args) -> dict:
             for n, s in configs:
                 floors[n, s].append(await ping_pong(echo.address, secret, frames[n, s], args.pings))
                 runs[n, s].append(await pipeline_run(clusters[n], s, args))
+                work = runs[n, s][-1][2].mean_us("frame")["compute"] / n / 1e6  # a stage's compute per frame
+                idle_floors[n, s].append(await ping_pong(echo.address, secret, frames[n, s], args.pings, work))
     finally:
         echo.close()
         baseline.close()
         await stop_clusters(clusters)
     mlx_lm_step = median(steps)
-    rows = [dict(stages=n, streams=s, floor_hop_s=median(floors[n, s]), **summarize(runs[n, s])) for n, s in configs]
+    rows = [dict(stages=n, streams=s, floor_hop_s=median(floors[n, s]), idle_floor_hop_s=median(idle_floors[n, s]),
+                 **summarize(runs[n, s])) for n, s in configs]
     result.update(mlx_lm_step_s=mlx_lm_step, rows=rows)
     lines = [f"pipeline overhead: a {TINY['num_hidden_layers']}-layer random llama (hidden {TINY['hidden_size']}, "
              f"vocabulary {TINY['vocab_size']}), {args.max_tokens} tokens per stream, medians of {args.runs} runs",
@@ -265,15 +291,18 @@ async def bench_overhead(args) -> dict:
              "step: between a stream's tokens. Per decode frame, summed over the stages: compute; queued (the "
              "hand-off to a stage's MLX thread, and the wait behind other groups' frames); own/hop: the rest of "
              "its time (decoding, encoding, the wire, the head's handling) / hops; floor/hop: half a gRPC round "
-             "trip of the same frame bytes",
+             "trip of the same frame bytes, back to back (hot) and with each end working a stage's compute per "
+             "frame in between (idle: the frame reaches a waiting end, as in the pipeline)",
              f"{'stages':>6}{'streams':>8}{'rows':>5}{'step us':>9}{'compute':>8}{'queued':>7}{'own/hop':>8}"
-             f"{'floor/hop':>10}{'ratio':>7}{'tok/s':>7}   per frame, us: decode, encode, wire, head"]
+             f"{'floor hot':>10}{'ratio':>7}{'floor idle':>11}{'ratio':>7}{'tok/s':>7}"
+             "   per frame, us: decode, encode, wire, head"]
     for r in rows:
         b = r["budget"]
         own = sum(b[p] for p in OWN_PARTS) / (r["stages"] + 1)
         r["own_hop_us"] = own
+        hot, idle = r["floor_hop_s"] * 1e6, r["idle_floor_hop_s"] * 1e6
         lines.append(f"{r['stages']:6}{r['streams']:8}{b['rows']:5.0f}{r['step_s'] * 1e6:9.0f}{b['compute']:8.0f}"
-                     f"{b['queued']:7.0f}{own:8.0f}{r['floor_hop_s'] * 1e6:10.0f}{own / (r['floor_hop_s'] * 1e6):7.2f}"
+                     f"{b['queued']:7.0f}{own:8.0f}{hot:10.0f}{own / hot:7.2f}{idle:11.0f}{own / idle:7.2f}"
                      f"{r['tokens_per_s']:7.0f}   " + ", ".join(f"{b[p]:.0f}" for p in OWN_PARTS))
     lines += codec_lines()
     if args.model != "none":

@@ -48,3 +48,26 @@ def test_unknown_results_are_ignored_and_pending_frames_are_bounded(monkeypatch)
     assert t.tokens == 16 and t.wire == t.round_trip > 0  # no stage timings: all of it is unaccounted
     b.reset()
     assert b.kinds == {}
+
+
+def test_the_idle_floor_works_between_frames_at_both_ends_and_does_not_count_it():
+    """`bench overhead`'s floor with a stage's gaps: a real echo process behind the
+    cluster secret; each end works between frames (the trips take that long), and the
+    hop it reports leaves the work out."""
+    import asyncio
+    import time
+
+    from mlxpipe.bench.overhead import EchoServer, decode_frame, ping_pong
+
+    echo = EchoServer("a-secret", None)
+    try:
+        frame = decode_frame(rows=2, hidden=64, stages=2)
+        hot = asyncio.run(ping_pong(echo.address, "a-secret", frame, count=20))
+        work, count = 0.01, 10
+        t0 = time.perf_counter()
+        idle = asyncio.run(ping_pong(echo.address, "a-secret", frame, count=count, work=work))
+        wall = time.perf_counter() - t0
+    finally:
+        echo.close()
+    assert wall >= (count + 20) * 2 * work  # both ends worked before every frame of every trip
+    assert 0 < hot < work and 0 < idle < work  # a hop is the wire's time, not the work's
