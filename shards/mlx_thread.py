@@ -10,7 +10,12 @@ seconds that took). A plain call always finds every earlier frame finished.
 Launching ahead is on where MLX computes on a GPU (the thread is free while it
 runs); on MLX's CPU backend it is off by default: measured with ``mlxpipe bench
 overhead`` on 2 shared cores, the stream thread and this one contend, and 8
-streams lost a third of their tokens/s to it.
+streams lost a third of their tokens/s to it. Where it is on, a stage also
+launches each block of its range as soon as it is built
+(``SlicedModel.launch_blocks``), so that a lone stream's frame, which has no
+frame behind it to overlap, is built while it runs. ``mlxpipe node
+--launch-ahead/--no-launch-ahead`` (``serve`` passes its own to local stages)
+decides either way.
 
 At exit the thread is stopped and joined (as ``ThreadPoolExecutor``'s are): jobs
 still queued are dropped, so that no MLX work runs while the interpreter ends.

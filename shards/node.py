@@ -29,6 +29,11 @@ from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security
                                stage_server)
 from mlxpipe.shards.sizes import parse_size
 
+LAUNCH_AHEAD_HELP = (
+    "build each frame's graph while MLX runs what came before: launch each block as soon as it is built, "
+    "and the next group's frame before the last one finishes. Default: on where MLX computes on a GPU; "
+    "on MLX's CPU build it pays only with a core to spare (docs/benchmarks.md)")
+
 logger = logging.getLogger(__name__)
 
 
@@ -99,14 +104,16 @@ def _advertised(listen: str, head: str) -> str:
 
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
-                join: Optional[str] = None, advertise: Optional[str] = None) -> None:
+                join: Optional[str] = None, advertise: Optional[str] = None,
+                launch_ahead: Optional[bool] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
     # A node shows progress (bars in a terminal, lines in a log); stages a head started stay quiet.
     from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
-    servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent)
+    servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
+                             launch_ahead=launch_ahead)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
@@ -159,6 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 75%% of physical memory)")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
+    parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
+                        help=LAUNCH_AHEAD_HELP)
     parser.add_argument("--join", default=None, metavar="HEAD:PORT",
                         help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
     parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
@@ -187,7 +196,8 @@ def run(args) -> int:
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
-                          exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise))
+                          exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
+                          launch_ahead=args.launch_ahead))
     except KeyboardInterrupt:
         pass
     return 0

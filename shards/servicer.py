@@ -69,12 +69,12 @@ class StageServicer(pb_grpc.StageServicer):
     """The Stage service of pipeline.proto on this node; Have and Receive go to ``WeightService``."""
 
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
-                 models_dir: Optional[Path] = None, progress: bool = False):
+                 models_dir: Optional[Path] = None, progress: bool = False, launch_ahead: Optional[bool] = None):
         self.security = security or Security()
         self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
-        self.mlx = MlxThread()  # all MLX work, in order; frames launched one ahead (mlx_thread.py)
+        self.mlx = MlxThread(ahead=launch_ahead)  # all MLX work, in order; frames launched ahead (mlx_thread.py)
         self.loaded: Optional[_Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
         self.next_channel: Optional[grpc.aio.Channel] = None
@@ -146,6 +146,8 @@ class StageServicer(pb_grpc.StageServicer):
         resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()
         stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
+        if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
+            stage.launch_blocks()
         read_weights(stage, progress=self.progress)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))

@@ -256,6 +256,27 @@ def _refuse_reads(model: nn.Module, trace: Trace, start: int, end: int) -> None:
                                   "elsewhere")
 
 
+_LAUNCHING: Dict[type, type] = {}  # a block class -> its launching subclass
+
+
+def _launch_call(self, *args, **kwargs):
+    out = type(self).launched_from.__call__(self, *args, **kwargs)
+    mx.async_eval([x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, mx.array)])
+    return out
+
+
+def _launching(block: nn.Module) -> None:
+    """Make ``block`` hand its output to MLX (``mx.async_eval``) as soon as its graph is
+    built, so that MLX runs it while this thread builds the next block's (its class
+    becomes a subclass that does; its weights, attributes and names stay)."""
+    cls = type(block)
+    if getattr(cls, "launched_from", None) is None:
+        if cls not in _LAUNCHING:
+            _LAUNCHING[cls] = type(f"Launching{cls.__name__}", (cls,), {"__call__": _launch_call,
+                                                                          "launched_from": cls})
+        block.__class__ = _LAUNCHING[cls]
+
+
 class SlicedModel:
     """Layers ``[start, end)`` of ``model``; the first stage also embeds, the last
     also runs the final norm and output head (returning logits)."""
@@ -293,6 +314,15 @@ class SlicedModel:
             if k not in self.own:
                 sig = kinds.signature(c)
                 self._stand_in.append((k, mine.index(sig) if sig in mine else None))
+
+    def launch_blocks(self) -> None:
+        """Launch each block's graph as soon as it is built (``_launching``): on a device
+        that computes while the thread goes on (a GPU, or a spare core), the forward is
+        built while it runs, as mlx-lm's ``generate_step`` builds step k+1 while step k
+        runs. The tokens are the same: each block's arrays are what they were, evaluated
+        sooner."""
+        for block in self.blocks:
+            _launching(block)
 
     def make_cache(self) -> list:
         """Fresh caches for one sequence, one per cache slot of the range."""

@@ -15,11 +15,11 @@ from mlxpipe.server.core.streams import collect
 NEW_TOKENS = 32
 
 
-async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None, alone=None):
+async def _pipeline_tokens(model_path, stages, prompts, split=None, then=None, alone=None, launch_ahead=None):
     """Greedy tokens of ``prompts`` run together; with ``then(prompts, outs)``, a second
     round of prompts built from the first (they start from the prefix cache); with
     ``alone``, a last prompt run by itself (one stream: it decodes speculatively)."""
-    cfg = ClusterConfig(model=str(model_path), stages=stages, split=split, chunk_size=8)
+    cfg = ClusterConfig(model=str(model_path), stages=stages, split=split, chunk_size=8, launch_ahead=launch_ahead)
     async with Cluster(cfg) as cluster:
         async def run(ps):
             streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
@@ -57,7 +57,20 @@ def _prompt_ids(model_path):
 @pytest.mark.parametrize("model", ["default_model", "dsv3_model"])
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
-    path = request.getfixturevalue(model)
+    _check_equal(request.getfixturevalue(model), stages, reference, copies=model == "default_model")
+
+
+@pytest.mark.parametrize("model", ["default_model", "dsv3_model"])
+def test_launching_ahead_changes_no_token(model, request, reference):
+    """Stages that launch each block as soon as it is built and the next group's frame
+    before the last one finishes (`--launch-ahead`, the default where MLX runs on a GPU;
+    off on this CPU build) give mlx-lm's tokens all the same."""
+    _check_equal(request.getfixturevalue(model), 3, reference, copies=model == "default_model", launch_ahead=True)
+
+
+def _check_equal(path, stages, reference, copies: bool, launch_ahead=None):
+    """Batched prompts, prompts from the prefix cache and a speculating stream: mlx-lm's
+    tokens (``copies``: the model's answer copies code from its prompt, so drafts are accepted)."""
     prompts = _prompt_ids(path)
 
     def next_turns(prompts, outs):
@@ -69,7 +82,7 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
 
     (repeat,) = _chat(path, [REPEAT_CODE])
     outs, health, ranges, (again, again_outs, cached), (alone, drafts) = run_async(
-        _pipeline_tokens(path, stages, prompts, then=next_turns, alone=repeat))
+        _pipeline_tokens(path, stages, prompts, then=next_turns, alone=repeat, launch_ahead=launch_ahead))
     # Real stage processes, each holding its own contiguous, half-open range.
     assert len(health) == stages
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -83,7 +96,7 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
         assert hit >= 16, f"a resent prefix was not reused ({hit} cached tokens of {len(prompt)})"
         assert got == reference(path, prompt, NEW_TOKENS), f"{stages} stages diverged after a prefix-cache hit"
     assert alone == reference(path, repeat, NEW_TOKENS), f"{stages} stages diverged while speculating"
-    if model == "default_model":  # (the random model's answers copy nothing)
+    if copies:  # (the random model's answers copy nothing)
         assert drafts.accepted > 0, f"the copied code was not drafted from the prompt: {drafts}"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import pytest
 
 from mlxpipe.proto import codec
@@ -138,4 +139,31 @@ def test_a_chunk_launched_before_the_last_finished_reads_its_cache_updates(defau
         return [codec.decode(o.hidden) for o in outs]
 
     for a, b in zip(run(True), run(False)):
+        assert mx.array_equal(a, b).item()
+
+
+def test_blocks_launched_as_they_are_built_keep_their_weights_and_their_outputs(default_model):
+    """``SlicedModel.launch_blocks`` (a stage with ``--launch-ahead``): each block of the
+    range hands its output to MLX as soon as it is built; the same weights under the
+    same names, the same activations bit for bit."""
+    def forward(launching: bool):
+        stage, _ = load_stage(default_model, 4, 12)
+        before = dict(tree_flatten(stage.model.parameters()))
+        if launching:
+            stage.launch_blocks()
+            stage.launch_blocks()  # twice: still one launching class
+        after = dict(tree_flatten(stage.model.parameters()))
+        hidden = mx.random.normal((2, 5, 576), key=mx.random.key(3)).astype(mx.bfloat16)
+        caches = stage.make_cache()
+        first = stage(mx.zeros((2, 5), dtype=mx.int32), hidden, caches, [0, 0])
+        more = stage(mx.zeros((2, 1), dtype=mx.int32), first[:, -1:], caches, [5, 5])  # reads the caches
+        mx.eval(first, more)
+        return stage, before, after, first, more
+
+    plain, launched = forward(False), forward(True)
+    stage, before, after = launched[:3]
+    assert [type(b).__name__ for b in stage.blocks] == ["LaunchingTransformerBlock"] * 8
+    assert type(stage.blocks[0]).__mro__[1] is type(plain[0].blocks[0])
+    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+    for a, b in zip(plain[3:], launched[3:]):
         assert mx.array_equal(a, b).item()

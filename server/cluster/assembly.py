@@ -133,7 +133,8 @@ class Cluster:
             # users of this machine cannot drive them either.
             self.security = Security(secret=secrets.token_urlsafe(32))
             self.local = LocalStages(cfg.stages, self.security.secret, self.model.path.parent,
-                                     cpus=placement(cfg.stages, cfg.pin), log_level=cfg.stage_log_level)
+                                     cpus=placement(cfg.stages, cfg.pin), log_level=cfg.stage_log_level,
+                                     launch_ahead=cfg.launch_ahead)
             self.addresses = self.local.start()
             return
         self.addresses = list(cfg.nodes)

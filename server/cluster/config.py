@@ -25,6 +25,7 @@ from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
+from mlxpipe.shards.node import LAUNCH_AHEAD_HELP
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import parse_size
 
@@ -153,6 +154,8 @@ class ClusterConfig:
                                "local stages than cores, so that each stage has a core of its own, as each Mac of a "
                                "cluster would (the OS otherwise moves them about and they share); --no-pin leaves "
                                "placement to the OS", action=argparse.BooleanOptionalAction)
+    launch_ahead: Optional[bool] = knob(None, "local stages: " + LAUNCH_AHEAD_HELP,
+                                        action=argparse.BooleanOptionalAction)
     bits: Optional[str] = knob(
         None, "quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage loads its "
         "layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's mixed recipes "

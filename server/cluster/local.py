@@ -37,8 +37,10 @@ class LocalStages:
     """Stage worker processes on this machine, one per stage, on loopback."""
 
     def __init__(self, count: int, secret: str, models_dir: Path, host: str = "127.0.0.1",
-                 cpus: Optional[List[int]] = None, log_level: str = "WARNING"):
+                 cpus: Optional[List[int]] = None, log_level: str = "WARNING",
+                 launch_ahead: Optional[bool] = None):
         self.count, self.host, self.cpus, self.log_level = count, host, cpus, log_level
+        self.launch_ahead = launch_ahead
         self.secret, self.models_dir = secret, models_dir
         self.procs: List[subprocess.Popen] = []
         self.addresses: List[str] = []
@@ -60,6 +62,8 @@ class LocalStages:
                "--log-level", self.log_level, "--exit-with-parent", "--models-dir", str(self.models_dir)]
         if self.cpus:
             cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]
+        if self.launch_ahead is not None:
+            cmd.append("--launch-ahead" if self.launch_ahead else "--no-launch-ahead")
         # The secret goes by environment, not argv, which other users can read.
         # A session of its own: a Ctrl-C in the head's terminal reaches the head
         # alone, which then stops its stages in order (``stop``).
