@@ -40,7 +40,8 @@ async def bench_stream(args) -> dict:
     baseline = Baseline(path, 0 if args.pin else None)
     try:
         for n in counts:
-            clusters[n] = await Cluster(ClusterConfig(model=path, stages=n, pin=args.pin)).start()
+            clusters[n] = await Cluster(ClusterConfig(model=path, stages=n, pin=args.pin,
+                                                      launch_ahead=args.launch_ahead)).start()
         prompt = chat_prompt(clusters[counts[0]].tokenizer, args.prompt)
         series: Dict[str, List[RunResult]] = {"mlx-lm": []}
         series.update({f"{n} stage{'s' if n > 1 else ''}": [] for n in counts})
@@ -106,7 +107,8 @@ async def bench_speculative(args) -> dict:
     try:
         for key, spec, draft_model in (("plain", False, None), ("lookup", True, None), ("draft", True, draft)):
             clusters[key] = await Cluster(ClusterConfig(model=str(path), stages=n, pin=args.pin, speculate=spec,
-                                                        draft_model=draft_model)).start()
+                                                        draft_model=draft_model,
+                                                        launch_ahead=args.launch_ahead)).start()
         tok = clusters["plain"].tokenizer
         prompts = {"repeat JSON": chat_prompt(tok, REPEAT_PROMPT), "chat": chat_prompt(tok, args.prompt)}
         names = ["mlx-lm", f"mlx-lm speculative ({label})", f"{n} stages",
@@ -165,6 +167,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--stages", default="1,2,3", help="stage counts to measure (--speculative: the last one)")
     q.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (a user message)")
+    q.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="the stages' --launch-ahead (default: theirs, on where MLX computes on a GPU)")
     q.add_argument("--speculative", action="store_true",
                    help="a repetition-heavy and a chat prompt, speculation off and on, beside mlx-lm's own")
     q.add_argument("--draft-layers", type=int, default=4,
