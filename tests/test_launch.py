@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
