@@ -23,7 +23,8 @@ import mlx.core as mx
 from mlxpipe.bench.common import median, percentile, progress_bar
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import Constraint, tokenizer_from_json
-from mlxpipe.shards.sampling import Sampling, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import SeqSampler, pick_batch
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.store import resolve_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],

@@ -52,8 +52,8 @@ from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.launch import Launched, later
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
-from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
-                                     pick_positions)
+from mlxpipe.shards.sampling import SeqSampler, SequenceFailure, pick_batch, pick_positions
+from mlxpipe.shards.sampling_params import Sampling, SamplingError
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 PING_EVERY_S = 10.0  # a `ping` event this often while nothing else is sent (long prefills)

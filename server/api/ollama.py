@@ -28,7 +28,7 @@ from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 VERSION = "0.12.0"  # the Ollama API this follows (clients check that /api/version answers)
 # Ollama's options that are sampling parameters, by their name in ``Sampling``.

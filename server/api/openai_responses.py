@@ -29,7 +29,7 @@ from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 MAX_STORED = 1024
 MAX_STORED_BYTES = 64 << 20

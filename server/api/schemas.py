@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from mlxpipe.server.core.drafting import SOURCES
-from mlxpipe.shards.sampling import INT32, Sampling
+from mlxpipe.shards.sampling_params import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256

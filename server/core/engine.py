@@ -26,7 +26,7 @@ from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
 from mlxpipe.server.core.transport import PipelineError, StageHealth, Transport
-from mlxpipe.shards.sampling import INT32, Sampling
+from mlxpipe.shards.sampling_params import INT32, Sampling
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import Drafter
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 
 class QueueFull(RuntimeError):
