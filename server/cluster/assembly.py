@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
 from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits)
+from mlxpipe.server.cluster.draft_model import load_draft_model
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -22,7 +23,6 @@ from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.core.draft_model import load_draft_model
 from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
 from mlxpipe.shards.profile import offered_memory
 from mlxpipe.shards.store import fingerprint
