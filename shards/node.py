@@ -27,12 +27,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
+from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.sizes import parse_size
-
-LAUNCH_AHEAD_HELP = (
-    "build each frame's graph while MLX runs what came before: launch each block as soon as it is built, "
-    "and the next group's frame before the last one finishes. Default: on where MLX computes on a GPU; "
-    "on MLX's CPU build it pays only with a core to spare (docs/benchmarks.md)")
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 75%% of physical memory)")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
-    parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
-                        help=LAUNCH_AHEAD_HELP)
+    add_launch_ahead(parser)
     parser.add_argument("--join", default=None, metavar="HEAD:PORT",
                         help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
     parser.add_argument("--advertise", default=None, metavar="HOST:PORT",

@@ -17,17 +17,18 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
-from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
-from mlxpipe.server.cluster.planner import Workload
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
-from mlxpipe.shards.node import LAUNCH_AHEAD_HELP
+from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import parse_size
+
+if TYPE_CHECKING:
+    from mlxpipe.proto.rpc import Security
 
 _NO_DEFAULT = dataclasses.MISSING
 
@@ -105,8 +106,30 @@ def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
 def _api_key(path: Optional[str]) -> Optional[str]:
     """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
     if path:
+        from mlxpipe.proto.rpc import read_secret
+
         return read_secret(path, "--api-key-file")
     return os.environ.get("MLXPIPE_API_KEY") or None
+
+
+# The cluster secret and TLS are proto/rpc.py's (with gRPC): taken when a config is
+# made or read, so that importing the tree loads no gRPC.
+def _security() -> "Security":
+    from mlxpipe.proto.rpc import Security
+
+    return Security()
+
+
+def _add_security(parser: argparse.ArgumentParser) -> None:
+    from mlxpipe.proto.rpc import add_security_arguments
+
+    add_security_arguments(parser)
+
+
+def _read_security(args: argparse.Namespace) -> "Security":
+    from mlxpipe.proto.rpc import Security
+
+    return Security.from_args(args)
 
 
 @dataclass
@@ -121,7 +144,7 @@ class ClusterConfig:
                             factory=list, parse=_node_list, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
-    prompt_ratio: float = knob(Workload.prompt_ratio, "prompt tokens per generated token the 'auto' split is "
+    prompt_ratio: float = knob(10.0, "prompt tokens per generated token the 'auto' split is "
                                "balanced for, from each node's measured prefill and decode (default %(default)s: "
                                "chat and agents, which resend long contexts; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
@@ -154,8 +177,9 @@ class ClusterConfig:
                                "local stages than cores, so that each stage has a core of its own, as each Mac of a "
                                "cluster would (the OS otherwise moves them about and they share); --no-pin leaves "
                                "placement to the OS", action=argparse.BooleanOptionalAction)
-    launch_ahead: Optional[bool] = knob(None, "local stages: " + LAUNCH_AHEAD_HELP,
-                                        action=argparse.BooleanOptionalAction)
+    launch_ahead: Optional[bool] = knob(None, "local stages' --launch-ahead (shards/node_options.py)",
+                                        add=lambda p: add_launch_ahead(p, "local stages: "),
+                                        read=lambda args: args.launch_ahead)
     bits: Optional[str] = knob(
         None, "quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage loads its "
         "layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's mixed recipes "
@@ -163,7 +187,7 @@ class ClusterConfig:
     group_size: int = knob(DEFAULT_GROUP_SIZE, "weights per quantization scale and bias, with --bits (default "
                            "%(default)s)", type=count)
     security: Security = knob(help="the cluster secret and TLS toward --nodes (local stages get a fresh secret)",
-                              factory=Security, add=add_security_arguments, read=Security.from_args)
+                              factory=_security, add=_add_security, read=_read_security)
     weights_rate: Optional[float] = knob(None, "cap on weights streamed to each node that lacks the model, e.g. "
                                          "100MB (per second)", parse=_size)
     join_listen: Optional[str] = knob(None, "let nodes join here (`mlxpipe node --join HOST:PORT`), with the "

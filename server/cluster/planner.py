@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.shards.sizes import gb
 
@@ -30,8 +31,8 @@ from mlxpipe.shards.sizes import gb
 class Workload:
     """The work a split is balanced for (chat and agents resend long contexts every turn)."""
 
-    prompt_ratio: float = 10.0  # prompt tokens per generated token (0: balance decode alone)
-    chunk_tokens: int = 256     # prefill tokens per frame (the head's chunk size)
+    prompt_ratio: float = ClusterConfig.prompt_ratio  # prompt tokens per generated token (0: balance decode alone)
+    chunk_tokens: int = ClusterConfig.chunk_size        # prefill tokens per frame (the head's chunk size)
 
     def __post_init__(self) -> None:
         if self.prompt_ratio < 0 or self.chunk_tokens < 1:
