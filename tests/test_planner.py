@@ -236,7 +236,8 @@ def test_cli_table_and_infeasible(capsys):
     assert plan_command.run(_args("--model", qwen, "--nodes", "96GB,96GB", "--bits", "4")) == 0
     out = capsys.readouterr().out
     assert "800 GB/s assumed" in out and "[0, " in out and "tokens/s" in out
-    rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "144GB,144GB", "--bits", "3"))
+    rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "144GB,144GB", "--bits", "3",
+                                "--concurrency", "1"))
     assert rc == 2
     short = _shortfall(load_model_cost(CONFIGS / "deepseek_v3.json", bits=3), 2 * 144 * GB, context=8192)
     assert f"{short / 1e9:.1f} GB short" in capsys.readouterr().err

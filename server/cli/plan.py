@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.bits import BitsChoice, plan_bits
+from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, plan
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
@@ -30,9 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize to this many bits, or by one of mlx-lm's mixed recipes (mixed_3_6, ...), or "
                         "'auto': per layer the most bits that fit the nodes (default: the folder's own "
                         "quantization, else 16-bit)")
-    p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
-    p.add_argument("--context", type=int, default=8192, help="tokens of KV cache per stream (default 8192)")
-    p.add_argument("--concurrency", type=int, default=1, help="streams whose KV cache must fit (default 1)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"quantization group size (default: the folder's own, else {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--context", type=int, default=PLANNED_CONTEXT,
+                   help="tokens of KV cache per stream (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=ClusterConfig.concurrency,
+                   help="streams whose KV cache must fit (default %(default)s, as `mlxpipe serve` plans for)")
     p.add_argument("--bandwidth", default=None,
                    help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
                         f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")

@@ -132,6 +132,9 @@ def _read_security(args: argparse.Namespace) -> "Security":
     return Security.from_args(args)
 
 
+PLANNED_CONTEXT = 8192  # tokens per sequence the KV cache is planned for, when not given (at most the model's)
+
+
 @dataclass
 class ClusterConfig:
     """Where the pipeline runs and how it is cut, batched, speculated and quantized."""
@@ -198,7 +201,7 @@ class ClusterConfig:
     max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
     profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)
     context: Optional[int] = knob(None, "tokens per sequence the KV cache must hold, for planning memory "
-                                  "(default: min(the model's, 8192))", flag=None)
+                                  f"(default: min(the model's, {PLANNED_CONTEXT}))", flag=None)
     concurrency: int = knob(4, "sequences whose KV cache must fit, for planning memory", flag=None)
     restart: bool = knob(True, "restart local stage processes that die or stall, in place", flag=None)
     rejoin_timeout_s: float = knob(30.0, "how long a failed remote node gets to come back before re-planning",
@@ -302,6 +305,12 @@ class StageLimits:
 def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
     return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0)
+
+
+def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:
+    """Tokens per sequence the planner makes room for: ``cfg.context``, else the model's
+    context (``max_position_embeddings``), at most ``PLANNED_CONTEXT``."""
+    return cfg.context or min(int(model_context or PLANNED_CONTEXT), PLANNED_CONTEXT)
 
 
 def kv_token_budget(loads: Sequence) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from mlxpipe.shards.quant_spec import BITS, RECIPES, QuantSpec
+from mlxpipe.shards.quant_spec import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
 from mlxpipe.shards.store import text_config
 from mlxpipe.shards.weights import LAYER_RE, read_header
 
@@ -292,7 +292,7 @@ def _bits_and_group(cfg: dict, bits: Optional[int], group_size: Optional[int],
                             quant.group_size)
     stored = cfg.get("quantization") or {}
     bits = stored.get("bits") if bits is None else bits
-    group_size = (stored.get("group_size") or 64) if group_size is None else group_size
+    group_size = (stored.get("group_size") or DEFAULT_GROUP_SIZE) if group_size is None else group_size
     if bits is not None and bits != 16 and not 1 <= bits <= 8:
         raise ValueError(f"bits must be between 1 and 8 (or 16 for unquantized), not {bits}")
     if group_size <= 0:

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster import planner
 from mlxpipe.server.cluster.bits import plan_bits
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.config import ClusterConfig, planned_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.model import Model
 from mlxpipe.server.cluster.stage_client import Pipeline
@@ -86,7 +86,7 @@ class Placer:
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
-        context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
+        context = planned_context(cfg, self.model.config.get("max_position_embeddings"))
         work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
         if auto:
             choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.shards.sizes import gb
 
@@ -334,7 +334,7 @@ class _Problem:
                               f"{gb(have - need)} to spare is too little to round up to whole layers")
 
 
-def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
+def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = PLANNED_CONTEXT, concurrency: int = 1,
          hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
     """The best contiguous split of the model's layers over ``nodes``, in the order given.
 
