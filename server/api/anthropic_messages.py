@@ -28,11 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator, keepalive
-from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling_params import Sampling
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 PING_EVERY_S = 10.0  # a `ping` event this often while nothing else is sent (long prefills)
@@ -174,8 +173,7 @@ def to_request(req: MessagesRequest, options: ApiOptions) -> GenerationRequest:
     tools = _tools(req)
     return GenerationRequest(
         messages=_messages(req), tools=tools,
-        sampling=Sampling(temperature=options.default_temperature if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0),
+        sampling=request_sampling(options, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
         max_tokens=req.max_tokens, clamp_max_tokens=True, stop=req.stop_sequences or [],
         response_format=_output_format(req.output_config),
         tool_choice=_tool_choice(req.tool_choice) if tools else None,

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
-from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
@@ -68,9 +68,8 @@ class Options(BaseModel):
     def _stops(cls, v):
         return stop_strings(v)
 
-    def sampling(self, default_temperature: float) -> Sampling:
-        given = {ours: getattr(self, theirs) for theirs, ours in _OPTIONS.items() if getattr(self, theirs) is not None}
-        return Sampling(**{"temperature": default_temperature, **given})
+    def sampling(self, options: ApiOptions) -> Sampling:
+        return request_sampling(options, **{ours: getattr(self, theirs) for theirs, ours in _OPTIONS.items()})
 
     def max_tokens(self) -> Optional[int]:
         return self.num_predict if self.num_predict and self.num_predict > 0 else None
@@ -144,7 +143,7 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
 
 def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
-    common = dict(sampling=body.options.sampling(options.default_temperature),
+    common = dict(sampling=body.options.sampling(options),
                   max_tokens=body.options.max_tokens(), stop=body.options.stop or [],
                   response_format=_format(body.format))
     if isinstance(body, ChatBody):

@@ -17,7 +17,7 @@ def completion_request(req: CompletionRequest, options: ApiOptions) -> Generatio
     text = req.prompt_text()
     return GenerationRequest(
         text=text, token_ids=list(req.prompt) if text is None else None,
-        sampling=req.sampling(options.default_temperature), max_tokens=req.token_budget(), n=req.n,
+        sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
         stop=req.stop_strings(), split_reply=False, speculation=req.speculation, max_drafts=req.num_draft_tokens)
 
 

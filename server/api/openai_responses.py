@@ -26,10 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
-from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling_params import Sampling
 
 MAX_STORED = 1024
 MAX_STORED_BYTES = 64 << 20
@@ -148,8 +147,7 @@ def to_request(req: ResponsesRequest, history: list, options: ApiOptions) -> Tup
     functions = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                      if t.get(k) is not None}}
                  for t in req.tools or [] if t.get("type") == "function"]
-    sampling = Sampling(temperature=options.default_temperature if req.temperature is None else req.temperature,
-                        top_p=1.0 if req.top_p is None else req.top_p)
+    sampling = request_sampling(options, temperature=req.temperature, top_p=req.top_p)
     return GenerationRequest(
         messages=messages, tools=functions or None, sampling=sampling, max_tokens=req.max_output_tokens,
         response_format=_response_format(req.text),

@@ -17,7 +17,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from mlxpipe.server.core.drafting import SOURCES
+from mlxpipe.server.api.request import request_sampling
+from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
 from mlxpipe.shards.sampling_params import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
@@ -160,7 +162,7 @@ class OpenAIRequest(BaseModel):
     logit_bias: Optional[Dict[str, float]] = None
     # Speculative decoding (output is the same either way): what to draft from, and
     # mlx_lm.server's cap on drafted tokens (0: do not speculate).
-    speculation: Literal[SOURCES] = "auto"
+    speculation: Literal[SOURCES] = DEFAULT_SPECULATION
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -195,15 +197,16 @@ class OpenAIRequest(BaseModel):
         """(report the chosen tokens' log-probabilities, alternatives per token)."""
         raise NotImplementedError
 
-    def sampling(self, default_temperature: float) -> Sampling:
+    def sampling(self, options: ApiOptions) -> Sampling:
         """The request's ``Sampling`` (its choices differ by seed: ``Generator.start``)."""
         logprobs, top = self.want_logprobs()
-        return Sampling(
-            temperature=default_temperature if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+        return request_sampling(
+            options,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,

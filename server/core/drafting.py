@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Dict, List, Protocol, Sequence, Tuple
 
 SOURCES = ("auto", "prompt_lookup", "draft_model", "none")  # what a request may ask to draft from
+DEFAULT_SPECULATION = "auto"  # what it drafts from when it does not say: lookup, then the draft model if any
 
 
 class Drafter(Protocol):

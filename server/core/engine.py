@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
@@ -208,7 +208,7 @@ class Engine:
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
-               speculation: str = "auto", max_drafts: Optional[int] = None) -> RequestStream:
+               speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
