@@ -21,6 +21,7 @@ from mlx_lm.utils import load_tokenizer
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
                                   decode_window, free_port, long_text, median, percentile, pin_flags,
                                   progress_bar, window_rate)
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 
@@ -206,7 +207,8 @@ def chart(result: dict, path: str) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("load"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--concurrency", default="1,2,4,8", help="concurrency levels")
     q.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")
     q.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default %(default)s)")

@@ -332,7 +332,7 @@ model's own cache class.
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("models")
     q.add_argument("--types", default=None, help="comma-separated model types (default: all)")
-    q.add_argument("--stages", default="2,3", help="stage counts to run each type at (default 2,3)")
+    q.add_argument("--stages", default="2,3", help="stage counts to run each type at (default %(default)s)")
     q.add_argument("--markdown", default=None, help="also write the table to this file (docs/models.md)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     q.set_defaults(measure=bench_models)

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.bits import plan_bits
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.planner import NodeSpec
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.quantize import quantize_range
@@ -144,7 +145,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a full-precision model folder (default: the embedded model dequantized to bf16)")
     q.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help=f"comma-separated: bf16 (as stored), bits, mlx-lm recipes, auto (default {DEFAULT_SETTINGS})")
-    q.add_argument("--group-size", type=int, default=64, help="weights per quantization scale and bias (default %(default)s)")
+    q.add_argument("--group-size", type=int, default=ClusterConfig.group_size,
+                   help="weights per quantization scale and bias (default %(default)s)")
     q.add_argument("--text", default=None, help="a text file to score (default: bench/quality.txt)")
     q.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens of the text")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per generated token the split is balanced for (default "
                         f"{Workload.prompt_ratio:g}: chat and agents; 0: decode alone)")
     p.add_argument("--prompt-tokens", type=int, default=2048,
-                   help="the prompt whose time to first token is predicted (default 2048)")
+                   help="the prompt whose time to first token is predicted (default %(default)s)")
     p.add_argument("--chunk", type=int, default=Workload.chunk_tokens,
                    help=f"prefill tokens per frame, as serve's --chunk-size (default {Workload.chunk_tokens})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

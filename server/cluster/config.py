@@ -226,13 +226,13 @@ class ApiOptions:
                                   parse=_api_key)
     cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
                                          flag="--cors-origin", action="append", parse=tuple, cli_default=[])
-    max_body_bytes: int = knob(4 << 20, "largest request body (default 4 MiB)", type=count)
+    max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)
     max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
                                             "context)", type=count)
     max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
                                            "context)", type=count)
     log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
-                              "prompt/cached/completion tokens, time to first token, tok/s (default: on)",
+                              "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
                               action=argparse.BooleanOptionalAction)
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
 

@@ -149,7 +149,7 @@ class Plan:
     stages: Tuple[PlannedStage, ...]
     num_layers: int
     unused: Tuple[str, ...]   # nodes given no layers
-    chunk_tokens: int = 256   # prefill tokens per frame
+    chunk_tokens: int = ClusterConfig.chunk_size  # prefill tokens per frame
 
     @property
     def ranges(self) -> List[Tuple[int, int]]:
