@@ -72,7 +72,7 @@ class InProcess:
         """Greedy (or ``sampling``: one, or one per prompt) tokens of every prompt, run
         together; and their Sequences. ``replay_after``: after that many results the
         stages lose every sequence and the scheduler replays them (as after a fault)."""
-        from mlxpipe.shards.sampling import Sampling
+        from mlxpipe.shards.sampling_params import Sampling
 
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         seqs = []

@@ -19,7 +19,7 @@ from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, snapshot
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.slicing import UNSUPPORTED
 
 # One of each kind: attention only (llama; DeepSeek-V3's latent attention), sliding

@@ -13,7 +13,7 @@ from inproc import InProcess
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import tokenizer_from_json
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8},
