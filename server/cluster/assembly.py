@@ -188,9 +188,9 @@ class Cluster:
                     await pipeline.close()
                     pipeline = self._pipeline([addresses[i] for i in keep])
             elif split == "even" or len(split.split(",")) == len(addresses):
-                ranges = fixed_ranges(layers, len(addresses), split)
+                ranges = fixed_ranges(layers, len(addresses), split, self.model.cuts)
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
-                ranges = even_split(layers, len(addresses))
+                ranges = even_split(layers, len(addresses), self.model.cuts)
             pipeline.assign(ranges)
             await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
         except BaseException:

@@ -88,15 +88,16 @@ class Placer:
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
         context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
         work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
+        cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
         if auto:
             choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
                                group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                               every_node=self.local, workload=work)
+                               every_node=self.local, workload=work, cuts=cuts)
             plan, self.model.quant = choice.plan, choice.spec
             logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
         else:
             plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local,
-                                workload=work)
+                                workload=work, cuts=cuts)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         costed = any(s.prefill_seconds for s in plan.stages)
