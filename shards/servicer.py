@@ -16,6 +16,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import platform
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,7 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import memory
+from mlxpipe.shards import hello, links, memory
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
@@ -87,6 +88,10 @@ class StageServicer(pb_grpc.StageServicer):
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
+        self.name = platform.node()  # what Hello and the announcement call this node
+        self.listening = (0, "")     # our port and the address we advertise (node.py sets them once bound)
+        self.next_link: Optional[links.Keeper] = None  # the hop to the next stage, kept current
+        self.in_link = links.LiveLink()                # the hop into this stage, from live frames
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -96,6 +101,17 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Ping(self, request, context):
         return pb.PingReply()
+
+    async def Hello(self, request, context):
+        """Who this node is, and (for an address of ours) proof that it holds the secret (``hello.py``)."""
+        port, advertise = self.listening
+        mine = hello.own_addresses(port, [advertise] if advertise else [])
+        return hello.reply(self.security.secret, offered_memory(self.memory_bytes), self.name,
+                           context.invocation_metadata(), mine)
+
+    async def Echo(self, request: pb.EchoRequest, context):
+        await refuse_malformed(request, context)
+        return pb.EchoReply(payload=bytes(min(request.reply_bytes, 1 << 20)))
 
     # -- Profile ---------------------------------------------------------------
 
@@ -232,9 +248,13 @@ class StageServicer(pb_grpc.StageServicer):
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
                 await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
+            if self.next_link is not None:
+                self.next_link.stop()
+                self.next_link = None
             if self.next_channel is not None:
                 await self.next_channel.close()
                 self.next_channel = self.next_stub = None
+            self.in_link = links.LiveLink()
             if request.next_address:
                 self.next_channel = self.security.channel(request.next_address)
                 self.next_stub = pb_grpc.StageStub(self.next_channel)
@@ -248,6 +268,7 @@ class StageServicer(pb_grpc.StageServicer):
                         f"next stage {request.next_address} is unreachable from this stage: "
                         f"{err.code().name}: {err.details()}",
                     )
+                await self._time_next_hop(loaded, request)
             self.loaded = loaded
             self.state, self.detail = "ready", ""
             logger.info(
@@ -256,6 +277,18 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return loaded.reply
+
+    async def _time_next_hop(self, loaded: _Loaded, request: pb.LoadRequest) -> None:
+        """Time the hop to the next stage (``links.py``) for the Load reply, then keep it current."""
+        try:
+            first = await links.measure(self.next_stub, self.security.metadata(), request.probe_small or 64,
+                                        request.probe_large, request.next_address,
+                                        large_repeats=links.LARGE_REPEATS if request.probe_large else 0)
+        except grpc.aio.AioRpcError as err:  # (a node of an older mlxpipe has no Echo: the head refuses it)
+            logger.warning("could not time the hop to %s: %s", request.next_address, err.details())
+            return
+        loaded.reply.next_link.CopyFrom(first)
+        self.next_link = links.Keeper(self.next_stub, self.security.metadata(), first)
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):
@@ -342,6 +375,9 @@ class StageServicer(pb_grpc.StageServicer):
             reply.cache_bytes = view.cache_bytes
             reply.prefix_bytes = view.prefix_bytes
             reply.prefix_blocks = view.prefix_blocks
+            if self.next_link is not None:
+                reply.next_link.CopyFrom(self.next_link.link)
+            reply.in_link.CopyFrom(self.in_link.figures())
             busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(
                 pb.StageStats(

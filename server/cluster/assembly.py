@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
 from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits)
+from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -24,7 +25,10 @@ from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
 from mlxpipe.server.core.draft_model import load_draft_model
 from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
+from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.links import probe_sizes
 from mlxpipe.shards.profile import offered_memory
+from mlxpipe.shards.quant_spec import quantized_fingerprint
 from mlxpipe.shards.store import fingerprint
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,16 @@ class Cluster:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
         return joined_table(self.joined, {st.address for st in self.pipeline.stages})
 
+    def report(self) -> dict:
+        """What ``/health``, ``/metrics`` and ``/nodes`` say of the cluster beyond its stages:
+        every link's latency and throughput and the warnings about them."""
+        out: dict = {}
+        if self.engine is not None:
+            table = self.pipeline.links
+            out["links"] = [link.to_dict() for link in table.links()]
+            out["link_warnings"] = table.warnings()
+        return out
+
     def describe(self) -> List[str]:
         quant = self.quant
         lines = [f"model {self.model_path}" + (f", quantized on load: {quant.describe()}" if quant else "")]
@@ -149,6 +163,9 @@ class Cluster:
                 self._node_added.clear()
                 await self._node_added.wait()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
+        refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
+        if refused:
+            raise PipelineError("; ".join(refused.values()), list(refused))
 
     def _budget(self, pipeline: Pipeline) -> Tuple[int, int]:
         """The KV positions and prefix-cache blocks a loaded pipeline's stages hold."""
@@ -174,8 +191,9 @@ class Cluster:
             cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
+        probe = probe_sizes(int(self.model.config["hidden_size"]), 4, self.config.chunk_size)
         return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec)
+                        tokenizer=self.model.tokenizer_spec, probe=probe)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -192,6 +210,8 @@ class Cluster:
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
                 ranges = even_split(layers, len(addresses), self.model.cuts)
             pipeline.assign(ranges)
+            pipeline.fingerprint = quantized_fingerprint(self.weights.fingerprint if self.weights else
+                                                         fingerprint(self.model.path), self.model.quant)
             await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
         except BaseException:
             await pipeline.close()
@@ -224,6 +244,10 @@ class Cluster:
         """A node joined: plan over it too. Returns whether it is in the pipeline now."""
         if self.local is not None:
             return False, "this head runs local stages; start it with --nodes or --join-listen to accept nodes"
+        why = (await vet([joined.address], self.security))[joined.address]
+        if why:
+            logger.warning("refused node %s: %s", joined.address, why)
+            return False, why
         self.joined[joined.address] = joined
         if joined.address not in self.addresses:
             self.addresses.append(joined.address)
