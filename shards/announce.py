@@ -55,14 +55,15 @@ class Announcer:
         from zeroconf import IPVersion
         from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-        instance = re.sub(r"[^A-Za-z0-9-]", "-", f"{name}-{port}")[:63]
+        # Unique on the link (machines may share a host name): the name, the first address, the port.
+        instance = re.sub(r"[^A-Za-z0-9-]", "-", f"{name}-{hosts[0] if hosts else ''}-{port}")[:63]
         self.info = AsyncServiceInfo(SERVICE, f"{instance}.{SERVICE}", port=port, properties=props,
                                      addresses=[socket.inet_aton(h) for h in hosts],
                                      server=f"{instance}.local.", host_ttl=TTL_S, other_ttl=TTL_S)
         self.zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
 
     async def start(self) -> None:
-        await self.zc.async_register_service(self.info)
+        await self.zc.async_register_service(self.info, allow_name_change=True)
         logger.warning("announcing %s on the local network (%s)", self.info.name,
                        ", ".join(f"{a}:{self.info.port}" for a in self.info.parsed_addresses()))
 

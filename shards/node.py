@@ -119,8 +119,8 @@ async def _announce(servicer, host: str, port: int, advertise: Optional[str], me
         announcer = Announcer(servicer.name, addresses(host), port,
                               properties(servicer.name, offered_memory(memory_bytes), servicer.security.secret))
         await announcer.start()
-    except (OSError, ValueError) as err:
-        logger.error("cannot announce this node on the local network: %s", err)
+    except Exception as err:  # noqa: BLE001 - zeroconf's own errors too: the node serves all the same
+        logger.error("cannot announce this node on the local network: %s: %s", type(err).__name__, err)
         return None
     return announcer
 
@@ -128,7 +128,7 @@ async def _announce(servicer, host: str, port: int, advertise: Optional[str], me
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
-                launch_ahead: Optional[bool] = None, announce: bool = False) -> None:
+                launch_ahead: Optional[bool] = None, announce: bool = False, name: Optional[str] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one); ``announce``: on the LAN."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -137,6 +137,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
                              launch_ahead=launch_ahead)
+    servicer.name = name or servicer.name
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
@@ -182,6 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=None,
                         help="host:port to listen on (default 127.0.0.1:50051, or 0.0.0.0:50051 with --announce; "
                              "port 0 picks one). Any other host than loopback needs the cluster secret.")
+    parser.add_argument("--name", default=None, help="what heads call this node (default: the host name)")
     parser.add_argument("--announce", action="store_true",
                         help="announce this node on the local network (DNS-SD), with its cluster id (derived from "
                              "the secret, never the secret), so that `mlxpipe serve --discover` finds it; needs the "
@@ -233,7 +235,7 @@ def run(args) -> int:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead, announce=args.announce))
+                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name))
     except KeyboardInterrupt:
         pass
     return 0

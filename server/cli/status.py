@@ -14,7 +14,7 @@ from typing import List
 import httpx
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
-from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
+from mlxpipe.server.cli.nodes import add_head_arguments, get_head
 from mlxpipe.server.cli.options import api_key, table
 from mlxpipe.server.cli.running import head_url
 

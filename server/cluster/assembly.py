@@ -15,6 +15,7 @@ from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
 from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits)
 from mlxpipe.server.cluster.checks import vet
+from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -52,6 +53,7 @@ class Cluster:
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
+        self.discovery: Optional[Discovery] = None  # --discover: this cluster's nodes on the LAN
         self._node_added = asyncio.Event()
 
     # -- what the rest of the head reads --------------------------------------------
@@ -104,6 +106,9 @@ class Cluster:
             table = self.pipeline.links
             out["links"] = [link.to_dict() for link in table.links()]
             out["link_warnings"] = table.warnings()
+        if self.discovery is not None:
+            out["discovered"] = self.discovery.table()
+            out["discovery"] = {"drop_after_s": DROP_AFTER_S, "usable": self.discovery.usable()}
         return out
 
     def describe(self) -> List[str]:
@@ -142,7 +147,7 @@ class Cluster:
         """Local stage processes, or the --nodes workers (and, with --join-listen, the
         nodes that join), every one answering."""
         cfg = self.config
-        if not (cfg.nodes or cfg.join_listen):
+        if not (cfg.nodes or cfg.join_listen or cfg.discover):
             # Local stages: a random cluster secret of their own, so that other
             # users of this machine cannot drive them either.
             self.security = Security(secret=secrets.token_urlsafe(32))
@@ -162,6 +167,8 @@ class Cluster:
                                len(self.addresses), max(cfg.wait_nodes, 1))
                 self._node_added.clear()
                 await self._node_added.wait()
+        if cfg.discover:
+            await self._discover()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
         refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
         if refused:
@@ -231,14 +238,42 @@ class Cluster:
         return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
-        """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``)."""
+        """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``;
+        nodes that discovery dropped are not waited for)."""
         cfg = self.config
-        alive = await answering(self.addresses, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s,
-                                why, suspects)
+        gone = self.discovery.gone if self.discovery is not None else set
+        alive = await answering([a for a in self.addresses if a not in gone()], self.security, self.local,
+                                cfg.restart, cfg.rejoin_timeout_s, why, suspects, gone=gone)
         pipeline = await build_leaving_out(alive, self._build, why)
         return Rebuilt(pipeline, *self._budget(pipeline))
 
-    # -- nodes that join, stopping ------------------------------------------------------
+    # -- nodes found on the LAN, nodes that join, stopping --------------------------------
+
+    async def _discover(self) -> None:
+        """Find this cluster's nodes on the LAN (``discovery.py``): wait for ``--wait-nodes``
+        of them (listed ones count), then for no more to come."""
+        if not self.security.secret:
+            raise ValueError("--discover needs the cluster secret (--secret-file or $MLXPIPE_SECRET): nodes are "
+                             "found, and proved, by it")
+        self.discovery = await Discovery(self.security, self._found, self._lost).start()
+        want = max(self.config.wait_nodes, 1) - len(self.addresses)
+        for address in await self.discovery.wait(max(want, 0)):
+            if address not in self.addresses:
+                self.addresses.append(address)
+
+    async def _found(self, found) -> None:
+        """A node of this cluster appeared on the LAN: plan over it too (as a node that joins)."""
+        if self.engine is None or found.address in self.addresses:
+            return  # (still starting: the first plan takes every node found by then)
+        self.addresses.append(found.address)
+        await self.engine.request_replan(f"node {found.address} found on the local network", timeout=REPLAN_WAIT_S)
+
+    async def _lost(self, found) -> None:
+        """A node stopped answering (or said goodbye): the next plan leaves it out. (If it
+        held layers, its broken stream has the engine rebuild without it already.)"""
+        if found.address in self.addresses:
+            self.addresses.remove(found.address)
+
 
     async def add_node(self, joined) -> Tuple[bool, str]:
         """A node joined: plan over it too. Returns whether it is in the pipeline now."""
@@ -259,6 +294,8 @@ class Cluster:
         return in_plan, self.plan_note
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.join_server is not None:
             await self.join_server.stop(grace=None)
         if self.engine is not None:

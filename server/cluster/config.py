@@ -168,8 +168,12 @@ class ClusterConfig:
                                          "100MB (per second)", parse=_size)
     join_listen: Optional[str] = knob(None, "let nodes join here (`mlxpipe node --join HOST:PORT`), with the "
                                       "cluster secret", metavar="HOST:PORT", serve_only=True)
-    wait_nodes: int = knob(0, "with --join-listen: nodes to wait for (listed and joined) before serving "
-                           "(default 1)", type=int, serve_only=True)
+    wait_nodes: int = knob(0, "with --join-listen or --discover: nodes to wait for (listed, joined or found) "
+                           "before serving (default 1)", type=int, serve_only=True)
+    discover: bool = knob(False, "find this cluster's nodes on the local network (those started with `mlxpipe node "
+                          "--announce` and the same secret; DNS-SD, never beyond the link), authenticate each, plan "
+                          "over them, add those that appear later and drop those that stop answering. Needs the "
+                          "cluster secret; off unless given", action="store_true", serve_only=True)
     # Knobs without an option: for tests, benchmarks and embedding.
     max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
     profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)

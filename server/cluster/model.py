@@ -86,6 +86,6 @@ def open_model(cfg: ClusterConfig) -> Model:
             model.quant = QuantSpec.parse(cfg.bits, cfg.group_size)
     if cfg.split not in (None, "auto"):
         # (nodes that join are not known yet: then the split need only fit the model)
-        named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
+        named = len(cfg.split.split(",")) if cfg.join_listen or cfg.discover else len(cfg.nodes) or cfg.stages
         fixed_ranges(model.num_layers, named, cfg.split, model.cuts, quiet=True)
     return model
