@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.SerializeToString,
                 response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.FromString,
                 _registered_method=True)
+        self.TimeNextHop = channel.unary_unary(
+                '/mlxpipe.v1.Stage/TimeNextHop',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/mlxpipe.v1.Stage/Profile',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
@@ -111,6 +116,13 @@ class StageServicer:
 
     def Echo(self, request, context):
         """Bytes there and back: what a hop to this node costs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TimeNextHop(self, request, context):
+        """Time the hop from this (loaded) stage to its next one, and keep its latency current.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +204,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.FromString,
                     response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.SerializeToString,
+            ),
+            'TimeNextHop': grpc.unary_unary_rpc_method_handler(
+                    servicer.TimeNextHop,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
@@ -315,6 +332,33 @@ class Stage:
             '/mlxpipe.v1.Stage/Echo',
             mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.SerializeToString,
             mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TimeNextHop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/TimeNextHop',
+            mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,9 +3,9 @@
 ``measure`` times a hop from the caller to a node: the round trip of a
 decode-sized message (half of it is the hop's one-way latency) and of a
 prefill-sized one (the difference, over the bytes, is its throughput). The head
-times its hop to every stage this way, and every stage its hop to the next one
-right after connecting (``LoadReply.next_link``), then re-times the latency
-every ``REFRESH_S`` (``Keeper``).
+times its hop to every stage this way, and has every stage time its hop to the
+next one (``TimeNextHop``); each then re-times the latency every ``REFRESH_S``
+(``Keeper``).
 
 ``LiveLink`` follows a hop's throughput from the frames that cross it: the
 sender stamps each frame with its wall clock (``Frame.sent_us``); the receiver

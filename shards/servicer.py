@@ -268,7 +268,6 @@ class StageServicer(pb_grpc.StageServicer):
                         f"next stage {request.next_address} is unreachable from this stage: "
                         f"{err.code().name}: {err.details()}",
                     )
-                await self._time_next_hop(loaded, request)
             self.loaded = loaded
             self.state, self.detail = "ready", ""
             logger.info(
@@ -278,17 +277,26 @@ class StageServicer(pb_grpc.StageServicer):
             )
             return loaded.reply
 
-    async def _time_next_hop(self, loaded: _Loaded, request: pb.LoadRequest) -> None:
-        """Time the hop to the next stage (``links.py``) for the Load reply, then keep it current."""
+    async def TimeNextHop(self, request: pb.LinkProbe, context):
+        """Time the hop to the next stage (``links.py``), then keep its latency current. The head
+        asks each stage in turn, so that no two probes share a link."""
+        await refuse_malformed(request, context)
+        loaded, stub = self.loaded, self.next_stub
+        if loaded is None or stub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no next stage to time (load one first)")
+        if not 0 < request.small <= links.MAX_PROBE or request.large > links.MAX_PROBE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe sizes must be within {links.MAX_PROBE}")
         try:
-            first = await links.measure(self.next_stub, self.security.metadata(), request.probe_small or 64,
-                                        request.probe_large, request.next_address,
-                                        large_repeats=links.LARGE_REPEATS if request.probe_large else 0)
-        except grpc.aio.AioRpcError as err:  # (a node of an older mlxpipe has no Echo: the head refuses it)
-            logger.warning("could not time the hop to %s: %s", request.next_address, err.details())
-            return
-        loaded.reply.next_link.CopyFrom(first)
-        self.next_link = links.Keeper(self.next_stub, self.security.metadata(), first)
+            first = await links.measure(stub, self.security.metadata(), request.small, request.large,
+                                        loaded.request.next_address,
+                                        large_repeats=links.LARGE_REPEATS if request.large else 0)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot time the hop to "
+                                f"{loaded.request.next_address}: {err.code().name}: {err.details()}")
+        if self.next_link is not None:
+            self.next_link.stop()
+        self.next_link = links.Keeper(stub, self.security.metadata(), first)
+        return first
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):

@@ -82,11 +82,22 @@ class Lan:
             self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                      "latency", latency)
 
+    def reach_from_here(self) -> str:
+        """A link from this (the root) namespace to the bridge, so that tests reach the hosts;
+        returns this side's address. Nothing on this side speaks multicast DNS."""
+        outer = f"vroot{self.tag}"[:15]
+        _run("ip", "link", "add", outer, "type", "veth", "peer", "name", "up0", "netns", self.bridge_ns)
+        self._ns(self.bridge_ns, "ip", "link", "set", "up0", "master", "br0", "up")
+        _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", outer)
+        _run("ip", "link", "set", outer, "up")
+        return f"{SUBNET}.1"
+
     def command(self, host: str, *cmd: str) -> List[str]:
         """``cmd`` run inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(host), *cmd]
 
     def close(self) -> None:
+        subprocess.run(["ip", "link", "del", f"vroot{self.tag}"[:15]], capture_output=True)
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()

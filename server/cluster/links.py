@@ -1,8 +1,8 @@
 """Every link of a pipeline, measured and kept current; the slow ones named.
 
 When the head builds a pipeline it times its hop to every stage (``shards/links.py``:
-round trips of a decode-sized and a prefill-sized message), and every stage times
-its hop to the next one as it loads (``LoadReply.next_link``). Then the figures
+round trips of a decode-sized and a prefill-sized message), and has every stage
+time its hop to the next one (``TimeNextHop``), one link after the other. Then the figures
 follow the live cluster: the head re-times its latency to each stage every few seconds,
 as each stage does its latency to the next (``shards/links.Keeper``), and the
 throughput of a hop between stages comes from the frames that cross it
@@ -60,22 +60,21 @@ class LinkTable:
         self.warned: set = set()
 
     async def measure(self, stubs, metadata, small: int, large: int) -> None:
-        """Time the head's hop to every stage, one after the other (they share the head's link)."""
+        """Time the head's hop to every stage, and every stage's to the next, one after the
+        other (so that no two probes share a link)."""
         for i, stub in enumerate(stubs):
             try:
                 first = await probe.measure(stub, metadata, small, large, self.addresses[i])
+                self.head[i] = probe.Keeper(stub, metadata, first)
+                if i + 1 < len(stubs):
+                    self.hops[i] = await stub.TimeNextHop(pb.LinkProbe(small=small, large=large), timeout=60,
+                                                          metadata=metadata)
             except Exception as err:  # noqa: BLE001 - a stage that cannot be timed is still a stage
-                logger.warning("could not time the link to stage %d at %s: %s", i, self.addresses[i], err)
-                continue
-            self.head[i] = probe.Keeper(stub, metadata, first)
+                logger.warning("could not time the links of stage %d at %s: %s", i, self.addresses[i], err)
 
     def close(self) -> None:
         for keeper in self.head.values():
             keeper.stop()
-
-    def loaded(self, i: int, reply: pb.LoadReply) -> None:
-        if reply.HasField("next_link"):
-            self.hops[i] = reply.next_link
 
     def saw_health(self, i: int, reply: Optional[pb.HealthReply]) -> None:
         """Stage ``i``'s last health reply (with its links' live figures)."""
@@ -94,7 +93,7 @@ class LinkTable:
         for i in range(len(self.addresses) - 1):
             f = self.hops.get(i, pb.LinkFigures())
             mine, theirs = self.live.get(i), self.live.get(i + 1)
-            latency, basis = f.latency_s, ["timed as stage %d loaded" % i]
+            latency, basis = f.latency_s, [f"timed by stage {i} at build"]
             if mine is not None and mine.next_link.samples:
                 latency, basis = mine.next_link.latency_s, [f"re-timed by stage {i}"]
             bw = f.bytes_per_s

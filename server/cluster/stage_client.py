@@ -135,14 +135,12 @@ class Pipeline:
                                  max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                                  quantization=quant.to_wire() if quant else None,
-                                 tokenizer=self.tokenizer if not nxt else None,
-                                 probe_small=self.probe[0], probe_large=self.probe[1])
+                                 tokenizer=self.tokenizer if not nxt else None)
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)
                     req.fingerprint = weights.fingerprint
                 st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
-                self.links.loaded(i, st.load)
                 bar.update()
             except grpc.aio.AioRpcError as err:
                 # A stage that cannot reach its successor blames the successor.
@@ -161,6 +159,8 @@ class Pipeline:
         if self.probe[1]:
             await self.links.measure(self.stubs, self.md, *self.probe)
             self.links.warn_new()
+            if self.links.head:
+                logger.info("links: %s", "; ".join(link.describe() for link in self.links.links()))
         return replies
 
     def _check_fingerprints(self, replies: Sequence[pb.LoadReply]) -> None:
