@@ -468,12 +468,14 @@ class EchoReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class LinkProbe(_message.Message):
-    __slots__ = ("small", "large")
+    __slots__ = ("small", "large", "address")
     SMALL_FIELD_NUMBER: _ClassVar[int]
     LARGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     small: int
     large: int
-    def __init__(self, small: _Optional[int] = ..., large: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, small: _Optional[int] = ..., large: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()

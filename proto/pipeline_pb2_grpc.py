@@ -122,7 +122,8 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TimeNextHop(self, request, context):
-        """Time the hop from this (loaded) stage to its next one, and keep its latency current.
+        """Time the hop from this node to another (the head plans with every pair), or from this
+        loaded stage to its next one (then kept current).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

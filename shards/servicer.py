@@ -282,21 +282,26 @@ class StageServicer(pb_grpc.StageServicer):
         asks each stage in turn, so that no two probes share a link."""
         await refuse_malformed(request, context)
         loaded, stub = self.loaded, self.next_stub
-        if loaded is None or stub is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no next stage to time (load one first)")
         if not 0 < request.small <= links.MAX_PROBE or request.large > links.MAX_PROBE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe sizes must be within {links.MAX_PROBE}")
-        try:
-            first = await links.measure(stub, self.security.metadata(), request.small, request.large,
-                                        loaded.request.next_address,
-                                        large_repeats=links.LARGE_REPEATS if request.large else 0)
-        except grpc.aio.AioRpcError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot time the hop to "
-                                f"{loaded.request.next_address}: {err.code().name}: {err.details()}")
+        if request.address:  # another node (with the secret, as to a next stage): timed once
+            async with self.security.channel(request.address) as channel:
+                return await self._time_hop(context, pb_grpc.StageStub(channel), request, request.address)
+        if loaded is None or stub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no next stage to time (load one first)")
+        first = await self._time_hop(context, stub, request, loaded.request.next_address)
         if self.next_link is not None:
             self.next_link.stop()
         self.next_link = links.Keeper(stub, self.security.metadata(), first)
         return first
+
+    async def _time_hop(self, context, stub, request: pb.LinkProbe, to: str) -> pb.LinkFigures:
+        try:
+            return await links.measure(stub, self.security.metadata(), request.small, request.large, to,
+                                       large_repeats=links.LARGE_REPEATS if request.large else 0)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot time the hop to {to}: {err.code().name}: "
+                                f"{err.details()}")
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):

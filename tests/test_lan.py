@@ -10,10 +10,10 @@ module: four node processes, a proxy and a head."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,16 +71,14 @@ def cluster(tmp_path_factory, dsv3_model):
         line = head.stdout.readline()
         assert "serving" in line, (home / "head.log").read_text()[-4000:]
         url = line.split(" on ")[1].strip().replace("0.0.0.0", lan.hosts["head"])
-        banner = []
-        while not banner or not banner[-1].strip().startswith("stage 2:"):
-            banner.append(head.stdout.readline())
-        while True:  # the lines after the stages (the plan's prediction), until the head goes quiet
-            more = head.stdout.readline() if select.select([head.stdout], [], [], 1.0)[0] else ""
-            if not more:
-                break
-            banner.append(more)
+        banner: list = []  # the lines after the first (stages, the plan's prediction), as they come
+        threading.Thread(target=lambda: banner.extend(iter(head.stdout.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not any("predicted" in line for line in banner) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
         yield dict(lan=lan, url=url, root=url.removesuffix("/v1"), procs=procs, here=here, behind=behind,
-                   banner="".join(banner), home=home)
+                   banner="".join(list(banner)), home=home)
     finally:
         for name, proc in procs.items():
             if proc.poll() is None:
@@ -151,6 +149,12 @@ def test_status_lists_every_link_as_tc_and_the_proxy_make_it_and_names_the_slow_
     warned = " ".join(h["link_warnings"])
     assert f"link head -> stage 1 (head -> {n2}:50051) is far slower than the others" in warned, warned
     assert "link head -> stage 0 " not in warned, warned
+    # The banner's prediction prices every hop, the throttled one at what it measured.
+    priced = [l for l in cluster["banner"].splitlines() if f"-> {n2}:50051:" in l]
+    assert len(priced) == 1, cluster["banner"] + (cluster["home"] / "head.log").read_text()[-3000:]
+    priced = priced[0]
+    assert "MB/s" in priced and RATE / 2e6 < float(priced.split(" MB/s")[0].rsplit(" ", 1)[1]) < 2 * RATE / 1e6, priced
+    assert "predicted with the links priced" in cluster["banner"], cluster["banner"]
     out = subprocess.run(lan.command("head", sys.executable, "-m", "mlxpipe.server.cli", "status", "--url",
                                      cluster["url"]), capture_output=True, text=True, timeout=60)
     assert "stage 0 -> stage 1" in out.stdout and "far slower" in out.stdout, out.stdout

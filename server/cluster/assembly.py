@@ -119,6 +119,8 @@ class Cluster:
             lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
         if self.plan_note:
             lines.append(self.plan_note)
+        if self.placer is not None:
+            lines += self.placer.prediction
         return lines
 
     # -- starting ---------------------------------------------------------------------
@@ -220,6 +222,8 @@ class Cluster:
             pipeline.fingerprint = quantized_fingerprint(self.weights.fingerprint if self.weights else
                                                          fingerprint(self.model.path), self.model.quant)
             await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
+            for line in await self.placer.predict(pipeline):
+                logger.info("%s", line)
         except BaseException:
             await pipeline.close()
             raise
