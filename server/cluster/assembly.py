@@ -16,6 +16,7 @@ from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefi
                                            stage_limits)
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
+from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -106,6 +107,11 @@ class Cluster:
             table = self.pipeline.links
             out["links"] = [link.to_dict() for link in table.links()]
             out["link_warnings"] = table.warnings()
+            meter = self.engine.framer.meter
+            stages = self.pipeline.stages
+            out["workload"] = mix.report(self.placer, [(st.start, st.end) for st in stages],
+                                         [st.address for st in stages], meter.mix(), meter.enough,
+                                         self.config.prompt_ratio)
         if self.discovery is not None:
             out["discovered"] = self.discovery.table()
             out["discovery"] = {"drop_after_s": DROP_AFTER_S, "usable": self.discovery.usable()}
@@ -134,6 +140,7 @@ class Cluster:
         try:
             await self._gather_stages()
             self.placer = Placer(cfg, self.model, local=self.local is not None)
+            self.placer.measured = mix.load(fingerprint(self.model.path))  # the last run's workload, if any
             pipeline = await self._build(self.addresses)
             await self._start_engine(pipeline)
         except BaseException:
@@ -200,7 +207,9 @@ class Cluster:
             cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
-        probe = probe_sizes(int(self.model.config["hidden_size"]), 4, self.config.chunk_size)
+        # Links are timed between machines; local stages share this one's loopback.
+        probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
+                                                                     self.config.chunk_size)
         return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
                         tokenizer=self.model.tokenizer_spec, probe=probe)
 
@@ -245,6 +254,9 @@ class Cluster:
         """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``;
         nodes that discovery dropped are not waited for)."""
         cfg = self.config
+        meter = self.engine.framer.meter if self.engine is not None else None
+        if meter is not None and meter.enough:
+            self.placer.measured = meter.mix()  # a re-plan balances for what the head measured
         gone = self.discovery.gone if self.discovery is not None else set
         alive = await answering([a for a in self.addresses if a not in gone()], self.security, self.local,
                                 cfg.restart, cfg.rejoin_timeout_s, why, suspects, gone=gone)
@@ -298,6 +310,8 @@ class Cluster:
         return in_plan, self.plan_note
 
     async def stop(self) -> None:
+        if self.engine is not None and self.engine.framer.meter.enough:  # for the next start's plan
+            mix.save(fingerprint(self.model.path), self.engine.framer.meter.mix())
         if self.discovery is not None:
             await self.discovery.stop()
         if self.join_server is not None:

@@ -121,9 +121,11 @@ class ClusterConfig:
                             factory=list, parse=_node_list, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
-    prompt_ratio: float = knob(Workload.prompt_ratio, "prompt tokens per generated token the 'auto' split is "
-                               "balanced for, from each node's measured prefill and decode (default %(default)s: "
-                               "chat and agents, which resend long contexts; 0: decode alone)", type=ratio)
+    prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "
+                                         "from each node's measured prefill and decode (default: the workload "
+                                         "this head measured, prompt tokens computed after the prefix cache, kept "
+                                         f"across restarts; before any, {Workload.prompt_ratio:g}: chat and "
+                                         "agents; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "

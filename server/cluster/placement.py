@@ -23,6 +23,7 @@ from mlxpipe.server.cluster import linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cluster.mix import effective_ratio
 from mlxpipe.server.cluster.model import Model
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.core.transport import PipelineError
@@ -41,6 +42,35 @@ class Placer:
         self.note = ""  # the last plan, in words
         self.hops: Dict[tuple, pb.LinkFigures] = {}  # ("head", a) or (a, b) sorted -> the link, timed once
         self.prediction: List[str] = []  # what the running split predicts, links priced
+        self.measured: Optional[dict] = None  # the workload the head measured (core/workload.py's mix)
+        self._cost: Optional[ModelCost] = None  # the model's cost as it runs (for the measured mix's split)
+
+    def ratio(self) -> Tuple[float, str]:
+        """The prompt tokens per generated token the split is balanced for, and whence."""
+        if self.config.prompt_ratio is not None:
+            return self.config.prompt_ratio, "--prompt-ratio"
+        if self.measured is not None:
+            return round(effective_ratio(self.measured, self.row_cost, self.config.profile_batch), 2), \
+                "the workload measured"
+        return planner.Workload.prompt_ratio, "the default"
+
+    @property
+    def context(self) -> int:
+        return self.config.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
+
+    def measured_nodes(self, addresses: List[str]):
+        """(cost, NodeSpecs) of ``addresses`` from the profiles already taken; None if any is missing."""
+        if self.local and self.profiles:
+            first = next(iter(self.profiles.values()))
+            profiles, memory = [first] * len(addresses), [first.memory_bytes // len(addresses)] * len(addresses)
+        elif all(a in self.profiles and self.profiles[a].layer_seconds for a in addresses):
+            profiles = [self.profiles[a] for a in addresses]
+            memory = [p.memory_bytes for p in profiles]
+        else:
+            return None
+        if self._cost is None:
+            self._cost = load_model_cost(self.model.path, quant=self.model.quant)
+        return self._cost, self._nodes(addresses, profiles, memory, self._cost, False, False)
 
     @property
     def row_cost(self) -> float:
@@ -94,8 +124,9 @@ class Placer:
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
         links = None if self.local or auto else await self._links(pipeline)
-        context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
-        work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
+        context = self.context
+        ratio, whence = self.ratio()
+        work = planner.Workload(ratio, cfg.chunk_size)
         cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
         if auto:
             choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
@@ -114,8 +145,8 @@ class Placer:
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         costed = any(s.prefill_seconds for s in plan.stages)
-        if costed and cfg.prompt_ratio:
-            basis += f" and prompt chunks, for {cfg.prompt_ratio:g} prompt tokens per generated token"
+        if costed and ratio:
+            basis += f" and prompt chunks, for {ratio:g} prompt tokens per generated token ({whence})"
         self.note = (f"planned from {basis}: " + ", ".join(
             f"[{s.start}, {s.end}) {1000 * s.seconds:.0f} ms"
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
@@ -160,7 +191,7 @@ class Placer:
         links = linkplan.Links(pipeline.probe[0], tuple(_hop(table.head[i].link) if i in table.head else
                                                         linkplan.Hop() for i in range(len(addresses))),
                                {(i, i + 1): _hop(f) for i, f in table.hops.items()})
-        work = planner.Workload(self.config.prompt_ratio, self.config.chunk_size)
+        work = planner.Workload(self.ratio()[0], self.config.chunk_size)
         priced = linkplan.evaluate(cost, nodes, links, [(st.start, st.end) for st in pipeline.stages],
                                    context=self.config.context or 8192, concurrency=self.config.concurrency,
                                    workload=work)
