@@ -1,7 +1,8 @@
 """Nodes refused early, each with a one-line reason: another mlxpipe, MLX or mlx-lm than
 the head's, a clock far from the head's, no proof of the cluster secret (a node that
-was discovered rather than named), a copy of the model that is not the head's, less
-memory than its stage needs.
+was discovered rather than named). (A copy of the model that is not the head's is
+refused when the stages load, ``stage_client.py``; less memory than a stage needs,
+by the stage itself before it reads a byte, ``shards/memory.py``.)
 
 The head asks every node ``Hello`` (``shards/hello.py``) before it plans: the reply
 says what the node runs and, for a node that holds the secret, proves it does.
@@ -13,7 +14,7 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import grpc
 
@@ -85,12 +86,3 @@ async def vet(addresses: Sequence[str], security: Security, need_proof: bool = F
 
     return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses))))
 
-
-def memory_short(ranges: Sequence, need: Sequence[int], offered: Sequence[int], addresses: Sequence[str]) -> List[str]:
-    """One line per node offering less memory than its stage needs (weights and KV cache)."""
-    out = []
-    for (s, e), n, have, a in zip(ranges, need, offered, addresses):
-        if have and n > have:
-            out.append(f"node {a} offers {have / 1e9:.2f} GB, and layers [{s}, {e}) need {n / 1e9:.2f} GB for "
-                       "weights and KV cache: give it more (--memory) or plan without it")
-    return out
