@@ -185,9 +185,8 @@ def run(args) -> int:
           f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
           f"(one per stage); bandwidth-bound estimate, an upper bound")
     print("\n".join(_mix_lines(args, result, decode_only)))
-    print(cuts.describe() + ("" if cuts.traced else " (assumed: the structure could not be read here)"))
-    if priced is not None:
-        print("\n".join(priced.lines([n.name for n in nodes])))
+    print("\n".join([cuts.describe() + ("" if cuts.traced else " (assumed: the structure could not be read here)"),
+                     *(priced.lines([n.name for n in nodes]) if priced else [])]))
     if choice is not None:
         print(f"quality: {choice.trade()}")
     return 0
