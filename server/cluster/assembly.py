@@ -109,9 +109,12 @@ class Cluster:
             out["link_warnings"] = table.warnings()
             meter = self.engine.framer.meter
             stages = self.pipeline.stages
-            out["workload"] = mix.report(self.placer, [(st.start, st.end) for st in stages],
-                                         [st.address for st in stages], meter.mix(), meter.enough,
-                                         self.config.prompt_ratio)
+            try:
+                out["workload"] = mix.report(self.placer, [(st.start, st.end) for st in stages],
+                                             [st.address for st in stages], meter.mix(), meter.enough,
+                                             self.config.prompt_ratio)
+            except ValueError as err:  # a cost the planner cannot read: say so, /health stays up
+                out["workload"] = {"measured": meter.mix(), "lines": [f"measured workload: no split from it ({err})"]}
         if self.discovery is not None:
             out["discovered"] = self.discovery.table()
             out["discovery"] = {"drop_after_s": DROP_AFTER_S, "usable": self.discovery.usable()}
