@@ -84,7 +84,8 @@ class Cuts:
         if self.all_valid:
             return f"valid cuts: after every one of the {self.num_layers} layers"
         if not self.valid:
-            return f"valid cuts: none (the {self.num_layers} layers run as one stage)"
+            return (f"valid cuts: none (the {self.num_layers} layers run as one stage: "
+                    f"{self.why.get(1, 'the model cannot be cut')})")
         joined = [f"[{s}, {e})" for s, e in self.units() if e - s > 1]
         reason = self.why.get(next(c for c in range(1, self.num_layers) if c not in self.valid), "")
         return (f"valid cuts: at layers {', '.join(map(str, self.valid))} (of {self.num_layers}); layers "

@@ -39,7 +39,8 @@ def snap(bounds: Sequence[int], cuts: Cuts) -> List[int]:
     """Each boundary moved to the valid cut nearest it, in order and distinct; ValueError
     when the model has fewer valid cuts than the boundaries asked for."""
     if len(cuts.valid) < len(bounds):
-        raise ValueError(f"the model cannot be cut into {len(bounds) + 1} stages: {cuts.describe()}")
+        why = "; ".join(f"not at layer {b}: {cuts.why[b]}" for b in bounds if b in cuts.why)
+        raise ValueError(f"the model cannot be cut into {len(bounds) + 1} stages ({why}): {cuts.describe()}")
     out: List[int] = []
     for k, b in enumerate(bounds):
         left = len(bounds) - k - 1  # boundaries still to place after this one, each needing a cut of its own
