@@ -8,9 +8,8 @@ import math
 import random
 
 import pytest
-from conftest import run_async
 from planner_oracle import brute_force
-from test_equality import NEW_TOKENS, _check_equal, _pipeline_tokens, _prompt_ids
+from test_equality import _check_equal
 from test_planner import check_plan, toy_model, toy_nodes
 from tiny_models import GEMMA4_SHARED, build_gemma4_shared
 
@@ -92,9 +91,3 @@ def test_a_kv_sharing_model_serves_by_default_with_mlx_lm_tokens(gemma4_shared, 
     speculation give mlx-lm's tokens."""
     _check_equal(gemma4_shared, stages, reference, copies=False)
 
-
-def test_split_even_picks_a_valid_cut(gemma4_shared, reference):
-    prompts = _prompt_ids(gemma4_shared)[:1]
-    outs, _, ranges, _, _ = run_async(_pipeline_tokens(gemma4_shared, 2, prompts, split="even"))
-    assert ranges == [(0, 2), (2, 6)]
-    assert outs[0] == reference(gemma4_shared, prompts[0], NEW_TOKENS)
