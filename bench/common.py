@@ -257,3 +257,15 @@ def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "core of its own), baselines as a user runs mlx-lm (unpinned)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return q
+
+
+def measured_mix(url: str) -> list:
+    """The head's measured workload and the splits it implies (its /health), as lines: the
+    measured-mix split beside the decode-only one (server/cluster/mix.py)."""
+    import httpx
+
+    try:
+        workload = httpx.get(f"{url.removesuffix('/v1')}/health", timeout=30).json().get("workload") or {}
+    except httpx.HTTPError as err:
+        return [f"measured mix: the head did not answer ({err})"]
+    return workload.get("lines", ["measured mix: the head reports none"])

@@ -226,8 +226,11 @@ async def check_type(model_type: str, path: Path, pool: NodePool, stages: int, r
     try:
         async with Cluster(_cluster_config(path, pool.addresses[:stages])) as cluster:
             outcome.results = await asyncio.wait_for(_scenarios(cluster, path, pool, stages, ref), 240)
-    except PipelineError as err:
-        outcome.refused = str(err)
+    except (PipelineError, ValueError) as err:  # a stage's refusal, or the head's (no valid cut there)
+        if isinstance(err, ValueError) and "cannot be cut" not in str(err) and "cannot run as a stage" not in str(err):
+            outcome.results = {"error": f"{type(err).__name__}: {err}"}
+        else:
+            outcome.refused = str(err)
     except Exception as err:  # noqa: BLE001 - a row of the table, whatever broke
         outcome.results = {"error": f"{type(err).__name__}: {err}"}
     outcome.seconds = time.monotonic() - t0

@@ -16,8 +16,8 @@ from typing import Dict, List, Tuple
 
 import httpx
 
-from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, median, pin_flags,
-                                  progress_bar, stream_chat)
+from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, measured_mix, median,
+                                  pin_flags, progress_bar, stream_chat)
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
@@ -74,10 +74,13 @@ async def bench_served(args) -> dict:
                             bar.update(1)
         if bar:
             bar.close()
+        mix = measured_mix(ours.url)
     finally:
         for s in servers:
             s.close()
-    return _report(args, series)
+    out = _report(args, series)
+    print("\n".join(mix))
+    return dict(out, measured_mix=mix)
 
 
 def _report(args, series: Dict[str, Dict[str, list]]) -> dict:

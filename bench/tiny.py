@@ -261,17 +261,18 @@ def _overrides(model_type: str) -> dict:
     return {k: v for k, v in OVERRIDES.get(model_type, {}).items() if not k.startswith("_")}
 
 
-def tiny_config(model_type: str) -> dict:
-    """The toy config of ``model_type``: what its ModelArgs takes of TINY, and its overrides."""
+def tiny_config(model_type: str, extra: Optional[dict] = None) -> dict:
+    """The toy config of ``model_type``: what its ModelArgs takes of TINY, its overrides,
+    and ``extra`` (a variant: say, Gemma 4 with layers that share keys and values)."""
     args = _module(model_type).ModelArgs
     fields = {f.name for f in dataclasses.fields(args)}
     if "text_config" in fields:
         text = dict(TINY, **TEXT_OVERRIDES.get(model_type, {}))
         return dict({k: v for k, v in TINY.items() if k in fields}, model_type=model_type, text_config=text,
-                    **_overrides(model_type))
+                    **_overrides(model_type)) | (extra or {})
     config = {k: v for k, v in TINY.items() if k in fields}
     config.update(model_type=model_type, **_overrides(model_type))
-    return config
+    return config | (extra or {})
 
 
 def _widen(model: nn.Module, vocab: int, embed: float) -> None:
@@ -299,9 +300,9 @@ def _widen(model: nn.Module, vocab: int, embed: float) -> None:
                     m.weight = m.weight * TIED_GAIN
 
 
-def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
-    """mlx-lm's ``Model`` of ``tiny_config(model_type)`` with widened random weights."""
-    config = tiny_config(model_type)
+def make_model(model_type: str, seed: int = 0, extra: Optional[dict] = None) -> Tuple[nn.Module, dict]:
+    """mlx-lm's ``Model`` of ``tiny_config(model_type, extra)`` with widened random weights."""
+    config = tiny_config(model_type, extra)
     module = _module(model_type)
     mx.random.seed(OVERRIDES.get(model_type, {}).get("_seed", seed))
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -310,17 +311,18 @@ def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
     return model, config
 
 
-def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0, weights: bool = True) -> Path:
+def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0, weights: bool = True,
+          extra: Optional[dict] = None) -> Path:
     """A tiny ``model_type`` folder at ``out`` (weights as mlx-lm saves them, the config, and
     the tokenizer of ``tokenizer_from``); without ``weights``, the config only."""
     from mlx_lm.utils import save_model
 
     out.mkdir(parents=True, exist_ok=True)
     if weights:
-        model, config = make_model(model_type, seed)
+        model, config = make_model(model_type, seed, extra)
         save_model(out, model)
     else:
-        config = dict(tiny_config(model_type), num_hidden_layers=LAYERS)
+        config = dict(tiny_config(model_type, extra), num_hidden_layers=LAYERS)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_from / name, out / name)

@@ -20,7 +20,8 @@ COMMANDS = (
     ("node", "mlxpipe.shards.node", "run one stage worker that a head can drive"),
     ("plan", "mlxpipe.server.cli.plan", "plan a split of a model over nodes, from its config alone (no weights)"),
     ("status", "mlxpipe.server.cli.status", "the cluster as a table: stages, layers, memory, health, load"),
-    ("nodes", "mlxpipe.server.cli.nodes", "the nodes that joined a running head (`mlxpipe node --join`)"),
+    ("nodes", "mlxpipe.server.cli.nodes",
+     "the nodes a running head knows (joined, found on the LAN); with --discover, what answers on the LAN"),
     ("bench", "mlxpipe.bench.command", "tokens/s of the pipeline beside plain mlx-lm, measured side by side"),
     ("quantize", "mlxpipe.server.cli.quantize", "quantize a full-precision model folder, one layer at a time "
                                                 "(what mlx_lm.convert -q writes)"),

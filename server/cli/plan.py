@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from mlxpipe.server.cli.options import table
@@ -51,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the prompt whose time to first token is predicted (default %(default)s)")
     p.add_argument("--chunk", type=int, default=Workload.chunk_tokens,
                    help=f"prefill tokens per frame, as serve's --chunk-size (default {Workload.chunk_tokens})")
+    p.add_argument("--link", action="append", default=None, metavar="RATE,LATENCY",
+                   help="a link's throughput and one-way latency, e.g. 40Gbps,50us (Thunderbolt 5) or "
+                        "1Gbps,300us: once for every hop, or once per hop between consecutive --nodes; the "
+                        "prediction then prices each hop (the head on the first node)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -94,7 +99,7 @@ def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
 def _cost_and_plan(args, nodes: List[NodeSpec]) -> Tuple[ModelCost, Plan, Optional[BitsChoice]]:
     """The model's cost at the bits asked for, and its plan (``--bits auto``: the choice of bits too)."""
     kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000,
-              workload=Workload(args.prompt_ratio, args.chunk))
+              workload=Workload(args.prompt_ratio, args.chunk), cuts=args.cuts)
     bits = None if args.bits is None else args.bits.strip()
     if bits == "auto":
         choice = plan_bits(lambda spec: load_model_cost(args.model, quant=spec), nodes,
@@ -133,10 +138,13 @@ def run(args) -> int:
     """``mlxpipe plan``: print the best split (a table, or JSON with --json); 2 when nothing fits."""
     try:
         nodes, assumed = _nodes_from_args(args)
+        cuts = model_cuts(args.model)
+        args.cuts = None if cuts.all_valid else cuts.valid
         cost, result, choice = _cost_and_plan(args, nodes)
         decode_only = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
-                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk))
+                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk), cuts=args.cuts)
         summary = _summary(cost, args)
+        priced = _priced(args, cost, nodes, result)
     except ValueError as e:
         if args.json:
             print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
@@ -149,7 +157,8 @@ def run(args) -> int:
                "nodes": [asdict(n) for n in nodes], **result.to_dict(), "ttft_s": result.ttft(args.prompt_tokens),
                "workload": {"prompt_ratio": args.prompt_ratio, "chunk_tokens": args.chunk,
                             "prompt_tokens": args.prompt_tokens},
-               "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens))}
+               "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens)),
+               "cuts": cuts.to_dict(), "links": priced.lines([n.name for n in nodes]) if priced else None}
         for st, b in zip(out["stages"], stage_bits):
             st["mean_bits"] = b
         if choice is not None:
@@ -180,9 +189,43 @@ def run(args) -> int:
           f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
           f"(one per stage); bandwidth-bound estimate, an upper bound")
     print("\n".join(_mix_lines(args, result, decode_only)))
+    print("\n".join([cuts.describe() + ("" if cuts.traced else " (assumed: the structure could not be read here)"),
+                     *(priced.lines([n.name for n in nodes]) if priced else [])]))
     if choice is not None:
         print(f"quality: {choice.trade()}")
     return 0
+
+
+def _config(model: str) -> dict:
+    """``--model``'s config (a folder or a config.json), with its text part's sizes."""
+    p = Path(model)
+    config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    return config | {k: v for k, v in config.get("text_config", {}).items() if k not in config}
+
+
+def model_cuts(model: str):
+    """Where the model of ``--model`` can be cut (``shards/cuts.py``)."""
+    from mlxpipe.shards.cuts import of_config
+
+    config = _config(model)
+    return of_config(json.loads((Path(model) / "config.json" if Path(model).is_dir() else Path(model)).read_text()),
+                     int(config.get("num_hidden_layers", 0)))
+
+
+def _priced(args, cost: ModelCost, nodes: List[NodeSpec], chosen: Plan):
+    """With --link: the chosen split with every hop priced (bf16 activations), else None."""
+    if not args.link:
+        return None
+    from mlxpipe.server.cluster import linkplan
+
+    hidden = int(_config(args.model).get("hidden_size", 0))
+    links = linkplan.Links.in_a_row(hidden * 2, [linkplan.parse_link(x) for x in args.link], len(nodes))
+    used = [s.node_index for s in chosen.stages]
+    sub = linkplan.Links(links.row_bytes, tuple(links.head[i] for i in used),
+                         {(a, b): links.between(used[a], used[b]) for a in range(len(used))
+                          for b in range(a + 1, len(used))})
+    return linkplan.evaluate(cost, [nodes[i] for i in used], sub, chosen.ranges, context=args.context,
+                             concurrency=args.concurrency, workload=Workload(args.prompt_ratio, args.chunk))
 
 
 def _mix_lines(args, chosen: Plan, decode_only: Plan) -> List[str]:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from mlxpipe.proto.rpc import Security
 
 _NO_DEFAULT = dataclasses.MISSING
+# Prompt tokens per generated token a split is balanced for before the head has measured
+# any workload (chat and agents resend long contexts every turn).
+PROMPT_RATIO = 10.0
 
 
 def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = "", factory: Optional[Callable] = None,
@@ -147,9 +150,11 @@ class ClusterConfig:
                             factory=list, parse=_node_list, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
-    prompt_ratio: float = knob(10.0, "prompt tokens per generated token the 'auto' split is "
-                               "balanced for, from each node's measured prefill and decode (default %(default)s: "
-                               "chat and agents, which resend long contexts; 0: decode alone)", type=ratio)
+    prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "
+                                         "from each node's measured prefill and decode (default: the workload "
+                                         "this head measured, prompt tokens computed after the prefix cache, kept "
+                                         f"across restarts; before any, {PROMPT_RATIO:g}: chat and "
+                                         "agents; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "
@@ -195,8 +200,12 @@ class ClusterConfig:
                                          "100MB (per second)", parse=_size)
     join_listen: Optional[str] = knob(None, "let nodes join here (`mlxpipe node --join HOST:PORT`), with the "
                                       "cluster secret", metavar="HOST:PORT", serve_only=True)
-    wait_nodes: int = knob(0, "with --join-listen: nodes to wait for (listed and joined) before serving "
-                           "(default 1)", type=int, serve_only=True)
+    wait_nodes: int = knob(0, "with --join-listen or --discover: nodes to wait for (listed, joined or found) "
+                           "before serving (default 1)", type=int, serve_only=True)
+    discover: bool = knob(False, "find this cluster's nodes on the local network (those started with `mlxpipe node "
+                          "--announce` and the same secret; DNS-SD, never beyond the link), authenticate each, plan "
+                          "over them, add those that appear later and drop those that stop answering. Needs the "
+                          "cluster secret; off unless given", action="store_true", serve_only=True)
     # Knobs without an option: for tests, benchmarks and embedding.
     max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
     profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
+from mlxpipe.server.cluster.config import PLANNED_CONTEXT, PROMPT_RATIO, ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.shards.sizes import gb
 
@@ -31,7 +31,7 @@ from mlxpipe.shards.sizes import gb
 class Workload:
     """The work a split is balanced for (chat and agents resend long contexts every turn)."""
 
-    prompt_ratio: float = ClusterConfig.prompt_ratio  # prompt tokens per generated token (0: balance decode alone)
+    prompt_ratio: float = PROMPT_RATIO  # prompt tokens per generated token (0: balance decode alone)
     chunk_tokens: int = ClusterConfig.chunk_size        # prefill tokens per frame (the head's chunk size)
 
     def __post_init__(self) -> None:
@@ -197,7 +197,8 @@ class Plan:
 
 
 def _solve(L: int, N: int, time: Callable[[int, int, int], float],
-           fits: Callable[[int, int, int], bool], skip: bool) -> Optional[List[Tuple[int, int, int]]]:
+           fits: Callable[[int, int, int], bool], skip: bool,
+           points: Optional[frozenset] = None) -> Optional[List[Tuple[int, int, int]]]:
     """Stages (node, start, end) over nodes 0..N-1 in order covering [0, L), or None if none fits.
 
     Minimizes the slowest stage, then the sum of stage times, then the number
@@ -206,13 +207,14 @@ def _solve(L: int, N: int, time: Callable[[int, int, int], float],
     the second, among stages no slower than T, minimizes (sum, count), which
     add up stage by stage. ``skip`` lets a node take no layers. Stage time and
     memory never decrease as a stage grows, so scanning starts downward may stop
-    at the first miss. O(N L^2).
+    at the first miss; stages end (and so start) only at ``points`` (None: anywhere). O(N L^2).
     """
     INF = math.inf
+    ends = [e for e in range(1, L + 1) if points is None or e in points]
     best = [0.0] + [INF] * L
     for n in range(N):
         row = list(best) if skip else [INF] * (L + 1)
-        for e in range(1, L + 1):
+        for e in ends:
             v = row[e]
             for s in range(e - 1, -1, -1):
                 if not fits(n, s, e):
@@ -232,7 +234,7 @@ def _solve(L: int, N: int, time: Callable[[int, int, int], float],
     for n in range(N):
         row = list(g) if skip else [None] * (L + 1)
         brow = [-1] * (L + 1)                             # -1: node n unused for this prefix
-        for e in range(1, L + 1):
+        for e in ends:
             for s in range(e - 1, -1, -1):
                 if not fits(n, s, e):
                     break
@@ -335,7 +337,8 @@ class _Problem:
 
 
 def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = PLANNED_CONTEXT, concurrency: int = 1,
-         hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
+         hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload(),
+         cuts: Optional[Sequence[int]] = None) -> Plan:
     """The best contiguous split of the model's layers over ``nodes``, in the order given.
 
     Every layer runs exactly once; each stage's weights plus KV cache for
@@ -347,12 +350,16 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = PLANNED_C
     already running, such as local stage processes). With ``workload``, each
     stage's time also counts its prefill of ``prompt_ratio`` prompt tokens, on
     nodes whose prefill is costed (``NodeSpec.flops_per_s``). Raises
-    ``PlanInfeasible`` when nothing fits.
+    ``PlanInfeasible`` when nothing fits. ``cuts``: where the model may be cut (its valid
+    cut points, ``shards/cuts.py``; None: after any layer).
     """
-    if every_node and len(nodes) > cost.num_layers:
-        raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of {cost.num_layers} layers")
+    points = None if cuts is None else frozenset({0, cost.num_layers, *cuts})
+    units = cost.num_layers if points is None else len(points) - 1
+    if every_node and len(nodes) > units:
+        raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of the {units} parts the model can be "
+                             f"cut into")
     prob = _Problem(cost, nodes, context, concurrency, hop_seconds, workload)
-    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node)
+    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node, points=points)
     if stages is None:
         raise prob.infeasible()
     return prob.plan(stages)

@@ -15,6 +15,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.plan import Entry, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
+from mlxpipe.server.core.workload import WorkloadMeter
 
 _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
           StepKind.VERIFY: pb.Frame.VERIFY, StepKind.CONTROL: pb.Frame.CONTROL}
@@ -53,10 +54,14 @@ class Framer:
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
+        self.meter = WorkloadMeter()  # the workload the steps make (workload.py)
 
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
-        return [frame(s) for s in self.scheduler.schedule()]
+        steps = self.scheduler.schedule()
+        for s in steps:
+            self.meter.step(s)
+        return [frame(s) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
         """Take one Result; return the tokens it gave live sequences."""
