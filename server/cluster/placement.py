@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster import planner
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.model import Model
 from mlxpipe.server.cluster.stage_client import Pipeline
-from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.quant_spec import AUTO_RUNGS, QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class Placer:
         self.config, self.model, self.local = config, model, local
         self.profiles: Dict[str, pb.ProfileReply] = {}
         self.note = ""  # the last plan, in words
+        self.context = 0  # tokens of context one request may hold, as the last plan placed them
 
     @property
     def row_cost(self) -> float:
@@ -86,17 +88,7 @@ class Placer:
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
-        context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
-        work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
-        if auto:
-            choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
-                               group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                               every_node=self.local, workload=work)
-            plan, self.model.quant = choice.plan, choice.spec
-            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
-        else:
-            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local,
-                                workload=work)
+        plan = self._plan(nodes, cost if not auto else None)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         costed = any(s.prefill_seconds for s in plan.stages)
@@ -107,6 +99,32 @@ class Placer:
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
         return ranges, [s.node_index for s in plan.stages]
+
+
+    def _plan(self, nodes: List[planner.NodeSpec], cost: Optional[ModelCost]) -> planner.Plan:
+        """The split for the context declared (``--context``), or the model's own clamped to
+        what fits, at ``--kv-bits``; with ``--bits auto`` (``cost`` None) the bits too."""
+        cfg, path = self.config, self.model.path
+        kw = dict(concurrency=cfg.concurrency, every_node=self.local,
+                  workload=planner.Workload(cfg.prompt_ratio, cfg.chunk_size))
+        most = self.model.max_positions
+        if cost is None:
+            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits)  # noqa: E731
+            lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
+            self.context, choice, clamped = plan_context(
+                lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, **kw), most,
+                lambda c: planner.fits(lowest, nodes, c, cfg.concurrency, self.local), cfg.context)
+            plan, self.model.quant = choice.plan, choice.spec
+            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
+        else:
+            cost = at_kv_bits(cost, cfg.kv_bits)
+            self.context, plan, clamped = plan_context(
+                lambda c: planner.plan(cost, nodes, context=c, **kw), most,
+                lambda c: planner.fits(cost, nodes, c, cfg.concurrency, self.local), cfg.context)
+        if clamped:
+            logger.warning("the model's %d positions of context do not fit beside its weights: planned for %d "
+                           "(x %d requests at once, --concurrency)", most, self.context, cfg.concurrency)
+        return plan
 
 
 def _by_kind(cost: ModelCost, seconds) -> Dict[str, float]:
