@@ -219,7 +219,7 @@ TEXT_OVERRIDES: Dict[str, dict] = {
 _LONG = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=32)
 LONG_CONTEXT: Dict[str, dict] = {
     "deepseek_v3": dict(_LONG, num_hidden_layers=2, max_position_embeddings=163840, kv_lora_rank=32,
-                        q_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                        q_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16,
                         rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     "llama": dict(_LONG, num_hidden_layers=2, max_position_embeddings=131072, rope_theta=500000.0,
