@@ -139,3 +139,26 @@ def test_requests_that_together_exceed_the_kv_budget_wait_for_room_and_all_compl
     health = _health(server)
     assert health["status"] == "ok" and health["live_requests"] == 0
     print(f"8 requests of {each} + {new} tokens over a {kv}-token KV budget: {seconds:.1f} s")
+
+
+def test_a_smaller_pipeline_fails_what_it_cannot_hold_and_shortens_the_rest():
+    """After a fault the rebuilt pipeline may hold fewer KV positions: a waiting request that
+    holds more already fails saying so; one that fits ends there at most; a later request
+    over the new budget still waits its turn, alone, and never overflows it."""
+    from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
+    from mlxpipe.server.core.sequence import Seq
+    from mlxpipe.shards.sampling import Sampling
+
+    s = Scheduler(SchedulerConfig(max_kv_tokens=1000))
+    held = Seq(seq_id=1, prompt=[5] * 400, max_tokens=500, sampling=Sampling(seed=0), max_context=1000)
+    held.generated = [6] * 200  # replayed: its prompt and what it generated wait to be prefilled again
+    short = Seq(seq_id=2, prompt=[7] * 100, max_tokens=800, sampling=Sampling(seed=0), max_context=1000)
+    s.add(held)
+    s.add(short)
+    events = s.resize(500)
+    assert [(e.seq.seq_id, e.error) for e in events] == [
+        (1, "the rebuilt pipeline's KV cache holds 500 tokens for one request; this one holds 600 already")]
+    assert held.finish_reason == "error" and 1 not in s.seqs
+    assert short.max_context == 500 and short.reserve == 500 and s.max_kv_tokens == 500
+    s.schedule()
+    assert s.kv_reserved == 500  # admitted alone, within the new budget
