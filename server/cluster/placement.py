@@ -35,7 +35,6 @@ class Placer:
         self.config, self.model, self.local = config, model, local
         self.profiles: Dict[str, pb.ProfileReply] = {}
         self.note = ""  # the last plan, in words
-        self.context = 0  # tokens of context one request may hold, as the last plan placed them
 
     @property
     def row_cost(self) -> float:
@@ -100,7 +99,6 @@ class Placer:
         logger.info(self.note)
         return ranges, [s.node_index for s in plan.stages]
 
-
     def _plan(self, nodes: List[planner.NodeSpec], cost: Optional[ModelCost]) -> planner.Plan:
         """The split for the context declared (``--context``), or the model's own clamped to
         what fits, at ``--kv-bits``; with ``--bits auto`` (``cost`` None) the bits too."""
@@ -111,19 +109,19 @@ class Placer:
         if cost is None:
             cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits)  # noqa: E731
             lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
-            self.context, choice, clamped = plan_context(
+            context, choice, clamped = plan_context(
                 lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, **kw), most,
                 lambda c: planner.fits(lowest, nodes, c, cfg.concurrency, self.local), cfg.context)
             plan, self.model.quant = choice.plan, choice.spec
             logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
         else:
             cost = at_kv_bits(cost, cfg.kv_bits)
-            self.context, plan, clamped = plan_context(
+            context, plan, clamped = plan_context(
                 lambda c: planner.plan(cost, nodes, context=c, **kw), most,
                 lambda c: planner.fits(cost, nodes, c, cfg.concurrency, self.local), cfg.context)
         if clamped:
             logger.warning("the model's %d positions of context do not fit beside its weights: planned for %d "
-                           "(x %d requests at once, --concurrency)", most, self.context, cfg.concurrency)
+                           "(x %d requests at once, --concurrency)", most, context, cfg.concurrency)
         return plan
 
 
