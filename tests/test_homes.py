@@ -110,6 +110,7 @@ ALIASES = {"chunk_size": {"chunk_tokens", "chunk"}, "PLANNED_CONTEXT": {"context
 # The same name and value, another fact.
 NOT_THE_KNOB = {
     ("server/cluster/local.py", "host"): "the address local stage processes listen on, not the HTTP API's",
+    ("server/cluster/cost.py", "kv_bits"): "the precision a fresh cost's KV is at (the model's dtype), not the knob",
 }
 
 

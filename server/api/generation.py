@@ -291,8 +291,9 @@ class Generator:
         limit = options.max_tokens_limit
         if limit and (asked or 0) > limit and not req.clamp_max_tokens:
             raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
+        served = f"{context} tokens ({self.engine.context_limit()})"
         if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+            raise ApiError(400, f"This model's maximum context length is {served}. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
         if asked is None:
@@ -300,7 +301,7 @@ class Generator:
         if req.clamp_max_tokens:
             return min(asked, limit or context, context - prompt_len)
         if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+            raise ApiError(400, f"This model's maximum context length is {served}. However, you "
                                 f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
                                 f"for the completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")

@@ -60,6 +60,7 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
                 "state": engine.state, "stages": stages, "live_requests": engine.live,
                 "recoveries": engine.recoveries, "generated_tokens": engine.generated_tokens,
+                "context_length": engine.max_context, "kv_tokens": engine.kv_tokens,
                 "speculation": engine.speculation()}
         body.update(_cluster(head))
         if reasons:

@@ -35,6 +35,9 @@ def from_head(url: str, key: str = "") -> str:
                      str(s.get("live_sequences", "-"))])
     head = (f"{h.get('model')}: {h.get('status')} ({h.get('state', '?')}), {h.get('live_requests', 0)} live "
             f"requests, {h.get('recoveries', 0)} recoveries")
+    if h.get("context_length"):
+        head += (f"\ncontext: {h['context_length']} tokens per request; the KV cache holds {h.get('kv_tokens')} "
+                 "tokens in all requests at once")
     if h.get("reason"):
         head += f"\n{h['reason']}"
     warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]

@@ -93,7 +93,7 @@ class Cluster:
             bits = self.quant.bits
         return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
-                "bits": bits}
+                "bits": bits, "context_length": self.engine.max_context}
 
     def joined_nodes(self) -> List[dict]:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
@@ -130,7 +130,15 @@ class Cluster:
             lines.append(self.plan_note)
         if self.placer is not None:
             lines += self.placer.prediction
+        lines.append(self.context_note())
         return lines
+
+    def context_note(self) -> str:
+        """The served context, and what sets it (serve's banner)."""
+        engine = self.engine
+        kv = engine.kv_tokens
+        return (f"context:   {engine.max_context} tokens per request, prompt and reply ({engine.context_limit()}); "
+                f"the KV cache holds {kv} tokens in all requests at once")
 
     # -- starting ---------------------------------------------------------------------
 
@@ -195,11 +203,14 @@ class Cluster:
     async def _start_engine(self, pipeline: Pipeline) -> None:
         n = len(pipeline.stages)  # the planner may have left nodes out
         kv, blocks = self._budget(pipeline)
+        model_max = pipeline.stages[0].load.max_context
         self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost),
                              eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
-                             max_context=pipeline.stages[0].load.max_context,
+                             max_context=min(model_max, self.config.context or model_max),
                              rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,
                              draft_model=self.draft, vocab_size=self.model.vocab_size)
+        if self.config.context and self.config.context < model_max:
+            self.engine.context_source = "--context"
         await self.engine.start()
 
     # -- building a pipeline -----------------------------------------------------------

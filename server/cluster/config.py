@@ -34,6 +34,11 @@ _NO_DEFAULT = dataclasses.MISSING
 # Prompt tokens per generated token a split is balanced for before the head has measured
 # any workload (chat and agents resend long contexts every turn).
 PROMPT_RATIO = 10.0
+# A stage keeps twice the KV cache its sequences may fill free: batched caches pad
+# their rows to the longest, and a sequence's caches are copied as it joins a decode
+# group. The head reserves KV positions by the same rule (``kv_token_budget``), so
+# what a plan fits is what the stages serve.
+KV_MARGIN = 2
 
 
 def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = "", factory: Optional[Callable] = None,
@@ -194,6 +199,15 @@ class ClusterConfig:
         "(mixed_3_6, ...), or 'auto': per layer, the most bits that fit every node (docs/planning.md)", parse=_bits)
     group_size: int = knob(DEFAULT_GROUP_SIZE, "weights per quantization scale and bias, with --bits (default "
                            "%(default)s)", type=count)
+    context: Optional[int] = knob(
+        None, "tokens one request may hold (prompt and reply), planned with the weights: each stage keeps room "
+        "for the KV cache of --concurrency requests this long, and the served context (which every API reports) "
+        "is at most this (default: the model's maximum, clamped to what fits beside the weights)", type=count)
+    concurrency: int = knob(1, "requests of --context tokens whose KV cache the plan keeps room for at once "
+                            "(default %(default)s: one long agent session; shorter requests share the room)",
+                            type=count)
+    kv_bits: int = knob(16, "bits of each cached key and value the plan counts (16: the model's dtype; 8 or 4: "
+                        "mlx-lm's quantized KV cache)", flag=None)
     security: Security = knob(help="the cluster secret and TLS toward --nodes (local stages get a fresh secret)",
                               factory=_security, add=_add_security, read=_read_security)
     weights_rate: Optional[float] = knob(None, "cap on weights streamed to each node that lacks the model, e.g. "
@@ -209,9 +223,6 @@ class ClusterConfig:
     # Knobs without an option: for tests, benchmarks and embedding.
     max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
     profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)
-    context: Optional[int] = knob(None, "tokens per sequence the KV cache must hold, for planning memory "
-                                  f"(default: min(the model's, {PLANNED_CONTEXT}))", flag=None)
-    concurrency: int = knob(4, "sequences whose KV cache must fit, for planning memory", flag=None)
     restart: bool = knob(True, "restart local stage processes that die or stall, in place", flag=None)
     rejoin_timeout_s: float = knob(30.0, "how long a failed remote node gets to come back before re-planning",
                                    flag=None)
@@ -261,11 +272,14 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = True) -> None:
+def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = True,
+                  only: Optional[Sequence[str]] = None) -> None:
     """An option for every knob of ``section`` that has one (``serve``: with the ones only
-    ``serve`` takes); the values land under the fields' names."""
+    ``serve`` takes; ``only``: those knobs alone); the values land under the fields' names."""
     for f in dataclasses.fields(section):
         meta = f.metadata
+        if only is not None and f.name not in only:
+            continue
         if meta.get("add") is not None:
             meta["add"](parser)
             continue
@@ -324,8 +338,9 @@ def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:
 
 def kv_token_budget(loads: Sequence) -> int:
     """KV positions the scheduler may reserve, from the stages' Load replies: the tightest
-    stage's cache cap over what a token costs there, halved for the padding of batched caches."""
-    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+    stage's cache cap over what a token costs there, over ``KV_MARGIN`` (batched
+    caches pad rows and copy a sequence's caches as it joins a group)."""
+    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // KV_MARGIN
 
 
 def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:

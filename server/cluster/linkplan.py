@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cluster.config import PLANNED_CONTEXT
+from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, _Problem
 
@@ -214,7 +214,7 @@ def _path_cost(order: Sequence[int], links: Links) -> float:
 
 
 def plan(cost: ModelCost, nodes: Sequence[NodeSpec], links: Links, *, context: int = PLANNED_CONTEXT,
-         concurrency: int = 1, every_node: bool = False, workload: Workload = Workload(),
+         concurrency: int = ClusterConfig.concurrency, every_node: bool = False, workload: Workload = Workload(),
          cuts: Optional[Sequence[int]] = None, reorder: bool = True) -> PricedPlan:
     """The best split and order of ``nodes`` with every hop priced (``planner.plan``'s rule)."""
     L = cost.num_layers
@@ -242,7 +242,7 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], links: Links, *, context: i
 
 
 def evaluate(cost: ModelCost, nodes: Sequence[NodeSpec], links: Links, ranges: Sequence[Tuple[int, int]], *,
-             context: int = PLANNED_CONTEXT, concurrency: int = 1, workload: Workload = Workload()) -> PricedPlan:
+             context: int = PLANNED_CONTEXT, concurrency: int = ClusterConfig.concurrency, workload: Workload = Workload()) -> PricedPlan:
     """What a given split (node i runs ``ranges[i]``, in order) costs, links priced."""
     pr = _Priced(cost, nodes, range(len(nodes)), links, context, concurrency, workload)
     return _priced_plan(pr, [(n, s, e) for n, (s, e) in enumerate(ranges)], [n.name for n in nodes])

@@ -52,6 +52,11 @@ class Model:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def max_positions(self) -> int:
+        """The model's own context (as a stage reads it: ``max_position_embeddings``, else 2**20)."""
+        return int(self.config.get("max_position_embeddings") or 1 << 20)
+
+    @property
     def weight_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
 

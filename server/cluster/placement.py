@@ -22,13 +22,14 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster import linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.config import ClusterConfig, planned_context
+from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.mix import effective_ratio
 from mlxpipe.server.cluster.model import Model
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.links import measure
-from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.quant_spec import AUTO_RUNGS, QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Placer:
         self.prediction: List[str] = []  # what the running split predicts, links priced
         self.measured: Optional[dict] = None  # the workload the head measured (core/workload.py's mix)
         self._cost: Optional[ModelCost] = None  # the model's cost as it runs (for the measured mix's split)
+        self.planned = 0  # tokens per request the last plan made room for (0: no plan yet)
 
     def ratio(self) -> Tuple[float, str]:
         """The prompt tokens per generated token the split is balanced for, and whence."""
@@ -56,7 +58,8 @@ class Placer:
 
     @property
     def context(self) -> int:
-        return planned_context(self.config, self.model.config.get("max_position_embeddings"))
+        """Tokens per request the running split was planned for (before any plan: a guess)."""
+        return self.planned or planned_context(self.config, self.model.config.get("max_position_embeddings"))
 
     def measured_nodes(self, addresses: List[str]):
         """(cost, NodeSpecs) of ``addresses`` from the profiles already taken; None if any is missing."""
@@ -124,24 +127,10 @@ class Placer:
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
         links = None if self.local or auto else await self._links(pipeline)
-        context = self.context
         ratio, whence = self.ratio()
         work = planner.Workload(ratio, cfg.chunk_size)
         cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
-        if auto:
-            choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
-                               group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                               every_node=self.local, workload=work, cuts=cuts)
-            plan, self.model.quant = choice.plan, choice.spec
-            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
-        elif links is not None:  # every hop priced, and the nodes' order chosen (linkplan.py)
-            priced = linkplan.plan(cost, nodes, links, context=context, concurrency=cfg.concurrency,
-                                   workload=work, cuts=cuts)
-            plan, order = priced.plan, priced.node_indices
-        else:
-            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local,
-                                workload=work, cuts=cuts)
-        order = order if links is not None and not auto else [s.node_index for s in plan.stages]
+        plan, order = self._plan(nodes, None if auto else cost, work, cuts, links)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         costed = any(s.prefill_seconds for s in plan.stages)
@@ -193,10 +182,47 @@ class Placer:
                                {(i, i + 1): _hop(f) for i, f in table.hops.items()})
         work = planner.Workload(self.ratio()[0], self.config.chunk_size)
         priced = linkplan.evaluate(cost, nodes, links, [(st.start, st.end) for st in pipeline.stages],
-                                   context=self.config.context or 8192, concurrency=self.config.concurrency,
+                                   context=self.context, concurrency=self.config.concurrency,
                                    workload=work)
         self.prediction = priced.lines(addresses)
         return self.prediction
+
+
+    def _plan(self, nodes: List[planner.NodeSpec], cost: Optional[ModelCost], work: planner.Workload,
+              cuts: Optional[List[int]], links: Optional[linkplan.Links]) -> Tuple[planner.Plan, List[int]]:
+        """The split for the context declared (``--context``), or the model's own clamped to
+        what fits, at ``--kv-bits``, and the nodes it uses in pipeline order; with ``--bits
+        auto`` (``cost`` None) the bits too; with ``links`` every hop priced and the nodes'
+        order chosen (``linkplan.py``)."""
+        cfg, path = self.config, self.model.path
+        kw = dict(concurrency=cfg.concurrency, workload=work, cuts=cuts)
+        most = self.model.max_positions
+        order = None
+        if cost is None:
+            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits)  # noqa: E731
+            lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
+            context, choice, clamped = plan_context(
+                lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, every_node=self.local,
+                                    **kw), most,
+                lambda c: planner.fits(lowest, nodes, c, cfg.concurrency, self.local), cfg.context)
+            plan, self.model.quant = choice.plan, choice.spec
+            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
+        else:
+            cost = at_kv_bits(cost, cfg.kv_bits)
+            fits = lambda c: planner.fits(cost, nodes, c, cfg.concurrency, self.local)  # noqa: E731
+            if links is not None:
+                context, priced, clamped = plan_context(
+                    lambda c: linkplan.plan(cost, nodes, links, context=c, **kw), most, fits, cfg.context)
+                plan, order = priced.plan, priced.node_indices
+            else:
+                context, plan, clamped = plan_context(
+                    lambda c: planner.plan(cost, nodes, context=c, every_node=self.local, **kw), most, fits,
+                    cfg.context)
+        if clamped:
+            logger.warning("the model's %d positions of context do not fit beside its weights: planned for %d "
+                           "(x %d requests at once, --concurrency)", most, context, cfg.concurrency)
+        self.planned = context
+        return plan, order if order is not None else [s.node_index for s in plan.stages]
 
 
 def _hop(f: pb.LinkFigures) -> linkplan.Hop:

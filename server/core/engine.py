@@ -99,7 +99,8 @@ class Engine:
         self.scheduler = Scheduler(config, drafters=self._drafter, costs=self.frame_budget)
         self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
         self.eos = frozenset(eos_token_ids)
-        self.max_context = max_context
+        self.model_context = max_context  # the model's context (or --context): what a request may hold at most
+        self.context_source = "the model's maximum"  # what set model_context, in words
         self.vocab_size = vocab_size  # sampling parameters are checked against it (top_k, logit_bias)
         self.rebuild = rebuild
         self.supervision = supervision or Supervision()
@@ -227,18 +228,35 @@ class Engine:
             # replayed after a failure draws the same tokens again.
             sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
         seq_id = next(self._ids)
+        if len(prompt) >= self.max_context:
+            raise InvalidRequest(f"the prompt is {len(prompt)} tokens; this server's context is {self.max_context} "
+                                 f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts)
-        if seq.reserve > self.scheduler.max_kv_tokens:
-            raise InvalidRequest(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
-                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream
         self._pump()
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
         return stream
+
+    @property
+    def max_context(self) -> int:
+        """The served context: tokens one request may hold, prompt and reply. The model's
+        (or ``--context``), within what the stages' KV cache holds for one request."""
+        return min(self.model_context, self.scheduler.max_kv_tokens)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV positions all requests together may hold (and wait for)."""
+        return self.scheduler.max_kv_tokens
+
+    def context_limit(self) -> str:
+        """What sets the served context, in words."""
+        if self.scheduler.max_kv_tokens < self.model_context:
+            return f"what the stages' KV cache holds for one request; {self.context_source} is {self.model_context}"
+        return self.context_source
 
     def cancel(self, seq_id: int) -> None:
         self.streams.pop(seq_id, None)
@@ -355,7 +373,7 @@ class Engine:
                 try:
                     rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
                     self.pipeline = rebuilt.pipeline
-                    self.scheduler.resize(rebuilt.max_kv_tokens)
+                    self._deliver(self.scheduler.resize(rebuilt.max_kv_tokens))
                     self._held_blocks(rebuilt.prefix_blocks)
                     await self.pipeline.open()
                     break

@@ -98,7 +98,8 @@ function drawChart() {
 }
 
 function renderHealth(h) {
-  $("model").textContent = h.model;
+  // The served context: tokens one request may hold, prompt and reply.
+  $("model").textContent = h.context_length ? `${h.model} · ${h.context_length.toLocaleString("en")}-token context` : h.model;
   setStatus(h.status, h.status === "ok" ? "ready" : "unavailable");
   $("live-requests").textContent = `· ${h.live_requests} live request${h.live_requests === 1 ? "" : "s"}`;
   $("reason").hidden = !h.reason;
