@@ -12,10 +12,13 @@ which are refused.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from mlxpipe.server.core.drafting import SOURCES
 from mlxpipe.shards.sampling import INT32, Sampling
@@ -55,6 +58,88 @@ def unicode_text(s: str) -> str:
     except UnicodeEncodeError as err:
         raise ValueError(f"text contains an unpaired surrogate at position {err.start}: not valid Unicode") from None
     return s
+
+
+def _bad_value(value, path: str) -> Optional[Tuple[str, str]]:
+    """(the path, what is wrong) of the first value JSON let through that nothing
+    downstream can take: a non-finite number or a string (or key) with a lone surrogate."""
+    stack = [(value, path)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return where, f"must be a finite number, got {v}"
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return where, f"text contains an unpaired surrogate at position {err.start}: not valid Unicode"
+        elif isinstance(v, dict):
+            for k, item in reversed(v.items()):
+                key = f"{where}.{k}" if where else str(k)
+                if isinstance(k, str) and _bad_value(k, key) is not None:
+                    return key, "a key contains an unpaired surrogate: not valid Unicode"
+                stack.append((item, key))
+        elif isinstance(v, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def check_json(value) -> None:
+    """Refuse, naming the field's path, what JSON readers let through and no reply
+    could echo: NaN, Infinity (``1e999`` too) and lone surrogates, anywhere in a body.
+    The common case is one C-speed pass (``json.dumps``); only a failure walks the body."""
+    try:
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        return
+    except (ValueError, UnicodeEncodeError, TypeError, RecursionError):
+        pass
+    bad = _bad_value(value, "")
+    if bad is not None:
+        raise PydanticCustomError("json_value", "{path}: {why}",
+                                  {"path": bad[0] or "the request body", "why": bad[1], "param": bad[0]})
+
+
+def by_type(kinds: Dict[str, type], default: Optional[str] = None) -> Any:
+    """A union of models picked by a value's "type": ``kinds`` maps types to models; a
+    value of any other type (a block, item or tool with nothing for this server: a
+    server tool's, the model's reasoning) is accepted as it is, unread; a value without
+    a type is of type ``default`` (None: refused). Members are tagged by their model's
+    name, which an error's path leaves out (``errors.validation_message``)."""
+    models = list(dict.fromkeys(kinds.values()))
+
+    def tag(value) -> Optional[str]:
+        if isinstance(value, BaseModel):
+            return type(value).__name__
+        kind = value.get("type", default) if isinstance(value, dict) else None
+        if not isinstance(kind, str):
+            return None  # pydantic: "unable to extract tag", at the value's path
+        return kinds[kind].__name__ if kind in kinds else "Other"
+
+    listed = ", ".join(repr(k) for k in kinds)
+    members = tuple(Annotated[m, Tag(m.__name__)] for m in models) + (Annotated[Any, Tag("Other")],)  # a dict: tag() saw to it
+    return Annotated[Union[members],
+                     Discriminator(tag, custom_error_type="type_missing",
+                                   custom_error_message=f'must be an object with a string "type" ({listed}, ...)')]
+
+
+def cache_salt_field():
+    """vLLM's ``cache_salt`` (every protocol takes it): prefixes are reused only between
+    requests that send the same salt (under the same API key)."""
+    return Field(default=None, min_length=1, max_length=256)
+
+
+class Body(BaseModel):
+    """A request body: every protocol's top-level model derives from it, so non-finite
+    numbers and lone surrogates are refused anywhere in it (``check_json``) before
+    its fields are read; what a reply echoes is then always valid JSON."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data):
+        check_json(data)
+        return data
 
 
 # Content parts a text-only model cannot take, by what they hold.
@@ -138,10 +223,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(Body):
     """What chat and text completions share: the model, sampling, stops, streaming."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -162,6 +245,7 @@ class OpenAIRequest(BaseModel):
     # mlx_lm.server's cap on drafted tokens (0: do not speculate).
     speculation: Literal[SOURCES] = "auto"
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
+    cache_salt: Optional[str] = cache_salt_field()
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")
