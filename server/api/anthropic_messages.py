@@ -181,7 +181,8 @@ def _message(m: Message) -> List[Dict[str, Any]]:
         if isinstance(b, TextBlock):
             texts.append(b.text)
         elif isinstance(b, ToolUseBlock):
-            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}})
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input)}})
         elif isinstance(b, ToolResultBlock):
             results.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": f"Error: {b.text()}" if b.is_error else b.text()})

@@ -38,7 +38,8 @@ def template_messages(messages: List[Dict[str, Any]], calls_as_text: bool = Fals
                                for c in m["tool_calls"]]
             if calls_as_text:
                 calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m.pop("tool_calls")]
-                m["content"] = "\n".join([m["content"]] * bool(m["content"]) + [json.dumps(c) for c in calls])
+                written = [json.dumps(c, ensure_ascii=False) for c in calls]  # as the model writes them
+                m["content"] = "\n".join([m["content"]] * bool(m["content"]) + written)
         else:
             m.pop("tool_calls", None)
         out.append(m)

@@ -116,7 +116,8 @@ def by_type(kinds: Dict[str, type], default: Optional[str] = None) -> Any:
         return kinds[kind].__name__ if kind in kinds else "Other"
 
     listed = ", ".join(repr(k) for k in kinds)
-    members = tuple(Annotated[m, Tag(m.__name__)] for m in models) + (Annotated[Any, Tag("Other")],)  # a dict: tag() saw to it
+    # Any other type: unread (a dict: tag() saw to it).
+    members = tuple(Annotated[m, Tag(m.__name__)] for m in models) + (Annotated[Any, Tag("Other")],)
     return Annotated[Union[members],
                      Discriminator(tag, custom_error_type="type_missing",
                                    custom_error_message=f'must be an object with a string "type" ({listed}, ...)')]
