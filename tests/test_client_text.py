@@ -11,6 +11,8 @@ store holds what it says it holds.
 from __future__ import annotations
 
 import json
+import os
+import time
 import tracemalloc
 
 import httpx
@@ -147,6 +149,36 @@ def test_the_store_keeps_what_a_continuation_needs_and_counts_what_it_holds():
     assert store.max_bytes / 1.5 <= store.nbytes and held <= 1.25 * store.nbytes, (held, store.nbytes)
     conversation, response = store.get(f"resp_{199}")
     assert conversation == req.items() and response["metadata"]["pad"] == "x" * 20_000
+
+
+def _rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the head's RSS from /proc")
+def test_bodies_of_ignored_items_leave_the_heads_memory_within_the_stores_bound(default_server):
+    """15 bodies of 4 MB of tiny ignored items used to take the head from 286 MB to 1.2 GB
+    against a stated 64 MiB: the store kept each raw body, and counted JSON characters."""
+    from mlxpipe.server.api.openai_responses import MAX_STORED_BYTES
+
+    n = 320_000  # as many as fit the default 4 MiB body
+    body = ('{"model":"m","max_output_tokens":1,"input":[' + ",".join(['{"type":"x"}'] * n)
+            + ',{"role":"user","content":"hi"}]}').encode()
+    url, pid = f"{default_server.base_url}/responses", default_server.proc.pid
+    assert httpx.post(url, json={"model": "m", "max_output_tokens": 1, "input": "hi"}, timeout=60).status_code == 200
+    before = _rss_mb(pid)
+    ids = []
+    for _ in range(15):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        ids.append(r.json()["id"])
+    time.sleep(2)  # the last body's objects go when its request's task does, after the reply
+    grown = _rss_mb(pid) - before
+    print(f"\n[record] head RSS {before:.0f} MB before 15 Responses bodies of {len(body) / 1e6:.1f} MB, "
+          f"grown by {grown:.0f} MB (store bound {MAX_STORED_BYTES >> 20} MiB)")
+    assert grown < 1.5 * MAX_STORED_BYTES / 2**20
+    assert httpx.get(f"{url}/{ids[0]}", timeout=60).json()["id"] == ids[0]  # stored, and readable
 
 
 def test_a_streamed_response_with_odd_fields_is_stored_and_read_back(default_server):
