@@ -508,6 +508,32 @@ def test_malformed_bodies_of_every_api_are_400s_naming_the_field(guarded, route,
     _no_traceback(guarded)
 
 
+def _nested(levels: int):
+    value = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_bodies_nested_too_deeply_are_400s_and_deep_arguments_text(guarded):
+    """A tool's schema nested 900 levels, or a call's arguments nested past the JSON
+    parser, used to be a RecursionError in the template's code: a 500."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(300)}}]
+    for route, body in [("chat/completions", OK | {"tools": tools}),
+                        ("responses", RESPONSES | {"input": "hi", "reasoning": _nested(300)}),
+                        ("messages", ANTHROPIC | {"messages": U, "metadata": _nested(300)}),
+                        ("/api/chat", {"model": "m", "messages": U, "options": _nested(300)})]:
+        r = _post(guarded, route, body)
+        assert r.status_code == 400, r.text
+        assert "nested deeper than 256 levels" in r.text
+    deep = "[" * 3000 + "]" * 3000
+    r = _post(guarded, "chat/completions", OK | {"messages": [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}, U[0]]})
+    assert r.status_code in (200, 400) and "prompt" in r.text, r.text  # shown as text: too long a prompt here
+    _no_traceback(guarded)
+
+
 def _metric(srv, name: str, key: str = API_KEY) -> float:
     """The sum of a /metrics family's samples (all stages, labels)."""
     text = httpx.get(f"{srv.root}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text

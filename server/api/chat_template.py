@@ -68,7 +68,7 @@ def json_value(text: str) -> Any:
 def _arguments(text: str):
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser): shown as the text it is
         return text
 
 

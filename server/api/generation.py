@@ -261,6 +261,9 @@ class Generator:
             return await asyncio.to_thread(fn, *args)
         except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
             raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+        except RecursionError:  # tools or arguments nested deeper than the template's code can walk
+            raise ApiError(400, "the messages could not be rendered: tools or arguments are nested too deeply",
+                           param="messages") from None
 
     async def plan(self, req: GenerationRequest) -> OutputPlan:
         """What the request's output must follow, or a 400. A forced call is written in

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator,
@@ -28,6 +29,7 @@ MAX_STOP_LENGTH = 256
 MAX_N = 8
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 300
+MAX_NESTING = 256  # levels of arrays and objects in a body (a tool's schema of 64 levels takes about 130)
 
 
 def bounded(name: str, default=None):
@@ -84,19 +86,62 @@ def _bad_value(value, path: str) -> Optional[Tuple[str, str]]:
     return None
 
 
+def _too_deep(value) -> Optional[str]:
+    """The path of the first array or object nested past ``MAX_NESTING`` levels, if any."""
+    stack = [(value, 0, None)]  # (container, its depth, (key, parent's entry)), paths made only when needed
+    while stack:
+        entry = stack.pop()
+        v, depth = entry[0], entry[1]
+        for k, item in v.items() if isinstance(v, dict) else enumerate(v):
+            if isinstance(item, (dict, list)):
+                if depth >= MAX_NESTING:
+                    path, at = [str(k)], entry
+                    while at[2] is not None:
+                        path.append(str(at[2][0]))
+                        at = at[2][1]
+                    return ".".join(reversed(path))
+                stack.append((item, depth + 1, (k, entry)))
+    return None
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_INNERMOST = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+
+
+def _deeper_than(text: str, levels: int) -> bool:
+    """Whether JSON ``text`` nests arrays and objects past ``levels``: at C speed, by
+    taking out its strings, then its innermost arrays and objects, ``levels`` times."""
+    if text.count("[") + text.count("{") <= levels:
+        return False
+    text = _STRING.sub("", text)
+    for _ in range(levels):
+        text, n = _INNERMOST.subn("", text)
+        if not n:
+            return False
+    return "[" in text or "{" in text
+
+
 def check_json(value) -> None:
     """Refuse, naming the field's path, what JSON readers let through and no reply
-    could echo: NaN, Infinity (``1e999`` too) and lone surrogates, anywhere in a body.
-    The common case is one C-speed pass (``json.dumps``); only a failure walks the body."""
+    could echo: NaN, Infinity (``1e999`` too) and lone surrogates, anywhere in a body;
+    and nesting past ``MAX_NESTING`` levels, which the chat template's code and the
+    JSON writers could not walk. The common case is C-speed (``json.dumps``, regular
+    expressions); only a failure walks the body for the path."""
     try:
-        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
-        return
-    except (ValueError, UnicodeEncodeError, TypeError, RecursionError):
-        pass
-    bad = _bad_value(value, "")
-    if bad is not None:
-        raise PydanticCustomError("json_value", "{path}: {why}",
-                                  {"path": bad[0] or "the request body", "why": bad[1], "param": bad[0]})
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")
+        deep = _too_deep(value) if _deeper_than(text, MAX_NESTING) else None
+    except RecursionError:
+        deep = _too_deep(value)
+    except (ValueError, UnicodeEncodeError, TypeError):
+        deep = None
+        bad = _bad_value(value, "")
+        if bad is not None:
+            raise PydanticCustomError("json_value", "{path}: {why}",
+                                      {"path": bad[0] or "the request body", "why": bad[1], "param": bad[0]})
+    if deep is not None:
+        raise PydanticCustomError("json_value", "{path}: {why}", {
+            "path": deep, "why": f"nested deeper than {MAX_NESTING} levels of arrays and objects", "param": deep})
 
 
 def by_type(kinds: Dict[str, type], default: Optional[str] = None) -> Any:
