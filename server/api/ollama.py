@@ -26,7 +26,8 @@ from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
 from mlxpipe.server.api.request import GenerationRequest
-from mlxpipe.server.api.schemas import Body, Tool, cache_salt_field, stop_strings
+from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.schemas import Tool, stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 from mlxpipe.shards.sampling import Sampling

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from mlxpipe.server.api.schemas import Body, by_type, cache_salt_field
+from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 NOT_TEXT = ("input_image", "input_file", "input_audio")
