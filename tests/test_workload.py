@@ -14,7 +14,7 @@ from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.plan import Entry, Opening, Step, StepKind
 from mlxpipe.server.core.streams import collect
 from mlxpipe.server.core.workload import WorkloadMeter
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 
 def test_the_meter_counts_computed_prompt_tokens_rows_and_verified_positions_and_forgets_slowly():

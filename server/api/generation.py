@@ -19,7 +19,8 @@ from typing import AsyncIterator, Callable, List, Optional
 
 from jinja2 import TemplateError
 
-from mlxpipe.server.api.chat_template import Delta, ForcedReply, Reply, render, thinks_first
+from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
+from mlxpipe.server.api import tenants
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
@@ -191,6 +192,7 @@ class Generator:
         self.names = {options.model_id, "default", *options.aliases}
         self.retry_after = {"Retry-After": str(options.retry_after_s)}
         self.grammars = Grammars(head.tokenizer, self.vocab)
+        self.prompts = Prompts(head.tokenizer)
 
     def model_facts(self) -> dict:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
@@ -210,14 +212,14 @@ class Generator:
         prompt = await self.prompt(req)
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
-        streams = []
+        streams, salt = [], tenants.salt(req.cache_salt)
         try:
             for i in range(req.n):
                 sampling = replace(req.sampling, grammar=grammar)
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts))
+                                                  max_drafts=req.max_drafts, cache_salt=salt))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -247,7 +249,7 @@ class Generator:
                                param="prompt")
             prompt = list(req.token_ids)
         elif req.messages is not None:
-            prompt = await self._encode(render, self.tok, req.messages, req.tools, req.template_kwargs)
+            prompt = await self._encode(self.prompts.render, req.messages, req.tools, req.template_kwargs)
         else:
             prompt = await self._encode(self.tok.encode, req.text)
         if not prompt:
@@ -259,6 +261,9 @@ class Generator:
             return await asyncio.to_thread(fn, *args)
         except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
             raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+        except RecursionError:  # tools or arguments nested deeper than the template's code can walk
+            raise ApiError(400, "the messages could not be rendered: tools or arguments are nested too deeply",
+                           param="messages") from None
 
     async def plan(self, req: GenerationRequest) -> OutputPlan:
         """What the request's output must follow, or a 400. A forced call is written in

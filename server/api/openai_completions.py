@@ -18,7 +18,8 @@ def completion_request(req: CompletionRequest, options: ApiOptions) -> Generatio
     return GenerationRequest(
         text=text, token_ids=list(req.prompt) if text is None else None,
         sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
-        stop=req.stop_strings(), split_reply=False, speculation=req.speculation, max_drafts=req.num_draft_tokens)
+        stop=req.stop_strings(), split_reply=False, speculation=req.speculation, max_drafts=req.num_draft_tokens,
+        cache_salt=req.cache_salt)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:

@@ -61,6 +61,9 @@ class GenerationRequest:
     # (``core/drafting.SOURCES``) and drafted positions in flight at most (0: none).
     speculation: str = DEFAULT_SPECULATION
     max_drafts: Optional[int] = None
+    # The client's ``cache_salt`` (vLLM's field): prefixes are reused only between
+    # requests with the same salt, under the same API key (``tenants.py``).
+    cache_salt: Optional[str] = None
 
     @property
     def forced_tool_call(self) -> bool:

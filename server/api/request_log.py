@@ -49,16 +49,24 @@ def refused(message: str) -> None:
         record.error = message
 
 
+def printable(text: str) -> str:
+    """``text`` with every control or format character escaped (``\\n``, ``\\x1b``,
+    ``\\u202e``): a path or message a client chose cannot start a forged log line,
+    colour a terminal, or reorder what it shows."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text) if not text.isprintable() else text
+
+
 def _why(record: _Record) -> str:
     if record.error is None:
         return ""
-    text = " ".join(record.error.split())
+    text = printable(" ".join(record.error.split()))
     return f": {text[:197] + '...' if len(text) > 200 else text}"
 
 
 def line(method: str, path: str, status: Optional[int], record: _Record, now: float) -> str:
     """The request's log line (tokens and timings when it generated)."""
-    text = f"{method} {path} {status or 500}"
+    text = f"{method} {printable(path)} {status or 500}"
     gen = record.generation
     if gen is None:
         return f"{text} {now - record.started:.2f}s{_why(record)}"

@@ -1,6 +1,6 @@
 """OpenAI request bodies, validated at the HTTP edge (pydantic lives only in the API),
 and the pieces other protocols' bodies may share (``bounded``, ``unicode_text``,
-``Function``, ``ResponseFormat``).
+``Function``, ``ResponseFormat``; ``json_body.py`` has ``Body``, their base).
 
 Sampling bounds come from ``Sampling.BOUNDS`` (OpenAI's where it has them;
 the extensions mlx_lm.server accepts, ``top_k``, ``min_p`` and
@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from mlxpipe.server.api.json_body import Body, cache_salt_field
 from mlxpipe.server.api.request import request_sampling
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
@@ -140,10 +141,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(Body):
     """What chat and text completions share: the model, sampling, stops, streaming."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -164,6 +163,7 @@ class OpenAIRequest(BaseModel):
     # mlx_lm.server's cap on drafted tokens (0: do not speculate).
     speculation: Literal[SOURCES] = DEFAULT_SPECULATION
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
+    cache_salt: Optional[str] = cache_salt_field()
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")

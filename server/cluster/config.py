@@ -111,13 +111,23 @@ def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
     return 0 if text.strip() == "0" else parse_size(text)
 
 
-def _api_key(path: Optional[str]) -> Optional[str]:
+def read_api_keys(path: str) -> Tuple[str, ...]:
+    """An API key file's keys: one a line (blank lines and lines starting with # left out)."""
+    from mlxpipe.proto.rpc import read_secret
+
+    keys = tuple(k for k in (line.strip() for line in read_secret(path, "--api-key-file").splitlines())
+                 if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys
+
+
+def _api_keys(path: Optional[str]) -> Tuple[str, ...]:
     """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
     if path:
-        from mlxpipe.proto.rpc import read_secret
-
-        return read_secret(path, "--api-key-file")
-    return os.environ.get("MLXPIPE_API_KEY") or None
+        return read_api_keys(path)
+    key = os.environ.get("MLXPIPE_API_KEY", "").strip()
+    return (key,) if key else ()
 
 
 # The cluster secret and TLS are proto/rpc.py's (with gRPC): taken when a config is
@@ -241,9 +251,10 @@ class ApiOptions:
                                    flag="--max-tokens", type=count)
     default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
                                       "OpenAI)", flag="--temp", type=float)
-    api_key: Optional[str] = knob(None, "file with the API key clients must send as 'Authorization: Bearer <key>' "
-                                  "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
-                                  parse=_api_key)
+    api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "
+                                     "<key>', one a line: one per user or app, each key's prompts cached apart "
+                                     "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
+                                     parse=_api_keys, cli_default=None)
     cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
                                          flag="--cors-origin", action="append", parse=tuple, cli_default=[])
     max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)

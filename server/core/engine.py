@@ -209,9 +209,11 @@ class Engine:
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
-               speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None) -> RequestStream:
+               speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
+               cache_salt: bytes = b"") -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
-        ``max_drafts``: drafted positions in flight at most (0: none). ``sampling`` is
+        ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
+        prefix-cache keys' salt (it reuses only blocks of requests with the same). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -233,7 +235,7 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id)
         self.streams[seq_id] = stream

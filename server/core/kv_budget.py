@@ -66,7 +66,7 @@ class KvBudget:
         if self.prefix is None:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
-        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable)
+        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable, seq.salt)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
@@ -95,7 +95,7 @@ class KvBudget:
         if upto <= seq.stored:
             return 0, [], False
         first = seq.stored
-        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
+        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt)[first:upto]
         snap = self._snaps(seq, offset, upto)
         kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None)
         self._keep.update(keys[:kept])

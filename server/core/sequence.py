@@ -68,6 +68,7 @@ class Seq:
     known: bool = False            # stages may hold caches for it
     finish_reason: Optional[str] = None
     hashes: List[int] = field(default_factory=list)  # keys of its first blocks (prefix cache)
+    salt: bytes = b""              # its prefix-cache keys' salt (tenant, cache_salt: prefix_index.chain_root)
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
