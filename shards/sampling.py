@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -86,6 +86,7 @@ class Sampling:
     top_logprobs: int = 0                # alternatives to report per token
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: str = ""                    # llguidance grammar the output follows ("": none; see grammar.py)
+    prompt_logprobs: bool = False        # score the prompt too (``score_prompt``), with top_logprobs alternatives
 
     # OpenAI's bounds where it has them; top_k's upper bound is the vocabulary (checked in validate).
     BOUNDS: ClassVar[Dict[str, Bound]] = {
@@ -141,7 +142,7 @@ class Sampling:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             penalty_context_size=self.penalty_context_size,
             logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
-            logit_bias=dict(self.logit_bias), grammar=self.grammar,
+            logit_bias=dict(self.logit_bias), grammar=self.grammar, prompt_logprobs=self.prompt_logprobs,
         )
         if self.seed is not None:
             p.has_seed, p.seed = True, self.seed % (1 << 64)
@@ -156,7 +157,7 @@ class Sampling:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             penalty_context_size=p.penalty_context_size or 20,
             seed=p.seed if p.has_seed else None, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-            logit_bias=dict(p.logit_bias), grammar=p.grammar,
+            logit_bias=dict(p.logit_bias), grammar=p.grammar, prompt_logprobs=p.prompt_logprobs,
         )
 
 
@@ -185,6 +186,7 @@ class SeqSampler:
         # be trimmed off); keep no more than that.
         self._keep = max(params.repetition_context_size, params.penalty_context_size) + MAX_DRAFTED
         self.history: List[int] = []
+        self.before: Optional[Tuple[int, mx.array]] = None  # prompt scoring: (position, log-probabilities [1, V] for it)
         self.filters = []
         if 0 < params.top_p < 1:
             self.filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -328,3 +330,52 @@ def pick_positions(sampler: SeqSampler, logits: mx.array, tokens: List[int], off
         sampler.observe([t])
         picks += pick_batch([sampler], logits[i : i + 1], [offset + i + 1])
     return picks
+
+
+@dataclass
+class Scored:
+    """Prompt positions a prefill frame scored: ``arrays`` (lazy) to evaluate, then
+    ``results()``, their ``pb.PromptScores`` (none when the sequence did not ask)."""
+
+    arrays: list = field(default_factory=list)
+    results: Callable[[], list] = list
+
+
+def score_prompt(sampler: SeqSampler, seq_id: int, offset: int, tokens: Sequence[int], logits: mx.array) -> Scored:
+    """The log-probability of each of a prefill chunk's ``tokens`` (positions ``offset`` ..
+    ``offset + n - 1``) given the tokens before it, when its sequence asked
+    (``Sampling.prompt_logprobs``): position p's from the log-softmax of the logits
+    [n, V] at p - 1, in float32, as mlx-lm's ``logits - logsumexp(logits)``; the
+    chunk's first token from the last row of the chunk before, which the sampler
+    keeps. No logits processor or grammar takes part: these are the model's own.
+    Position 0, and a chunk's first position when the chunk before was not scored
+    here (never, while the head gives such sequences no cached blocks), get none."""
+    p = sampler.params
+    if not p.prompt_logprobs:
+        return Scored()
+    rows = logits.astype(mx.float32)
+    lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    n = lp.shape[0]
+    before = sampler.before[1] if sampler.before is not None and sampler.before[0] == offset else None
+    sampler.before = (offset + n, mx.take(lp, mx.array([n - 1]), axis=0))  # a copy: the chunk's rows can go
+    if before is not None:
+        scoring, start, ids = mx.concatenate([before, lp[:-1]]), offset, list(tokens)
+    else:
+        scoring, start, ids = lp[:-1], offset + 1, list(tokens[1:])
+    if not ids:
+        return Scored()
+    chosen = mx.take_along_axis(scoring, mx.array(ids, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    arrays = [chosen]
+    if p.top_logprobs:
+        part = mx.argpartition(-scoring, kth=p.top_logprobs - 1, axis=-1)[:, : p.top_logprobs]
+        vals = mx.take_along_axis(scoring, part, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        arrays += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+
+    def results() -> list:
+        out = pb.PromptScores(seq_id=seq_id, start=start, logprobs=chosen.tolist())
+        if p.top_logprobs:
+            out.top_ids.extend(arrays[1].reshape(-1).tolist())
+            out.top_logprobs.extend(arrays[2].reshape(-1).tolist())
+        return [out]
+    return Scored(arrays, results)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
@@ -86,6 +86,7 @@ class Generation:
                  streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
         self.generator, self.req = generator, req
         self.tokenizer = generator.tok
+        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.streams = streams
         self.completion_tokens = 0
@@ -94,6 +95,15 @@ class Generation:
     def cancel(self) -> None:
         for s in self.streams:
             s.cancel()
+
+    def echo(self) -> Tuple[str, List[Token]]:
+        """The prompt as completions' ``echo`` returns it: its text, and its tokens with the
+        log-probabilities the last stage scored when asked (the first has none; all are in
+        once the first choice's first chunk has come)."""
+        text = self.req.text if self.req.text is not None else self.tokenizer.decode(self.prompt)
+        scored = self.streams[0].prompt
+        return text, [scored[i] if i < len(scored) and scored[i] is not None else Token(t, None, None, None)
+                      for i, t in enumerate(self.prompt)]
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.completion_tokens, self.streams[0].cached_tokens)
@@ -213,7 +223,8 @@ class Generator:
         streams = []
         try:
             for i in range(req.n):
-                sampling = replace(req.sampling, grammar=grammar)
+                # (choices share the prompt: the first alone scores it, when asked)
+                sampling = replace(req.sampling, grammar=grammar, prompt_logprobs=req.sampling.prompt_logprobs and not i)
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
