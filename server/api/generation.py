@@ -306,8 +306,9 @@ class Generator:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
-        if asked is None:
-            return min(options.default_max_tokens, limit or context, context - prompt_len)
+        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
+            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
+            return max(min(options.default_max_tokens or context, limit or context, room), 1)
         if req.clamp_max_tokens:
             return min(asked, limit or context, context - prompt_len)
         if prompt_len + asked > context:

@@ -144,8 +144,9 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
 
 def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
-    common = dict(sampling=body.options.sampling(options.default_temperature),
-                  max_tokens=body.options.max_tokens(), stop=body.options.stop or [],
+    common = dict(sampling=body.options.sampling(options.default_temperature),  # num_predict past the context:
+                  max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
+                  stop=body.options.stop or [],
                   response_format=_format(body.format))
     if isinstance(body, ChatBody):
         return GenerationRequest(messages=_messages(body.messages), tools=body.tools, **common)
