@@ -179,8 +179,9 @@ class Generation:
             if not work.done():
                 work.cancel()
                 self.cancel()
-        if work not in done:
-            raise ApiError(499, "client closed the request")
+        if work not in done:  # (nobody reads it: the request log's line says it)
+            raise ApiError(499, f"the client went away before the reply was complete ({self.completion_tokens} "
+                                f"tokens generated, none sent)")
         try:
             return work.result()
         except (GenerationFailed, SequenceFailed) as err:
