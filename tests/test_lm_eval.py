@@ -160,3 +160,21 @@ def test_generation_through_local_chat_completions_equals_mlx_lm(default_server,
         word = re.search(LAST_WORD, text)
         right += (word.group(1) if word else None) == GENERATION[s["doc_id"]][1]
     assert 0 < agg["exact_match,last_word"] == pytest.approx(right / len(samples))
+
+
+def test_bench_quality_scores_a_task_of_ones_own_through_a_running_server(default_server, default_model, mlx_lm,
+                                                                         task_dir, tmp_path):
+    out = tmp_path / "quality.json"
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))
+    run = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "bench", "quality", "--task",
+                          str(task_dir / "mc.yaml"), "--url", default_server.base_url, "--model", str(default_model),
+                          "--limit", "2", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mlxpipe_mc through mlxpipe serve" in run.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    right = 0
+    for q, choices, gold in MULTIPLE_CHOICE[:2]:
+        scores = [_loglikelihood(mlx_lm, q, " " + c) for c in choices]
+        right += max(range(len(scores)), key=scores.__getitem__) == gold
+    assert row["setting"] == "served" and row["metrics"] == {"acc,none": right / 2}
