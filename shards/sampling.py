@@ -17,10 +17,12 @@ sequence replayed after a failure draws the same tokens again.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.grammar import Constraint, GrammarError
 from mlxpipe.shards.sampling_params import Sampling
 
@@ -53,6 +55,7 @@ class SeqSampler:
         # be trimmed off); keep no more than that.
         self._keep = max(params.repetition_context_size, params.penalty_context_size) + MAX_DRAFTED
         self.history: List[int] = []
+        self.before: Optional[Tuple[int, mx.array]] = None  # prompt scoring: (position, log-probabilities [1, V] for it)
         self.filters = []
         if 0 < params.top_p < 1:
             self.filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -196,3 +199,52 @@ def pick_positions(sampler: SeqSampler, logits: mx.array, tokens: List[int], off
         sampler.observe([t])
         picks += pick_batch([sampler], logits[i : i + 1], [offset + i + 1])
     return picks
+
+
+@dataclass
+class Scored:
+    """Prompt positions a prefill frame scored: ``arrays`` (lazy) to evaluate, then
+    ``results()``, their ``pb.PromptScores`` (none when the sequence did not ask)."""
+
+    arrays: list = field(default_factory=list)
+    results: Callable[[], list] = list
+
+
+def score_prompt(sampler: SeqSampler, seq_id: int, offset: int, tokens: Sequence[int], logits: mx.array) -> Scored:
+    """The log-probability of each of a prefill chunk's ``tokens`` (positions ``offset`` ..
+    ``offset + n - 1``) given the tokens before it, when its sequence asked
+    (``Sampling.prompt_logprobs``): position p's from the log-softmax of the logits
+    [n, V] at p - 1, in float32, as mlx-lm's ``logits - logsumexp(logits)``; the
+    chunk's first token from the last row of the chunk before, which the sampler
+    keeps. No logits processor or grammar takes part: these are the model's own.
+    Position 0, and a chunk's first position when the chunk before was not scored
+    here (never, while the head gives such sequences no cached blocks), get none."""
+    p = sampler.params
+    if not p.prompt_logprobs:
+        return Scored()
+    rows = logits.astype(mx.float32)
+    lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    n = lp.shape[0]
+    before = sampler.before[1] if sampler.before is not None and sampler.before[0] == offset else None
+    sampler.before = (offset + n, mx.take(lp, mx.array([n - 1]), axis=0))  # a copy: the chunk's rows can go
+    if before is not None:
+        scoring, start, ids = mx.concatenate([before, lp[:-1]]), offset, list(tokens)
+    else:
+        scoring, start, ids = lp[:-1], offset + 1, list(tokens[1:])
+    if not ids:
+        return Scored()
+    chosen = mx.take_along_axis(scoring, mx.array(ids, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    arrays = [chosen]
+    if p.top_logprobs:
+        part = mx.argpartition(-scoring, kth=p.top_logprobs - 1, axis=-1)[:, : p.top_logprobs]
+        vals = mx.take_along_axis(scoring, part, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        arrays += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+
+    def results() -> list:
+        out = pb.PromptScores(seq_id=seq_id, start=start, logprobs=chosen.tolist())
+        if p.top_logprobs:
+            out.top_ids.extend(arrays[1].reshape(-1).tolist())
+            out.top_logprobs.extend(arrays[2].reshape(-1).tolist())
+        return [out]
+    return Scored(arrays, results)

@@ -72,6 +72,7 @@ class Sampling:
     top_logprobs: int = 0                # alternatives to report per token
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: str = ""                    # llguidance grammar the output follows ("": none; see grammar.py)
+    prompt_logprobs: bool = False        # score the prompt too (``sampling.score_prompt``), with top_logprobs alternatives
 
     # OpenAI's bounds where it has them; top_k's upper bound is the vocabulary (checked in validate).
     BOUNDS: ClassVar[Dict[str, Bound]] = {
@@ -127,7 +128,7 @@ class Sampling:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             penalty_context_size=self.penalty_context_size,
             logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
-            logit_bias=dict(self.logit_bias), grammar=self.grammar,
+            logit_bias=dict(self.logit_bias), grammar=self.grammar, prompt_logprobs=self.prompt_logprobs,
         )
         if self.seed is not None:
             p.has_seed, p.seed = True, self.seed % (1 << 64)
@@ -142,5 +143,5 @@ class Sampling:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             penalty_context_size=p.penalty_context_size or 20,
             seed=p.seed if p.has_seed else None, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-            logit_bias=dict(p.logit_bias), grammar=p.grammar,
+            logit_bias=dict(p.logit_bias), grammar=p.grammar, prompt_logprobs=p.prompt_logprobs,
         )

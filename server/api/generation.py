@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
@@ -87,6 +87,7 @@ class Generation:
                  streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
         self.generator, self.req = generator, req
         self.tokenizer = generator.tok
+        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.streams = streams
         self.completion_tokens = 0
@@ -95,6 +96,15 @@ class Generation:
     def cancel(self) -> None:
         for s in self.streams:
             s.cancel()
+
+    def echo(self) -> Tuple[str, List[Token]]:
+        """The prompt as completions' ``echo`` returns it: its text, and its tokens with the
+        log-probabilities the last stage scored when asked (the first has none; all are in
+        once the first choice's first chunk has come)."""
+        text = self.req.text if self.req.text is not None else self.tokenizer.decode(self.prompt)
+        scored = self.streams[0].prompt
+        return text, [scored[i] if i < len(scored) and scored[i] is not None else Token(t, None, None, None)
+                      for i, t in enumerate(self.prompt)]
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.completion_tokens, self.streams[0].cached_tokens)
@@ -170,8 +180,9 @@ class Generation:
             if not work.done():
                 work.cancel()
                 self.cancel()
-        if work not in done:
-            raise ApiError(499, "client closed the request")
+        if work not in done:  # (nobody reads it: the request log's line says it)
+            raise ApiError(499, f"the client went away before the reply was complete ({self.completion_tokens} "
+                                f"tokens generated, none sent)")
         try:
             return work.result()
         except (GenerationFailed, SequenceFailed) as err:
@@ -215,7 +226,8 @@ class Generator:
         streams, salt = [], tenants.salt(req.cache_salt)
         try:
             for i in range(req.n):
-                sampling = replace(req.sampling, grammar=grammar)
+                # (choices share the prompt: the first alone scores it, when asked)
+                sampling = replace(req.sampling, grammar=grammar, prompt_logprobs=req.sampling.prompt_logprobs and not i)
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
@@ -301,8 +313,9 @@ class Generator:
             raise ApiError(400, f"This model's maximum context length is {served}. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
-        if asked is None:
-            return min(options.default_max_tokens, limit or context, context - prompt_len)
+        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
+            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
+            return max(min(options.default_max_tokens or context, limit or context, room), 1)
         if req.clamp_max_tokens:
             return min(asked, limit or context, context - prompt_len)
         if prompt_len + asked > context:

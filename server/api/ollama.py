@@ -158,8 +158,9 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
 
 def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
-    common = dict(sampling=body.options.sampling(options),
-                  max_tokens=body.options.max_tokens(), stop=body.options.stop or [],
+    common = dict(sampling=body.options.sampling(options),  # num_predict past the context:
+                  max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
+                  stop=body.options.stop or [],
                   response_format=_format(body.format), cache_salt=body.cache_salt)
     if isinstance(body, ChatBody):
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None

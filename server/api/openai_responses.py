@@ -151,10 +151,10 @@ class _Response:
                     "max_output_tokens": req.max_output_tokens, "model": req.model, "output": [],
                     "parallel_tool_calls": req.parallel_tool_calls,
                     "previous_response_id": req.previous_response_id, "reasoning": req.reasoning or {},
-                    "store": req.store, "temperature": req.temperature,
+                    "store": req.store, "temperature": gen.req.sampling.temperature,  # what was used, as OpenAI's
                     "text": _echo(req.text) or {"format": {"type": "text"}},
                     "tool_choice": _echo(req.tool_choice) or "auto", "tools": [_echo(t) for t in req.tools or []],
-                    "top_p": req.top_p,
+                    "top_p": gen.req.sampling.top_p,
                     "truncation": "disabled", "usage": None, "metadata": req.metadata or {}}
 
     def finish(self, finish: Optional[str]) -> dict:
@@ -162,8 +162,10 @@ class _Response:
         self.obj["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
                              "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": u.prompt_tokens + u.completion_tokens}
-        if finish == "length":
+        if finish == "length":  # the item being written when the budget ran out is incomplete too
             self.obj["status"], self.obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            if self.obj["output"] and "status" in self.obj["output"][-1]:
+                self.obj["output"][-1]["status"] = "incomplete"
         else:
             self.obj["status"] = "completed"
         return self.obj
@@ -173,8 +175,8 @@ def _reasoning(text: str) -> dict:
     return {"type": "reasoning", "id": _id("rs"), "summary": [{"type": "summary_text", "text": text}]}
 
 
-def _message(text: str) -> dict:
-    return {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
+def _message(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
@@ -211,7 +213,7 @@ class _Events:
     def _where(self) -> dict:
         return {"item_id": self.item["id"], "output_index": self.index}
 
-    def close(self) -> List[str]:
+    def close(self, status: str = "completed") -> List[str]:
         item, text, out = self.item, self.text, []
         if item is None:
             return out
@@ -219,7 +221,7 @@ class _Events:
             part = {"type": "output_text", "text": text, "annotations": []}
             out += [self.event("response.output_text.done", **self._where(), content_index=0, text=text, logprobs=[]),
                     self.event("response.content_part.done", **self._where(), content_index=0, part=part)]
-            item = _message(text) | {"id": item["id"]}
+            item = _message(text, status) | {"id": item["id"]}
         else:
             part = {"type": "summary_text", "text": text}
             out += [self.event("response.reasoning_summary_text.done", **self._where(), summary_index=0, text=text),
@@ -281,7 +283,7 @@ async def stream(resp: _Response, on_error, stored) -> AsyncIterator[str]:
             for e in ev.piece(p):
                 yield e
             if p.finish_reason is not None:
-                for e in ev.close():
+                for e in ev.close("incomplete" if p.finish_reason == "length" else "completed"):
                     yield e
                 obj = resp.finish(p.finish_reason)
                 stored(obj)

@@ -13,6 +13,7 @@ which are refused.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
@@ -312,23 +313,32 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Union[str, List[str], List[int]]
+    # Text or token ids; a list of one of either (a batch of one, as lm-evaluation-harness
+    # sends) is that prompt. Larger batches are refused.
+    prompt: Union[str, List[int]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0, with echo: score the prompt, generate nothing
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt first, with its tokens' log-probabilities when logprobs is set
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"batched prompts are not served: send one prompt per request, not {len(v)}")
+            v = v[0]
+        if not isinstance(v, (str, list)) or (isinstance(v, list) and not all(type(t) is int for t in v)):
+            raise ValueError("the prompt is a string, a list of token ids, or a list of one of either")
+        return v
+
     @model_validator(mode="after")
     def _supported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported by this server")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("send one prompt per request (batched prompts are not supported)")
         if not self.prompt:
             raise ValueError("the prompt is empty")
         if self.prompt_text() is not None:
@@ -337,9 +347,10 @@ class CompletionRequest(OpenAIRequest):
 
     def prompt_text(self) -> Optional[str]:
         """The prompt as text to tokenize; None when it is already token ids."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if self.prompt and isinstance(self.prompt[0], str) else None
+        return self.prompt if isinstance(self.prompt, str) else None
+
+    def sampling(self, default_temperature: float) -> Sampling:
+        return replace(super().sampling(default_temperature), prompt_logprobs=self.echo and self.logprobs is not None)
 
     def token_budget(self) -> Optional[int]:
         return self.max_tokens

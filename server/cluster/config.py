@@ -247,8 +247,9 @@ class ApiOptions:
 
     model_id: str = knob(help="the name /v1/models lists (the folder's name, or the repo id as given)", flag=None)
     aliases: Tuple[str, ...] = knob((), "other names accepted in `model`", flag=None)
-    default_max_tokens: int = knob(512, "tokens to generate when a request does not say (default %(default)s)",
-                                   flag="--max-tokens", type=count)
+    default_max_tokens: Optional[int] = knob(None, "tokens a reply may run to when its request names no limit "
+                                             "(default: none, to the end of the context, as OpenAI's)",
+                                             flag="--max-tokens", type=count)
     default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
                                       "OpenAI)", flag="--temp", type=float)
     api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
-from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.frames import Framer, prompt_scores
+from mlxpipe.server.core.plan import PromptScores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
@@ -237,7 +238,7 @@ class Engine:
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
         self.scheduler.add(seq)
-        stream = RequestStream(self, seq_id)
+        stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
         self.streams[seq_id] = stream
         self._pump()
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
@@ -296,16 +297,27 @@ class Engine:
             if self.observer is not None:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
-            self.stats.generated_tokens += 1
             reason = ev.seq.finish_reason if ev.finished else None
+            if ev.token < 0:  # it only scored its prompt (max_tokens 0): no token of its own
+                stream.end(reason)
+                del self.streams[ev.seq.seq_id]
+                continue
+            self.stats.generated_tokens += 1
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
 
     # -- supervision -------------------------------------------------------------
 
+    def _scored(self, scores: List[PromptScores]) -> None:
+        for s in scores:
+            stream = self.streams.get(s.seq_id)
+            if stream is not None:
+                stream.scored(s.start, s.logprobs, s.top)
+
     async def _read(self) -> None:
         async for result in self.pipeline.results():
+            self._scored(prompt_scores(result))  # a prompt's last scores come with its first token: first
             self._deliver(self.framer.on_result(result))
             self._pump()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import List
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.core.plan import Entry, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.plan import Entry, PromptScores, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
 from mlxpipe.server.core.workload import WorkloadMeter
@@ -47,6 +47,17 @@ def step_result(result: pb.Result) -> StepResult:
     return StepResult(result.frame_id, [
         Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
                t.done, t.error) for t in result.tokens])
+
+
+def prompt_scores(result: pb.Result) -> List[PromptScores]:
+    """The prompt positions a result scored, per sequence."""
+    out = []
+    for p in result.prompt:
+        k = len(p.top_ids) // len(p.logprobs) if p.logprobs else 0
+        top = [(list(p.top_ids[i * k:(i + 1) * k]), list(p.top_logprobs[i * k:(i + 1) * k]))
+               for i in range(len(p.logprobs))] if k else []
+        out.append(PromptScores(p.seq_id, p.start, list(p.logprobs), top))
+    return out
 
 
 class Framer:

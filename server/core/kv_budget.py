@@ -62,8 +62,9 @@ class KvBudget:
 
     def cached_prefix(self, seq: Seq) -> List[int]:
         """The keys of the cached blocks ``seq`` may start after: all its first blocks
-        that every stage holds, leaving at least its last token to compute."""
-        if self.prefix is None:
+        that every stage holds, leaving at least its last token to compute. None for a
+        sequence that scores its prompt: a cached position's log-probability is not known."""
+        if self.prefix is None or seq.sampling.prompt_logprobs:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
         chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable, seq.salt)

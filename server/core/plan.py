@@ -71,6 +71,16 @@ class Sample:
 
 
 @dataclass
+class PromptScores:
+    """Prompt positions of a sequence the last stage scored (``Sampling.prompt_logprobs``)."""
+
+    seq_id: int
+    start: int                   # the position of logprobs[0]
+    logprobs: List[float]
+    top: List[Tuple[List[int], List[float]]] = field(default_factory=list)  # per position, when asked
+
+
+@dataclass
 class StepResult:
     step_id: int
     samples: List[Sample]

@@ -366,7 +366,11 @@ class Scheduler:
         return TokenEvent(seq, -1, 0.0, None, True, why)
 
     def _take(self, seq: Seq, t: Sample) -> TokenEvent:
-        """A sampled token becomes the sequence's next."""
+        """A sampled token becomes the sequence's next (none with a budget of 0: it only
+        scored its prompt, and ends with the last stage's pick unused)."""
+        if not seq.max_tokens:
+            self._finish(seq, "length")
+            return TokenEvent(seq, -1, 0.0, None, True)
         seq.generated.append(t.token)
         if seq.phase == Phase.PREFILL:
             self.prefilling.remove(seq)
