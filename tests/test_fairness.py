@@ -9,8 +9,17 @@ come and go, and a client that hangs up mid-prefill."""
 from __future__ import annotations
 
 import heapq
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
+import httpx
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from mlxpipe.bench.common import long_text
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.plan import Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
@@ -313,3 +322,136 @@ def test_simulated_hang_up_frees_the_stages_within_one_chunk():
     assert 1 not in sim.first
     stages = 2
     assert sim.busy_until - 30.0 <= stages * (0.2 + sim.overhead) + 1e-9
+
+
+# -- the real thing: `mlxpipe serve` on 2 stages ----------------------------------------------
+
+LONG = 2400      # positions of the long prompt: seconds of prefill on the tiny model
+MAX_STALL = 0.2  # serve's default --max-stall: seconds a prefill chunk may hold a stage
+CHUNK = 1024     # --chunk-size: a chunk this long holds a stage for seconds (were it not bounded in time)
+
+
+@pytest.fixture(scope="module")
+def fair_server(tmp_path_factory, default_model):
+    """A tiny llama (long context) served on 2 stages in chunks of at most 1,024 positions, warmed."""
+    from server_proc import ServerProcess
+    from tiny_models import build_llama_source
+
+    path = build_llama_source(tmp_path_factory.mktemp("fair") / "llama", default_model,
+                              max_position_embeddings=8192)
+    srv = ServerProcess("--model", str(path), "--stages", "2", "--chunk-size", str(CHUNK), capture_log=True)
+    srv.tok = load_tokenizer(default_model)
+    for i in range(2):  # kernels compiled, a prefill step timed (chunks are bounded from then on)
+        _first_token(srv, long_text(srv.tok, 40, f"warm{i}"))
+    yield srv
+    srv.stop()
+
+
+def _metric(srv, name: str) -> float:
+    for line in httpx.get(f"{srv.root}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _prefilled(srv) -> float:
+    """Prompt positions the pipeline has computed since start (every stage, results back)."""
+    return _metric(srv, 'mlxpipe_frame_tokens_timed_total{kind="prefill"}')
+
+
+def _prefill_compute(srv) -> List[float]:
+    """Seconds each stage has computed prompt positions since start."""
+    return [_metric(srv, f'mlxpipe_stage_frame_seconds_total{{kind="prefill",part="compute",stage="{i}"}}')
+            for i in range(2)]
+
+
+def _body(text: str, stream: bool) -> dict:
+    return {"model": "default", "prompt": text, "max_tokens": 1, "temperature": 0, "stream": stream}
+
+
+def _first_token(srv, text: str) -> Tuple[float, float]:
+    """(when it was sent, when its first token came), time.monotonic()."""
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{srv.base_url}/completions", json=_body(text, True), timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return t0, time.monotonic()
+    raise AssertionError("no token")
+
+
+def _wait_for(predicate, timeout: float, what: str, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_prefills(fair_server):
+    srv, tok = fair_server, fair_server.tok
+    idle = min(b - a for a, b in (_first_token(srv, long_text(tok, 20, f"idle{i}")) for i in range(2)))
+    alone_sent, alone_first = _first_token(srv, long_text(tok, LONG, "alone"))
+    alone = alone_first - alone_sent
+
+    base = _prefilled(srv)
+    with ThreadPoolExecutor(1) as pool:
+        long_req = pool.submit(_first_token, srv, long_text(tok, LONG, "together"))
+        p0 = _wait_for(lambda: (p := _prefilled(srv)) - base >= LONG // 5 and p, 300, "the long prompt's prefill")
+        short_sent, short_first = _first_token(srv, long_text(tok, 20, "probe"))
+        p1 = _prefilled(srv)
+        long_sent, long_first = long_req.result()
+    short = short_first - short_sent
+    together = long_first - long_sent
+    print(f"short request: idle {idle:.2f} s, beside the long prompt {short:.2f} s; long prompt: alone "
+          f"{alone:.2f} s, with the short one {together:.2f} s; prefilled while the short one waited: {p1 - p0:.0f}")
+    # The short request's first token came first, and while it waited the long prompt had a few
+    # chunks computed (first come, first served: all that was left of it, about 4 / 5).
+    assert short_first < long_first
+    assert p1 - p0 < (LONG - (p0 - base)) / 3
+    assert short < alone / 4
+    # The long prompt paid little for it (generous: the machine is shared).
+    assert together < 2 * alone
+
+
+def _hang_up_mid_prefill(srv, stream: bool) -> Tuple[float, float, float]:
+    """A client sends the long prompt and closes its socket mid-prefill: (prompt positions
+    computed when it hung up, more computed after, seconds a position took on the slowest
+    stage meanwhile)."""
+    base, compute = _prefilled(srv), _prefill_compute(srv)
+    payload = json.dumps(_body(long_text(srv.tok, LONG, f"hangup-{stream}"), stream)).encode()
+    host, port = srv.root.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    at = _wait_for(lambda: (p := _prefilled(srv)) - base >= LONG // 5 and p, 300, "the prefill to start")
+    sock.close()
+    per_token = max(b - a for a, b in zip(compute, _prefill_compute(srv))) / (at - base)
+    last, still = at, time.monotonic()
+    while time.monotonic() - still < 1.5:  # until nothing more is computed for 1.5 s
+        time.sleep(0.1)
+        now = _prefilled(srv)
+        if now != last:
+            last, still = now, time.monotonic()
+    health = httpx.get(f"{srv.root}/health", timeout=30).json()
+    assert all(s["queue_depth"] == 0 for s in health["stages"])
+    return at - base, last - at, per_token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
+def test_a_client_that_hangs_up_mid_prefill_frees_the_stages_within_a_chunk(fair_server, stream):
+    srv = fair_server
+    done, after, per_token = _hang_up_mid_prefill(srv, stream)
+    chunk = MAX_STALL / per_token  # positions a stage computes in --max-stall: a chunk's size
+    print(f"hung up after {done:.0f} prompt positions of {LONG}; {after:.0f} more were computed "
+          f"(a chunk: about {chunk:.0f})")
+    # What was in flight when the server heard of it: about a chunk per stage. (Before: two
+    # chunks of --chunk-size, however long they took, and the hang-up heard of between polls.)
+    assert after <= 4 * chunk < (LONG - done) / 4, (done, after, chunk)
+    if not stream:
+        _wait_for(lambda: any(" 499 " in line for line in srv.log), 10, "the request log's 499")
+    # The stages are free: the next short request is answered as if idle, give or take.
+    a, b = _first_token(srv, long_text(srv.tok, 20, f"after-{stream}"))
+    assert b - a < 5.0
