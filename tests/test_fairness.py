@@ -203,6 +203,31 @@ def test_a_waiting_prompts_cached_blocks_stay_until_its_first_step():
     assert first3.entries[0].opening.reuse == reuse
 
 
+def test_after_a_replay_the_prompts_start_over_shortest_first():
+    """A fault: every live sequence is prefilled again from its prompt plus what it
+    generated; the rule holds there too, and nobody is counted as passed over before."""
+    s = Scheduler(SchedulerConfig(chunk_size=64, max_prefill_inflight=2, max_overtaken=3))
+    s.add(_seq(1, 1000, max_tokens=5))
+    s.add(_seq(2, 30, max_tokens=5))
+    flying = s.schedule()
+    for _ in range(6):
+        _answer(s, flying.pop(0), token=9)
+        flying += s.schedule()
+    assert s.seqs[2].generated and not s.seqs[1].generated  # the short one went first and decodes
+    generated = list(s.seqs[2].generated)
+    s.replay_all()
+    assert s.seqs[1].overtaken == 0
+    steps = s.schedule()
+    # The short one again: its prompt and the tokens it had, first; then the long one from 0.
+    assert [(e.seq_id, e.offset) for st in steps for e in st.entries] == [(2, 0), (2, 16)]
+    assert steps[0].tokens + steps[1].tokens == (s.seqs[2].prompt + generated)[:len(steps[0].tokens + steps[1].tokens)]
+    flying = steps
+    while 1 in s.seqs and not s.seqs[1].generated:
+        _answer(s, flying.pop(0), token=9)
+        flying += s.schedule()
+    assert s.seqs[1].sent == len(s.seqs[1].feed)
+
+
 # -- a simulated pipeline: stages that take a time per position ----------------------------
 
 
