@@ -14,22 +14,17 @@ Rules:
   cut into about two chunks per stage (never under ``min_chunk``) so that every
   stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
   ``generate_step`` does it.
-- Prefill is fair (``_next_prefill``): at most ``max_prefill_inflight`` prefill
-  steps are in flight, and each free slot goes to the prompt with the fewest
-  tokens left to send (shortest remaining first), so a short request's first
-  token comes after the chunks already in flight, never after a long prompt's
-  whole prefill, and long prompts finish one after the other (the first as if
-  alone) rather than all late. No starvation: the first admitted prompt still
-  waiting gets at least one slot in every ``max_overtaken`` + 1, so a stream of
-  shorter ones slows it by a bounded factor, and the ones behind it follow in
-  turn. (Round-robin by age was the other choice: with k long prompts a short
-  one would wait k chunks for each of its own, and every long one would finish
-  late.)
-- A chunk holds a stage at most ``max_stall`` seconds, at the measured cost
-  of a prompt position (``_chunk``): whoever arrives or decodes meanwhile waits
-  for no more than the chunks in flight, and a request whose client hangs up
-  stops costing the stages once they are done (``cancel``: nothing more of it
-  is sent; the stages free it with the next step).
+- Prefill is fair (``_next_prefill``): of the ``max_prefill_inflight`` prefill
+  steps in flight, each free slot goes to the prompt with the fewest tokens
+  left to send, so a short request's first token waits for the chunks in
+  flight, never for a long prompt's whole prefill, and long prompts finish one
+  after the other, not all late (as round-robin by age would have them, and a
+  short one wait a chunk of each). No starvation: the oldest prompt gets a slot
+  in every ``max_overtaken`` + 1 at least.
+- A chunk holds a stage at most ``max_stall`` seconds, at the measured cost of
+  a prompt position (``_chunk``): whoever arrives or decodes meanwhile waits
+  for the chunks in flight, no more; so does the pipeline for a request whose
+  client hangs up (``cancel``: nothing more of it is sent).
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
   at most one step in flight; while stage i runs group g, stage i+1 runs group
   g-1. A sequence whose first token arrives joins the smallest group at that
@@ -320,9 +315,8 @@ class Scheduler:
         return steps
 
     def _next_prefill(self) -> Optional[Seq]:
-        """Whose prefill step goes next: the prompt with the fewest tokens left to send
-        (the first admitted among equals), unless the first admitted one was passed over
-        ``max_overtaken`` times in a row: then it."""
+        """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
+        admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
         ready = [s for s in self.prefilling if s.sent < len(s.feed)]
         if not ready:
             return None
@@ -333,8 +327,7 @@ class Scheduler:
         return pick
 
     def _prefill_step(self, seq: Seq) -> Step:
-        """``seq``'s next prefill step: a chunk of all but its last token, or the last
-        token alone, sampled."""
+        """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
         body = len(seq.feed) - 1
         if seq.sent < body:
             n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
