@@ -14,17 +14,12 @@ Rules:
   cut into about two chunks per stage (never under ``min_chunk``) so that every
   stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
   ``generate_step`` does it.
-- Prefill is fair (``_next_prefill``): of the ``max_prefill_inflight`` prefill
-  steps in flight, each free slot goes to the prompt with the fewest tokens
-  left to send, so a short request's first token waits for the chunks in
-  flight, never for a long prompt's whole prefill, and long prompts finish one
-  after the other, not all late (as round-robin by age would have them, and a
-  short one wait a chunk of each). No starvation: the oldest prompt gets a slot
-  in every ``max_overtaken`` + 1 at least.
-- A chunk holds a stage at most ``max_stall`` seconds, at the measured cost of
-  a prompt position (``_chunk``): whoever arrives or decodes meanwhile waits
-  for the chunks in flight, no more; so does the pipeline for a request whose
-  client hangs up (``cancel``: nothing more of it is sent).
+- Prefill is fair (``_next_prefill``): each free slot of the ``max_prefill_inflight``
+  goes to the prompt with the fewest tokens left to send (not round-robin, which
+  makes a short one wait a chunk of each long one, and every long one finish
+  late); the oldest gets one in every ``max_overtaken`` + 1 at least. A chunk
+  holds a stage at most ``max_stall`` seconds (``_chunk``), so whoever arrives,
+  decodes or hangs up waits for the chunks in flight, not for a long prompt.
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
   at most one step in flight; while stage i runs group g, stage i+1 runs group
   g-1. A sequence whose first token arrives joins the smallest group at that
@@ -210,9 +205,8 @@ class Scheduler:
     def schedule(self) -> List[Step]:
         """The steps to run now, in order."""
         self.kv.new_round()
-        for seq in self.prefilling:  # admitted, not started: the blocks it starts after stay this round
-            if not seq.known:
-                self.kv.reusing(seq.reuse)
+        for seq in (s for s in self.prefilling if not s.known):  # not started: keep the blocks it starts after
+            self.kv.reusing(seq.reuse)
         self._admit()
         self.kv.set_room(self.kv_reserved)
         steps = self._verify_steps()    # may send a sequence back to a group...
@@ -318,13 +312,13 @@ class Scheduler:
         """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
         admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
         ready = [s for s in self.prefilling if s.sent < len(s.feed)]
-        if not ready:
-            return None
-        oldest = ready[0]
-        pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
-            min(ready, key=lambda s: len(s.feed) - s.sent)
-        oldest.overtaken = 0 if pick is oldest else oldest.overtaken + 1
-        return pick
+        if ready:
+            oldest = ready[0]
+            pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
+                min(ready, key=lambda s: len(s.feed) - s.sent)
+            oldest.overtaken = 0 if pick is oldest else oldest.overtaken + 1
+            return pick
+        return None
 
     def _prefill_step(self, seq: Seq) -> Step:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
