@@ -19,6 +19,7 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import HttpServer, add_common_arguments, free_port, long_text, median, pin_flags
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 
@@ -144,7 +145,7 @@ def report(args, stages: int, levels: List[int], rounds: List[Round], alone: Dic
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("fairness"))
     q.set_defaults(runs=1)
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages, help="local stage processes (default %(default)s)")
     q.add_argument("--long-tokens", type=int, default=8000, help="tokens per long prompt (default %(default)s)")
     q.add_argument("--probe-tokens", type=int, default=20, help="tokens per probe (default %(default)s)")
     q.add_argument("--longs", default="1,4", help="long prompts at once, per level (default %(default)s)")
@@ -153,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="probes start this share of a long prompt's time alone after the long prompts are sent "
                         "(default %(default)s)")
     q.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure mlx_lm.server on the same weights (default on)")
+                   help="also measure mlx_lm.server on the same weights (--no-baseline: not)")
     q.add_argument("--timeout", type=float, default=7200, help="seconds a request may take (default %(default)s)")
     q.add_argument("--url", default=None, help="drive this running mlxpipe server instead of starting one")
     q.add_argument("--serve-args", default="",

@@ -14,12 +14,10 @@ Rules:
   cut into about two chunks per stage (never under ``min_chunk``) so that every
   stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
   ``generate_step`` does it.
-- Prefill is fair (``_next_prefill``): each free slot of the ``max_prefill_inflight``
-  goes to the prompt with the fewest tokens left to send (not round-robin, which
-  makes a short one wait a chunk of each long one, and every long one finish
-  late); the oldest gets one in every ``max_overtaken`` + 1 at least. A chunk
-  holds a stage at most ``max_stall`` seconds (``_chunk``), so whoever arrives,
-  decodes or hangs up waits for the chunks in flight, not for a long prompt.
+- Prefill is fair (``_next_prefill``): a free prefill slot goes to the prompt with the fewest
+  tokens left (round-robin would make a short one wait a chunk of each long one, and every
+  long one finish late); the oldest gets one in every ``max_overtaken`` + 1 at least. A chunk
+  holds a stage at most ``max_stall`` s (``_chunk``): newcomers wait for the chunks in flight.
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
   at most one step in flight; while stage i runs group g, stage i+1 runs group
   g-1. A sequence whose first token arrives joins the smallest group at that
@@ -254,18 +252,14 @@ class Scheduler:
             reserved += seq.reserve
 
     def _chunk(self, seq: Seq) -> int:
-        """Tokens per prefill step for ``seq``: about two chunks per stage in flight, and
-        no more than the slowest stage computes in ``max_stall`` seconds at the measured
-        cost of a prefill position (Sarathi's stall-free batching, kept whether or not
-        others decode: whoever arrives next waits for the chunks already in flight).
-        Until the pipeline has timed a prefill step, chunks are not bounded."""
+        """Tokens per prefill step for ``seq``: about two chunks per stage in flight, no more than
+        the slowest stage computes in ``max_stall`` s at the measured cost of a prompt token (Sarathi's
+        stall-free batching, whether or not others decode; unbounded until a prefill step is timed)."""
         cfg = self.config
         todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
         n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
-        if cfg.max_stall > 0:
-            cost = getattr(self.costs().get("prefill"), "token_s", None)
-            if cost:
-                n = min(n, max(1, int(cfg.max_stall / cost)))
+        if cfg.max_stall > 0 and (cost := getattr(self.costs().get("prefill"), "token_s", None)):
+            n = min(n, max(1, int(cfg.max_stall / cost)))
         return n
 
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
@@ -342,8 +336,7 @@ class Scheduler:
         else:
             entry = self._entry(seq, seq.sent, n, sample)
         tokens = seq.feed[seq.sent : seq.sent + n]
-        seq.sent += n
-        seq.known = True
+        seq.sent, seq.known = seq.sent + n, True
         return self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens)
 
     def _verify_steps(self) -> List[Step]:
