@@ -24,7 +24,7 @@ from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.plan import Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 
 def _seq(i: int, prompt_len: int, max_tokens: int = 2) -> Seq:
@@ -351,7 +351,8 @@ def test_simulated_hang_up_frees_the_stages_within_one_chunk():
 
 # -- the real thing: `mlxpipe serve` on 2 stages ----------------------------------------------
 
-LONG = 2400      # positions of the long prompt: seconds of prefill on the tiny model
+LONG = 4000      # positions of the long prompt: seconds of prefill on the tiny model, many chunks
+HANG = 7000      # positions of the prompt hung up on: only the first ~1,000 are computed
 MAX_STALL = 0.2  # serve's default --max-stall: seconds a prefill chunk may hold a stage
 CHUNK = 1024     # --chunk-size: a chunk this long holds a stage for seconds (were it not bounded in time)
 
@@ -446,12 +447,12 @@ def _hang_up_mid_prefill(srv, stream: bool) -> Tuple[float, float, float]:
     computed when it hung up, more computed after, seconds a position took on the slowest
     stage meanwhile)."""
     base, compute = _prefilled(srv), _prefill_compute(srv)
-    payload = json.dumps(_body(long_text(srv.tok, LONG, f"hangup-{stream}"), stream)).encode()
+    payload = json.dumps(_body(long_text(srv.tok, HANG, f"hangup-{stream}"), stream)).encode()
     host, port = srv.root.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    at = _wait_for(lambda: (p := _prefilled(srv)) - base >= LONG // 5 and p, 300, "the prefill to start")
+    at = _wait_for(lambda: (p := _prefilled(srv)) - base >= 500 and p, 300, "the prefill to start")
     sock.close()
     per_token = max(b - a for a, b in zip(compute, _prefill_compute(srv))) / (at - base)
     last, still = at, time.monotonic()
@@ -470,13 +471,15 @@ def test_a_client_that_hangs_up_mid_prefill_frees_the_stages_within_a_chunk(fair
     srv = fair_server
     done, after, per_token = _hang_up_mid_prefill(srv, stream)
     chunk = MAX_STALL / per_token  # positions a stage computes in --max-stall: a chunk's size
-    print(f"hung up after {done:.0f} prompt positions of {LONG}; {after:.0f} more were computed "
+    print(f"hung up after {done:.0f} prompt positions of {HANG}; {after:.0f} more were computed "
           f"(a chunk: about {chunk:.0f})")
     # What was in flight when the server heard of it: about a chunk per stage. (Before: two
     # chunks of --chunk-size, however long they took, and the hang-up heard of between polls.)
-    assert after <= 4 * chunk < (LONG - done) / 4, (done, after, chunk)
+    assert after <= 4 * chunk < (HANG - done) / 3, (done, after, chunk)
     if not stream:
-        _wait_for(lambda: any(" 499 " in line for line in srv.log), 10, "the request log's 499")
-    # The stages are free: the next short request is answered as if idle, give or take.
-    a, b = _first_token(srv, long_text(srv.tok, 20, f"after-{stream}"))
-    assert b - a < 5.0
+        _wait_for(lambda: any(" 499 " in line for line in srv.log), 30, "the request log's 499")
+    # The stages are free: the next short request is answered, and computing it took its own
+    # positions only, not what was left of the abandoned prompt (no clock: the machine is shared).
+    base = _prefilled(srv)
+    _first_token(srv, long_text(srv.tok, 20, f"after-{stream}"))
+    assert _prefilled(srv) - base <= 100 < (HANG - done - after) / 4
