@@ -172,9 +172,10 @@ class ClusterConfig:
                                          "agents; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
-    max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "
-                            "requests decode (default %(default)s; chunks shrink to fit, at the measured cost of a "
-                            "prompt token; 0: chunks of --chunk-size regardless)", type=seconds)
+    max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage, so that "
+                            "requests that decode or arrive meanwhile wait no longer (default %(default)s; chunks "
+                            "shrink to fit, at the measured cost of a prompt token; 0: chunks of --chunk-size "
+                            "regardless)", type=seconds)
     groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
     max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",
                           type=count)
