@@ -4,9 +4,10 @@ Two kinds:
 
 - **Positional** caches keep keys and values along a position axis, one entry per
   position, each independent of the later ones (mlx-lm's ``KVCache``,
-  ``QuantizedKVCache``, ``ConcatenateKVCache`` and the batched ``BatchKVCache``):
-  dropping the last positions (``trim``) is always exact, and the plain ones
-  (``KVCache``, a row of ``BatchKVCache``) can be cut into prefix blocks.
+  ``QuantizedKVCache``, ``ConcatenateKVCache``, the batched ``BatchKVCache`` and
+  our ``BatchQuantizedKVCache``): dropping the last positions (``trim``) is
+  always exact, and the plain and quantized ones (and a row of their batched
+  forms) can be cut into prefix blocks.
 - **State** caches hold something that is valid only for exactly the prefix
   computed so far: rotating windows (``RotatingKVCache``: it overwrites what
   falls out of its window), the arrays of state-space and linear-attention
@@ -30,8 +31,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ConcatenateKVCache,
                                   KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache)
 
-TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache)  # trim is exact at any length
-SLICEABLE = (KVCache, BatchKVCache)  # prefix blocks are slices of their keys and values
+from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache
+
+# trim is exact at any length
+TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache, BatchQuantizedKVCache)
+# prefix blocks are slices of their keys and values
+SLICEABLE = (KVCache, BatchKVCache, QuantizedKVCache, BatchQuantizedKVCache)
 
 
 def _kids(cache) -> Optional[list]:
@@ -86,18 +91,27 @@ class Footprint:
     state_bytes: int         # one snapshot of its state caches (a full window, state-space arrays)
 
 
+def _kv(cache) -> Optional[List[mx.array]]:
+    """The arrays of a cache's keys and values, [B, heads, positions, ...] each (mx.quantize's
+    three parts of each, quantized), or None for a cache that keeps none."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    parts = [*(keys if isinstance(keys, (tuple, list)) else (keys,)),
+             *(values if isinstance(values, (tuple, list)) else (values,))]
+    return parts if all(isinstance(a, mx.array) and a.ndim == 4 for a in parts) else None
+
+
 def footprint(caches: Sequence) -> Footprint:
     """Measured on caches that have seen a position or two (buffers allocated ahead count
     per position they allocated)."""
     per_token = state = 0
     for top in caches:
         for c in _leaves([top]):
-            keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-            if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-                cost = (keys.nbytes + values.nbytes) // keys.shape[2]
+            kv = _kv(c)
+            if kv is not None:
+                cost = sum(a.nbytes for a in kv) // kv[0].shape[2]
                 per_token += cost
                 if not sliceable(top):  # in a snapshot: a window, or (inside a list) what it holds
-                    state += cost * (getattr(c, "max_size", None) or keys.shape[2])
+                    state += cost * (getattr(c, "max_size", None) or kv[0].shape[2])
             elif not sliceable(top):
                 state += nbytes(vars(c))
     return Footprint(per_token, state)

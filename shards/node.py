@@ -27,6 +27,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
+from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS, KV_BITS_HELP,
+                                     KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
 from mlxpipe.shards.sizes import parse_size
 
 LAUNCH_AHEAD_HELP = (
@@ -105,7 +107,7 @@ def _advertised(listen: str, head: str) -> str:
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
-                launch_ahead: Optional[bool] = None) -> None:
+                launch_ahead: Optional[bool] = None, kv: Optional[KvQuant] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -113,7 +115,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
-                             launch_ahead=launch_ahead)
+                             launch_ahead=launch_ahead, kv=kv)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
@@ -168,6 +170,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
                         help=LAUNCH_AHEAD_HELP)
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                        help=KV_BITS_HELP + "; a head's own --kv-bits wins, and only a head's lets the pipeline match "
+                             "mlx-lm's tokens and plan the memory saved (docs/planning.md)")
+    parser.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=DEFAULT_KV_GROUP_SIZE,
+                        help=KV_GROUP_SIZE_HELP)
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START, metavar="N",
+                        help=KV_START_HELP)
     parser.add_argument("--join", default=None, metavar="HEAD:PORT",
                         help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
     parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
@@ -193,11 +202,12 @@ def run(args) -> int:
         else:
             logger.warning("--cpu is not supported on this platform")
     memory = parse_size(args.memory) if args.memory else None
+    kv = KvQuant.of(args.kv_bits, args.kv_group_size, args.quantized_kv_start)  # ValueError: one line
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead))
+                          launch_ahead=args.launch_ahead, kv=kv))
     except KeyboardInterrupt:
         pass
     return 0

@@ -47,8 +47,10 @@ from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.layers import layer_list, with_sizes
 from mlxpipe.shards.progress import Progress
 from mlxpipe.shards.quantize import QuantizeError, quantize_range
+from mlxpipe.shards.quantized_cache import KvSwitch, check
 
 if TYPE_CHECKING:
+    from mlxpipe.shards.kv_quant import KvQuant
     from mlxpipe.shards.quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -425,3 +427,23 @@ def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":
     del caches
     mx.clear_cache()
     return footprint
+
+
+def kv_switch(stage: SlicedModel, hidden_size: int, kv: "KvQuant") -> Tuple[KvSwitch, int, str]:
+    """Which of the range's caches turn quantized with ``kv`` (two positions through fresh
+    caches, then one more on quantized ones): the switch, a token's KV bytes once they did,
+    and why fewer caches than asked turn (one line; empty: none)."""
+    caches = stage.make_cache()
+    hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
+
+    def run(cs: list, i: int) -> mx.array:
+        return stage(mx.zeros((1, 1), dtype=mx.int32), hidden, cs, lengths=[i])
+
+    for i in range(2):
+        mx.eval(run(caches, i))
+    full = kinds.footprint(caches).kv_bytes_per_token
+    slots, note = check(lambda cs: run(cs, 2), caches, kv)
+    per_token = kinds.footprint(caches).kv_bytes_per_token if slots else full
+    del caches
+    mx.clear_cache()
+    return (KvSwitch(kv, tuple(slots)) if slots else KvSwitch()), per_token, note

@@ -100,7 +100,24 @@ class Cluster:
             lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
         if self.plan_note:
             lines.append(self.plan_note)
-        return lines
+        kv = self.kv_line()
+        return lines + ([kv] if kv else [])
+
+    def kv_line(self) -> str:
+        """One line on the stages' KV quantization, where asked or applied (empty: neither)."""
+        loads = [st.load for st in self.pipeline.stages if st.load is not None]
+        on = [i for i, r in enumerate(loads) if r.HasField("kv_cache")]
+        notes = [f"stage {i}: {r.kv_note}" for i, r in enumerate(loads) if r.kv_note]
+        if not on and self.config.kv_bits is None:
+            return ""
+        if not on:
+            return f"KV cache at full precision ({'; '.join(notes) or 'no stage quantizes it'})"
+        kv = loads[on[0]].kv_cache
+        full = sum(r.kv_full_bytes_per_token for r in loads)
+        now = sum(r.kv_bytes_per_token for r in loads)
+        return (f"KV cache {kv.bits}-bit (group {kv.group_size}) from mlx-lm's switch point (start {kv.start}) on "
+                f"stage{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}: {full / 1e3:.1f} -> {now / 1e3:.1f} KB "
+                f"a token" + (f" ({'; '.join(notes)})" if notes else ""))
 
     # -- starting ---------------------------------------------------------------------
 

@@ -186,6 +186,9 @@ class Engine:
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every)
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
+        quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
+        self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
+                                                     for c in quantizing), default=1.0))
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event
@@ -230,8 +233,9 @@ class Engine:
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts)
-        if seq.reserve > self.scheduler.max_kv_tokens:
-            raise InvalidRequest(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
+        need = self.scheduler.kv_need(seq)
+        if need > self.scheduler.max_kv_tokens:
+            raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "
                                  f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id)

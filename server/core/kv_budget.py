@@ -10,14 +10,25 @@ Where stages have state caches (rotating windows, state-space layers:
 ``snapshot_every`` > 0), a sequence can start only after a block whose end
 state they keep: a step that starts exactly at a block's end asks for it
 (``snap``) every ``snapshot_every`` blocks and at the last block of a prompt.
+
+With KV quantization (``set_kv``), positions are counted at what a quantized
+one costs: a sequence's positions before its switch point (``Seq.kv_at``,
+``shards/kv_quant.py``), held at full precision until then, count ``kv_ratio``
+times, and so do the blocks kept from them (stages keep a block in the form
+its sequence's caches had). Blocks past the first quantization start are keyed
+with the sequence's switch point too: what they hold was computed against
+quantized keys from that point on, so only a sequence that switches there may
+reuse them, and exactly.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.kv_quant import quantize_at
 
 
 class KvBudget:
@@ -30,6 +41,33 @@ class KvBudget:
         self._keep: Set[int] = set()        # blocks this round's steps reuse or store: not evicted now
         self._room = 0                      # blocks the budget leaves for the cache this round
         self.snapshot_every = 0  # blocks between state snapshots the stages keep (0: no stage has state caches)
+        self.kv_start: Optional[int] = None  # stages quantize their KV caches from mlx-lm's start (None: not)
+        self.kv_ratio = 1.0  # what a full-precision position costs in quantized ones, where most
+
+    def set_kv(self, start: Optional[int], ratio: float) -> None:
+        """Stages quantize their KV caches (``start``: mlx-lm's quantized_kv_start; None: not),
+        a full-precision position costing ``ratio`` quantized ones where it costs most."""
+        self.kv_start, self.kv_ratio = start, max(ratio, 1.0) if start is not None else 1.0
+
+    def place(self, seq: Seq) -> None:
+        """Where ``seq``'s caches turn quantized: where mlx-lm's would for its prompt."""
+        if self.kv_start is not None and seq.kv_at is None:
+            seq.kv_at = quantize_at(len(seq.prompt), self.kv_start)
+
+    def need(self, seq: Seq) -> int:
+        """KV positions ``seq`` may take (prompt plus token budget), counted at quantized
+        positions: those it holds at full precision, before its switch point, cost more."""
+        self.place(seq)
+        n = seq.reserve
+        if seq.kv_at is None:
+            return n
+        return max(n, math.ceil(min(n, seq.kv_at) * self.kv_ratio))
+
+    def _hashes(self, seq: Seq, upto: int) -> List[int]:
+        tag = None
+        if seq.kv_at is not None:  # blocks past the start hold what was computed against quantized keys
+            tag = (self.kv_start // self.block_tokens, seq.kv_at)
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, tag)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -66,7 +104,7 @@ class KvBudget:
         if self.prefix is None:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
-        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable)
+        self._hashes(seq, usable)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
@@ -75,7 +113,7 @@ class KvBudget:
         if self.prefix is not None:  # live sequences win: drop cached blocks before refusing
             over = reserved + need + self.prefix.tokens - self.max_tokens
             if over > 0:
-                self.pending_evict += self.prefix.evict(-(-over // self.block_tokens), self._keep | set(hit))
+                self.pending_evict += self.prefix.evict_tokens(over, self._keep | set(hit))
         return reserved + need + self.cached_tokens <= self.max_tokens
 
     def reusing(self, hit: List[int]) -> None:
@@ -95,12 +133,21 @@ class KvBudget:
         if upto <= seq.stored:
             return 0, [], False
         first = seq.stored
-        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
+        keys = self._hashes(seq, upto)[first:upto]
         snap = self._snaps(seq, offset, upto)
-        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None)
+        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None,
+                               weights=self._weights(seq, first, upto))
         self._keep.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
         return (first if kept else 0), keys[:kept], snap and kept == len(keys)
+
+    def _weights(self, seq: Seq, first: int, upto: int) -> Optional[List[int]]:
+        """What blocks ``first .. upto - 1`` of ``seq`` cost in quantized positions: those
+        before its switch point are kept at full precision (None: all cost their positions)."""
+        if seq.kv_at is None or self.kv_ratio <= 1.0:
+            return None
+        b, full = self.block_tokens, math.ceil(self.block_tokens * self.kv_ratio)
+        return [full if (k + 1) * b <= seq.kv_at else b for k in range(first, upto)]
 
     def _snaps(self, seq: Seq, offset: int, upto: int) -> bool:
         """Whether stages with state caches keep the state at the end of block ``upto``

@@ -27,6 +27,11 @@ Rules:
   the first step of a round carries the blocks to drop (``evict``). Where
   stages have state caches, prefill chunks end at block boundaries, so that a
   step can ask them to keep the state there (``snap``, ``kv_budget.py``).
+- KV quantization (``kv_start``, once the stages say they quantize): a
+  sequence's caches turn quantized where mlx-lm's ``generate_step`` would
+  turn them for its prompt (``kv_at``, named in its first step:
+  ``shards/kv_quant.py``); no prefill chunk and no VERIFY step crosses it,
+  and its KV reservation counts the positions before it at full precision.
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``Sample.done``); replayed, its first step names the tokens
@@ -73,6 +78,7 @@ class SchedulerConfig:
     spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
     spec_frames: int = 2           # VERIFY steps in flight per sequence, at most (a step more than the stages
                                    # would only queue at stage 0, and be lost on a miss)
+    kv_start: Optional[int] = None  # KV quantization asked for: mlx-lm's quantized_kv_start (None: none)
 
 
 @dataclass
@@ -107,6 +113,15 @@ class Scheduler:
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self._step_ids = itertools.count(1)
+
+    def set_kv(self, quantizing: bool, ratio: float) -> None:
+        """Whether the stages quantize their KV caches (as asked: ``kv_start``), and how many
+        times a full-precision position costs a quantized one on the stage where most."""
+        self.kv.set_kv(self.config.kv_start if quantizing else None, ratio)
+
+    def kv_need(self, seq: Seq) -> int:
+        """KV positions ``seq`` may come to take, counted as the budget counts them."""
+        return self.kv.need(seq)
 
     def resize(self, max_kv_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -153,6 +168,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         seq.feed = list(seq.prompt)
+        self.kv.place(seq)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -187,7 +203,7 @@ class Scheduler:
     @property
     def kv_reserved(self) -> int:
         """KV positions admitted sequences may grow to: prompt plus token budget each."""
-        return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
+        return sum(self.kv.need(s) for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
 
     @property
     def decoding(self) -> int:
@@ -221,7 +237,8 @@ class Scheduler:
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
             hit = self.kv.cached_prefix(seq)
-            if not self.kv.admits(seq.reserve, reserved, hit) and holding:
+            need = self.kv.need(seq)
+            if not self.kv.admits(need, reserved, hit) and holding:
                 break  # wait for KV memory to free up (FIFO: nobody overtakes)
             self.waiting.popleft()
             seq.phase = Phase.PREFILL
@@ -233,7 +250,7 @@ class Scheduler:
             self.prefilling.append(seq)
             self.speculator.admitted(seq, self.live)
             holding += 1
-            reserved += seq.reserve
+            reserved += need
 
     def _chunk(self, seq: Seq) -> int:
         """Tokens per prefill step for ``seq``: about two chunks per stage in flight;
@@ -261,7 +278,8 @@ class Scheduler:
         tokens it generated before a replay."""
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
-        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [])
+        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
+                       seq.kv_at or 0)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0) -> Step:
@@ -298,7 +316,10 @@ class Scheduler:
             while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
                 body = len(seq.feed) - 1  # all but the last token go in chunks
                 if seq.sent < body:
-                    n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
+                    n = min(self._chunk(seq), body - seq.sent)
+                    if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:
+                        n = seq.kv_at - seq.sent  # no chunk crosses where its caches turn quantized
+                    n, sample = self.kv.chunk_end(seq, n, body), False
                 else:
                     n, sample = 1, True
                 if not seq.known:  # its first step
