@@ -21,6 +21,7 @@ from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.kv_quant import KvQuant
+from mlxpipe.shards.slicing import kv_switch
 
 START = 64
 NEW_TOKENS = 24
@@ -53,6 +54,9 @@ def test_quantized_kv_equals_mlx_lm_in_process(model, stages, bits, request, ref
     ip = InProcess(path, list(zip(cuts, cuts[1:])), config, eos, kv=KvQuant(bits, 64, START))
     quantizes = all(st.kv.slots for st in ip.stages)
     assert quantizes == (model == "default_model"), "DeepSeek-V3's MLA caches stay at full precision"
+    if not quantizes:  # ... and its stages say why, in one line
+        note = kv_switch(ip.stages[0].model, ip.stages[0].hidden_size, KvQuant(bits, 64, START))[2]
+        assert note.startswith("its attention cannot read quantized keys and values") and "\n" not in note
     want = _want(reference, path, prompts, bits, quantizes)
 
     outs, seqs = ip.generate(prompts, NEW_TOKENS)  # 8 streams in decode groups
@@ -91,7 +95,7 @@ def test_quantized_kv_through_stage_processes(default_model, reference):
             loads = [st.load for st in cluster.pipeline.stages]
             return first, again, cached, alone, cluster.kv_line(), loads, cluster.engine.scheduler.drafts
 
-    first, again, cached, alone, line, loads, drafts = run_async(go())
+    first, again, cached, alone, line, loads, drafts = run_async(go(), timeout=600)
     want = _want(reference, default_model, prompts, 4, True)
     assert first == want and again == want
     assert all(c >= 16 for c in cached)
