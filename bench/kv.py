@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -43,8 +44,6 @@ from mlxpipe.shards.store import models_dir, resolve_model, text_config
 
 def shape_model(like: Path, context: int, dtype: str = "bfloat16") -> Path:
     """A tiny random llama with ``like``'s KV shape and ``context`` positions (built once)."""
-    import json
-
     from mlx_lm.models import llama
     from mlx_lm.utils import save_model
 
@@ -134,7 +133,7 @@ async def bench_kv(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.shape_of:
         path = shape_model(resolve_model(args.shape_of), max(contexts) + args.steps + 16)
-    cfg = with_sizes(text_config(__import__("json").loads((Path(path) / "config.json").read_text())))
+    cfg = with_sizes(text_config(json.loads((Path(path) / "config.json").read_text())))
     layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     limit = int(cfg.get("max_position_embeddings") or 1 << 30)
     contexts = [c for c in contexts if c + args.steps < limit] or [limit - args.steps - 1]

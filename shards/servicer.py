@@ -159,7 +159,7 @@ class StageServicer(pb_grpc.StageServicer):
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
-        switch, kv_bytes, kv_note = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
+        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(
@@ -187,7 +187,6 @@ class StageServicer(pb_grpc.StageServicer):
             model_bytes=model_bytes,
             max_context=max_context,
             fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
-            kv_bytes_per_token=kv_bytes,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
@@ -196,26 +195,27 @@ class StageServicer(pb_grpc.StageServicer):
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
             state_bytes=footprint.state_bytes,
-            kv_cache=switch.kv.to_wire() if switch.slots else None,
-            kv_full_bytes_per_token=footprint.kv_bytes_per_token,
-            kv_note=kv_note,
+            **kv_reply,
         )
         return _Loaded(shard, reply, request)
 
     def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
-                   full_bytes: int) -> tuple[KvSwitch, int, str]:
+                   full_bytes: int) -> tuple[KvSwitch, dict]:
         """The KV quantization this stage applies (the head's, else the node's own): the
-        switch, a token's KV bytes as the head is to plan them, and why fewer caches turn
-        quantized than asked (one line, logged here too; empty: none)."""
+        switch, and what the Load reply says of it: a token's KV bytes as the head is to
+        plan them, before and after the switch, and why fewer caches turn quantized than
+        asked (``kv_note``: one line, logged here too)."""
         asked = KvQuant.from_wire(request.kv_cache) if request.HasField("kv_cache") else None
         kv = asked or self.kv
         if kv is None:
-            return KvSwitch(), full_bytes, ""
+            return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
         switch, quantized_bytes, note = kv_switch(stage, hidden, kv)
         if note:
             logger.warning("layers [%d, %d): %s: %s", request.start, request.end, kv, note)
         # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
-        return switch, quantized_bytes if asked else full_bytes, note
+        return switch, {"kv_bytes_per_token": quantized_bytes if asked else full_bytes,
+                        "kv_full_bytes_per_token": full_bytes, "kv_note": note,
+                        "kv_cache": switch.kv.to_wire() if switch.slots else None}
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:

@@ -243,29 +243,29 @@ def test_budget_counts_full_precision_positions_before_the_switch():
     assert kv.need(Seq(seq_id=3, prompt=[1] * 30, max_tokens=20, sampling=Sampling())) == 50
 
 
-def test_blocks_past_the_start_are_keyed_with_the_switch_point():
-    """Blocks wholly before the start are shared by every sequence; later ones only by
-    sequences that switch where their writer did, and they cost what their form costs."""
+def test_blocks_past_the_switch_are_keyed_with_it():
+    """Blocks that end before a sequence's switch point hold full-precision keys and are
+    shared; later ones only with sequences that switch at the same point; and each costs
+    what its form costs."""
     kv = KvBudget(10_000, 16, 100)
     kv.reset_prefix([[], []], 100)
     kv.set_kv(40, 4.0)
-    a = Seq(seq_id=1, prompt=list(range(80)), max_tokens=4, sampling=Sampling())
+    a = Seq(seq_id=1, prompt=list(range(80)), max_tokens=20, sampling=Sampling())
     b = Seq(seq_id=2, prompt=list(range(90)), max_tokens=4, sampling=Sampling())
     for s in (a, b):
         kv.place(s)
         s.feed = list(s.prompt)
     assert (a.kv_at, b.kv_at) == (79, 89)
     kv.set_room(0)
-    a.generated = [1] * 10  # it decodes past block 4's end
+    a.generated = list(range(80, 90))  # it decodes past block 4's end
     first, keys, _ = kv.store(a, 90)
     assert first == 0 and len(keys) == 5
     assert kv.prefix.tokens == 4 * 64 + 16  # blocks ending at or before 79 at full precision, one quantized
-    hit = kv.cached_prefix(b)
-    assert hit == keys[:2], "b may reuse only the blocks before the start (40)"
-    c = Seq(seq_id=3, prompt=list(range(80)), max_tokens=9, sampling=Sampling())
-    kv.place(c)
-    c.feed = list(c.prompt)
-    assert kv.cached_prefix(c) == keys[:4]
+    assert kv.cached_prefix(b) == keys[:4], "b switches at 89: a's block [64, 80) held quantized keys"
+    again = Seq(seq_id=3, prompt=a.prompt, max_tokens=20, sampling=Sampling(), generated=a.generated)
+    kv.place(again)  # a replayed: its prompt and what it generated
+    again.feed = again.prompt + again.generated
+    assert kv.cached_prefix(again) == keys
 
 
 class _Guess:

@@ -15,10 +15,10 @@ With KV quantization (``set_kv``), positions are counted at what a quantized
 one costs: a sequence's positions before its switch point (``Seq.kv_at``,
 ``shards/kv_quant.py``), held at full precision until then, count ``kv_ratio``
 times, and so do the blocks kept from them (stages keep a block in the form
-its sequence's caches had). Blocks past the first quantization start are keyed
-with the sequence's switch point too: what they hold was computed against
-quantized keys from that point on, so only a sequence that switches there may
-reuse them, and exactly.
+its sequence's caches had). A block that ends past its sequence's switch point
+is keyed with that point too: what it holds was computed against quantized
+keys from there on, so only a sequence that switches at the same point reuses
+it (blocks before both points hold full-precision keys that any may reuse).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ class KvBudget:
         return max(n, math.ceil(min(n, seq.kv_at) * self.kv_ratio))
 
     def _hashes(self, seq: Seq, upto: int) -> List[int]:
-        tag = None
-        if seq.kv_at is not None:  # blocks past the start hold what was computed against quantized keys
-            tag = (self.kv_start // self.block_tokens, seq.kv_at)
+        """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
+        point on, with that point in them (they hold what quantized keys gave from there)."""
+        tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
         return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, tag)
 
     def resize(self, max_tokens: int) -> None:
