@@ -9,7 +9,7 @@ length, every stage of an even split gets a sequence's caches (the stage's own,
   back, buffers allocated ahead included), beside the bytes of their arrays;
 - decode tokens per second of one stream through the stages at that context
   (the stages run one after the other in this process: the sum of their step
-  times, no wire).
+  times, no wire), the settings timed round-robin.
 
 The caches are filled with keys and values of the model's shape (random values,
 written as the model's attention writes them): what they hold does not change
@@ -33,6 +33,7 @@ from typing import Dict, List
 
 import mlx.core as mx
 
+from mlxpipe.bench.common import median
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.splits import even_split
 from mlxpipe.shards import caches as kinds
@@ -81,32 +82,39 @@ def _fill(caches: list, shapes: List, positions: int) -> None:
             mx.eval(kinds.arrays([c]))
 
 
-def _shapes(stage, hidden: int) -> List[tuple]:
-    """(KV heads, key dim, value dim) and dtype of each of a stage's caches, from one position."""
-    caches = stage.make_cache()
-    h = None if stage.first else mx.zeros((1, 1, hidden), dtype=mx.float32)
-    mx.eval(stage(mx.zeros((1, 1), dtype=mx.int32), h, caches, [0]))
-    out = []
-    for c in caches:
-        k, v = getattr(c, "keys", None), getattr(c, "values", None)
-        out.append((k.shape[1], k.shape[3], v.shape[3], k.dtype) if isinstance(k, mx.array) else None)
+def _shapes(stages) -> List[List]:
+    """Per stage, (KV heads, key dim, value dim, dtype) of each of its caches (None: one that
+    holds no keys), from one position through all of them (each stage gets the activations
+    of the one before, in the model's dtype, as over the wire)."""
+    out, h = [], None
+    for st in stages:
+        caches = st.make_cache()
+        h = st(mx.zeros((1, 1), dtype=mx.int32), h, caches, [0])
+        mx.eval(h)
+        out.append([(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype)
+                    if isinstance(getattr(c, "keys", None), mx.array) else None for c in caches])
     return out
 
 
-def measure_setting(stages, hidden: int, bits: int, context: int, group_size: int, steps: int) -> Dict:
-    """One stream's caches at ``context`` positions on every stage: their memory per stage and
-    the decode rate through all of them."""
+def fill(stages, hidden: int, bits: int, context: int, group_size: int) -> List[Dict]:
+    """One stream's caches at ``context`` positions on every stage, and the MLX active memory
+    and array bytes they hold there."""
     per_stage = []
-    for st in stages:
+    for st, shapes in zip(stages, _shapes(stages)):
         caches = st.make_cache()
         if bits < 16:
             switch, _, _ = kv_switch(st, hidden, KvQuant(bits, group_size, 0))
             switch.turn(caches)
-        shapes = _shapes(st, hidden)
         before = mx.get_active_memory()
         _fill(caches, shapes, context)
-        per_stage.append({"caches": caches, "active": mx.get_active_memory() - before,
-                          "nbytes": sum(c.nbytes for c in caches)})
+        per_stage.append({"caches": caches, "active_bytes": mx.get_active_memory() - before,
+                          "cache_bytes": sum(c.nbytes for c in caches)})
+    return per_stage
+
+
+def decode_seconds(stages, per_stage: List[Dict], context: int, steps: int) -> float:
+    """Seconds per token of ``steps`` decode steps through every stage from ``context``
+    positions (taken back after, so every run starts at the same context)."""
     x = mx.zeros((1, 1), dtype=mx.int32)
 
     def step(i: int) -> mx.array:
@@ -115,24 +123,40 @@ def measure_setting(stages, hidden: int, bits: int, context: int, group_size: in
             h = st(x, h, s["caches"], [context + i])
         return h
 
-    mx.eval(step(0))
     t0 = time.perf_counter()
-    for i in range(1, steps + 1):
+    for i in range(steps):
         mx.eval(step(i))
-    rate = steps / (time.perf_counter() - t0)
-    out = {"bits": bits, "context": context, "tokens_per_s": rate,
-           "stages": [{"active_bytes": s["active"], "cache_bytes": s["nbytes"]} for s in per_stage]}
-    per_stage.clear()
+    seconds = (time.perf_counter() - t0) / steps
+    for s in per_stage:
+        for c in s["caches"]:
+            c.trim(steps)
+    return seconds
+
+
+def measure(stages, hidden: int, kv: List[int], context: int, args) -> List[Dict]:
+    """Every KV setting at ``context``: caches filled for all, then decode timed round-robin
+    (``args.runs`` rounds, so that a noisy neighbour slows every setting alike)."""
+    held = {bits: fill(stages, hidden, bits, context, args.kv_group_size) for bits in kv}
+    for bits in kv:  # the first steps compile kernels
+        decode_seconds(stages, held[bits], context, 2)
+    times: Dict[int, List[float]] = {bits: [] for bits in kv}
+    for _ in range(args.runs):
+        for bits in kv:
+            times[bits].append(decode_seconds(stages, held[bits], context, args.steps))
+    rows = [{"bits": bits, "context": context, "tokens_per_s": 1 / median(times[bits]),
+             "runs_s": times[bits], "stages": [{k: s[k] for k in ("active_bytes", "cache_bytes")}
+                                               for s in held[bits]]} for bits in kv]
+    held.clear()
     gc.collect()
     mx.clear_cache()
-    return out
+    return rows
 
 
 async def bench_kv(args) -> dict:
     path = resolve_model(args.model)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.shape_of:
-        path = shape_model(resolve_model(args.shape_of), max(contexts) + args.steps + 16)
+        path = shape_model(resolve_model(args.shape_of), -(-(max(contexts) + args.steps + 16) // 4096) * 4096)
     cfg = with_sizes(text_config(json.loads((Path(path) / "config.json").read_text())))
     layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     limit = int(cfg.get("max_position_embeddings") or 1 << 30)
@@ -142,21 +166,22 @@ async def bench_kv(args) -> dict:
         st, _ = load_stage(Path(path), a, b)
         read_weights(st)
         stages.append(st)
-    rows = []
-    for bits in sorted({int(b) for b in args.kv.split(",")}, reverse=True):
-        for context in contexts:
-            rows.append(measure_setting(stages, hidden, bits, context, args.kv_group_size, args.steps))
-    out = [["KV bits", "context"] + [f"stage {i} MB" for i in range(args.stages)] + ["bytes/token", "vs 16", "tok/s"]]
-    full = {r["context"]: sum(s["active_bytes"] for s in r["stages"]) for r in rows if r["bits"] == 16}
+    kv = sorted({int(b) for b in args.kv.split(",")}, reverse=True)
+    rows = [r for context in contexts for r in measure(stages, hidden, kv, context, args)]
+    out = [["KV bits", "context"] + [f"stage {i} MB" for i in range(args.stages)]
+           + ["bytes/token", "vs 16", "tok/s", "vs 16"]]
+    full = {r["context"]: r for r in rows if r["bits"] == 16}
     for r in rows:
         total = sum(s["active_bytes"] for s in r["stages"])
+        base = full.get(r["context"])
         out.append([str(r["bits"]), str(r["context"])] + [f"{s['active_bytes'] / 1e6:.1f}" for s in r["stages"]]
-                   + [f"{total / r['context']:.0f}", f"{total / full[r['context']]:.3f}" if r["context"] in full
-                      else "", f"{r['tokens_per_s']:.1f}"])
-    dtype = next(s for s in _shapes(stages[0], hidden) if s is not None)[3]
+                   + [f"{total / r['context']:.0f}",
+                      f"{total / sum(s['active_bytes'] for s in base['stages']):.3f}" if base else "",
+                      f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""])
+    dtype = next(s for s in _shapes(stages)[0] if s is not None)[3]
     print(f"KV cache of one stream on each of {args.stages} stages of {Path(path).name} (MLX active memory; "
           f"16: unquantized, {str(dtype).split('.')[-1]}; group {args.kv_group_size}), and decode through "
-          f"them, {args.steps} tokens:")
+          f"them ({args.steps} tokens, median of {args.runs} runs round-robin):")
     print(table(out, right=range(1, len(out[0]))))
     return {"model": str(path), "stages": args.stages, "kv_dtype": str(dtype), "rows": rows}
 
@@ -172,6 +197,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", default="16,8,4", help="KV bits, comma-separated (16: as computed; default %(default)s)")
     p.add_argument("--kv-group-size", type=int, default=64, help="values per scale and bias (default %(default)s)")
     p.add_argument("--stages", type=int, default=2, help="stages of an even split (default %(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed (default %(default)s)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per run (default %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="rounds of every setting, round-robin (default %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     p.set_defaults(measure=bench_kv)
