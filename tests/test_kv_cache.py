@@ -302,3 +302,32 @@ def test_speculation_stays_short_of_the_switch_until_it_is_confirmed():
     _, verifies = sp.wants({1: seq}, live=1)
     spans = [(v.offset, v.offset + len(v.tokens)) for v in verifies]
     assert spans[0][0] == 34 and spans[-1][1] == 34 + 9  # its whole depth (8 drafts and the last token) again
+
+
+def test_prefix_blocks_are_kept_and_filled_back_quantized():
+    """Blocks kept before a sequence switched hold full-precision keys, later ones quantized
+    ones (from its own cache, or its row of a batch); a sequence that starts after both
+    gets a quantized cache holding exactly what the writer held, one after the first only
+    a full-precision one."""
+    from mlxpipe.shards.prefix import BlockStore
+
+    kv = KvQuant(4, 64, 32)
+    store = BlockStore(16, kv)
+    k, v = _kv(70, 7)
+    full = KVCache()
+    full.update_and_fetch(k[:, :, :32], v[:, :, :32])
+    store.keep(1, [full], 0)
+    store.keep(2, [full], 1)
+    switched = full.to_quantized(group_size=64, bits=4)  # the writer switches at 32
+    switched.update_and_fetch(k[:, :, 32:], v[:, :, 32:])
+    store.keep(3, [switched], 2)
+    other = _single([(20, 8)])[0]  # a second row: the writer decodes in a batch
+    batch = merge([other, switched])
+    store.keep(4, [batch], 3, row=1)
+    caches = [KVCache()]
+    assert store.start([1, 2, 3, 4], caches) == 64
+    assert isinstance(caches[0], QuantizedKVCache) and caches[0].offset == 64
+    assert _same(_data(caches[0]), [x[..., :64, :] for t in (switched.keys, switched.values) for x in t])
+    caches = [KVCache()]
+    assert store.start([1, 2], caches) == 32 and type(caches[0]) is KVCache
+    assert mx.array_equal(caches[0].keys, k[:, :, :32]).item() and caches[0].offset == 32

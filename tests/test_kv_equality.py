@@ -2,7 +2,7 @@
 ``generate_step(kv_bits=..., kv_group_size=..., quantized_kv_start=...)`` on the same weights,
 8 streams batched, prefix-cache hits, a replay after a lost stage and a speculating stream.
 
-The start is 64, past these prompts (31 to 52 tokens) and inside their generations, so
+The start is 64, past these prompts (34 to 45 tokens) and inside their generations, so
 streams switch at different steps of one decode group (mlx-lm switches each where its
 ``generate_step`` would: ``shards/kv_quant.py``). The matrix runs in one process
 (``inproc.py``: real shards and scheduler, frames handed over without gRPC); the default
