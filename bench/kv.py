@@ -156,7 +156,8 @@ async def bench_kv(args) -> dict:
     path = resolve_model(args.model)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.shape_of:
-        path = shape_model(resolve_model(args.shape_of), -(-(max(contexts) + args.steps + 16) // 4096) * 4096)
+        path = shape_model(resolve_model(args.shape_of), -(-(max(contexts) + args.steps + 16) // 4096) * 4096,
+                           args.shape_dtype)
     cfg = with_sizes(text_config(json.loads((Path(path) / "config.json").read_text())))
     layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     limit = int(cfg.get("max_position_embeddings") or 1 << 30)
@@ -191,6 +192,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="default", help="a model folder or 'default' (default %(default)s)")
     p.add_argument("--shape-of", default=None, metavar="MODEL",
                    help="measure a tiny random llama with MODEL's KV shape and a context long enough instead")
+    p.add_argument("--shape-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="with --shape-of: the tiny model's dtype (default %(default)s; MLX's CPU build multiplies "
+                        "quantized keys far faster in float32)")
     p.add_argument("--contexts", default="1024,8192,32768",
                    help="positions in the cache, comma-separated (default %(default)s; those the model "
                         "allows)")

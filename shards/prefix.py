@@ -14,8 +14,9 @@ those positions' keys and values, in the form the cache holds them when the
 block is kept: at full precision while the sequence is short of its KV
 quantization point (``kv_quant.py``), quantized after. A sequence whose blocks
 include quantized ones starts with quantized caches (the full-precision parts
-quantized as mlx-lm's ``to_quantized`` would: per position, exactly). Of its state caches (rotating windows, state-space and linear-attention
-arrays: ``caches.py``) it holds a snapshot of the state at the block's end, but
+quantized as mlx-lm's ``to_quantized`` would: per position, exactly). Of its
+state caches (rotating windows, state-space and linear-attention arrays:
+``caches.py``) it holds a snapshot of the state at the block's end, but
 only when the head asked (``snap``): such state is valid for exactly that
 prefix, and costs far more than a block of keys. A sequence starts after blocks
 ``k0 .. kn`` when the stage holds all of them and, if it has state caches, the

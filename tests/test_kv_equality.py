@@ -26,7 +26,8 @@ from mlxpipe.shards.slicing import kv_switch
 START = 64
 NEW_TOKENS = 24
 MORE = ["Name a color.", "What is two plus two? Answer with a number and a short explanation.",
-        "Describe a cat in one sentence.", "Give me a haiku about autumn leaves.", "Translate 'good morning' into French, Spanish and German, please."]
+        "Describe a cat in one sentence.", "Give me a haiku about autumn leaves.",
+        "Translate 'good morning' into French, Spanish and German, please."]
 
 
 def _prompts(path):
