@@ -35,11 +35,12 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import median
 from mlxpipe.server.cli.options import table
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.splits import even_split
 from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.kv_quant import KvQuant
 from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.slicing import kv_switch, load_stage, read_weights
+from mlxpipe.shards.slicing import load_stage, read_weights
 from mlxpipe.shards.store import models_dir, resolve_model, text_config
 
 
@@ -103,7 +104,7 @@ def fill(stages, hidden: int, bits: int, context: int, group_size: int) -> List[
     for st, shapes in zip(stages, _shapes(stages)):
         caches = st.make_cache()
         if bits < 16:
-            switch, _, _ = kv_switch(st, hidden, KvQuant(bits, group_size, 0))
+            switch, _, _ = kinds.kv_switch(st, hidden, KvQuant(bits, group_size, 0))
             switch.turn(caches)
         before = mx.get_active_memory()
         _fill(caches, shapes, context)
@@ -189,7 +190,7 @@ async def bench_kv(args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv")
-    p.add_argument("--model", default="default", help="a model folder or 'default' (default %(default)s)")
+    p.add_argument("--model", default=ClusterConfig.model, help="a model folder or 'default' (default %(default)s)")
     p.add_argument("--shape-of", default=None, metavar="MODEL",
                    help="measure a tiny random llama with MODEL's KV shape and a context long enough instead")
     p.add_argument("--shape-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -199,8 +200,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="positions in the cache, comma-separated (default %(default)s; those the model "
                         "allows)")
     p.add_argument("--kv", default="16,8,4", help="KV bits, comma-separated (16: as computed; default %(default)s)")
-    p.add_argument("--kv-group-size", type=int, default=64, help="values per scale and bias (default %(default)s)")
-    p.add_argument("--stages", type=int, default=2, help="stages of an even split (default %(default)s)")
+    p.add_argument("--kv-group-size", type=int, default=ClusterConfig.kv_group_size,
+                   help="values per scale and bias (default %(default)s)")
+    p.add_argument("--stages", type=int, default=ClusterConfig.stages, help="stages of an even split (default %(default)s)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per run (default %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="rounds of every setting, round-robin (default %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")

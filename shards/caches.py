@@ -25,13 +25,16 @@ positions of that frame which were accepted are computed again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ConcatenateKVCache,
                                   KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache)
 
-from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache
+from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, check
+
+if TYPE_CHECKING:
+    from mlxpipe.shards.kv_quant import KvQuant
 
 # trim is exact at any length
 TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache, BatchQuantizedKVCache)
@@ -262,3 +265,24 @@ class Rewind:
             del m.tokens[target - m.start:]
             if m.hidden is not None:
                 m.hidden = m.hidden[:, : target - m.start]
+
+
+def kv_switch(stage: Any, hidden_size: int, kv: "KvQuant") -> Tuple[KvSwitch, int, str]:
+    """Which of ``stage``'s caches (a ``slicing.SlicedModel``'s) turn quantized with ``kv``
+    (two positions through fresh caches, then one more on quantized ones): the switch, a
+    token's KV bytes once they did, and why fewer caches than asked turn (one line; empty:
+    none)."""
+    caches = stage.make_cache()
+    hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
+
+    def run(cs: list, i: int) -> mx.array:
+        return stage(mx.zeros((1, 1), dtype=mx.int32), hidden, cs, lengths=[i])
+
+    for i in range(2):
+        mx.eval(run(caches, i))
+    full = footprint(caches).kv_bytes_per_token
+    slots, note = check(lambda cs: run(cs, 2), caches, kv)
+    per_token = footprint(caches).kv_bytes_per_token if slots else full
+    del caches
+    mx.clear_cache()
+    return (KvSwitch(kv, tuple(slots)) if slots else KvSwitch()), per_token, note

@@ -27,15 +27,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.quant_spec import GROUP_SIZES, KV_BITS
 
-KV_BITS = (8, 4)
+QUANTIZED_KV_BITS = tuple(b for b in KV_BITS if b < 16)  # 8, 4 (16: the model's dtype, not quantized)
 DEFAULT_KV_GROUP_SIZE = 64      # mlx-lm's generate_step default (a test checks)
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START (a test checks)
 PREFILL_STEP = 2048             # generate_step's prefill_step_size default: where its prefill calls end
 
-KV_BITS_HELP = ("quantize the KV cache to 8 or 4 bits a value, as mlx-lm's --kv-bits (QuantizedKVCache: a scale and "
-                "bias per --kv-group-size values of each position); caches that cannot be (MLA latents, rotating "
-                "windows, state-space arrays) stay as they are (default: off)")
+KV_BITS_HELP = ("bits of each cached key and value: 16 (the model's dtype, unquantized: the default), or 8 or 4 as "
+                "mlx-lm's --kv-bits (QuantizedKVCache: a scale and bias per --kv-group-size values of each "
+                "position); caches that cannot be (MLA latents, rotating windows, state-space arrays) stay as "
+                "they are. The planner counts the KV cache at these bits")
 KV_GROUP_SIZE_HELP = "values per scale and bias of a quantized KV cache (default %(default)s, as mlx-lm)"
 KV_START_HELP = ("a sequence's KV cache turns quantized where mlx-lm's generate_step would turn it: after its first "
                  "model call that reaches this many positions (default %(default)s, as mlx-lm)")
@@ -45,14 +47,14 @@ KV_START_HELP = ("a sequence's KV cache turns quantized where mlx-lm's generate_
 class KvQuant:
     """How a stage quantizes its positional KV caches."""
 
-    bits: int                                 # 8 or 4
+    bits: int                                 # 8 or 4 (QUANTIZED_KV_BITS)
     group_size: int = DEFAULT_KV_GROUP_SIZE   # values per scale and bias, along the head dimension
     start: int = DEFAULT_QUANTIZED_KV_START   # mlx-lm's quantized_kv_start
 
     def __post_init__(self):
-        if self.bits not in KV_BITS:
+        if self.bits not in QUANTIZED_KV_BITS:
             raise ValueError(f"kv bits {self.bits}: give 8 or 4")
-        if self.group_size not in (32, 64, 128):
+        if self.group_size not in GROUP_SIZES:
             raise ValueError(f"kv group size {self.group_size}: give 32, 64 or 128")
         if self.start < 0:
             raise ValueError(f"quantized kv start {self.start}: give 0 or more")
@@ -60,8 +62,8 @@ class KvQuant:
     @classmethod
     def of(cls, bits: Optional[int], group_size: int = DEFAULT_KV_GROUP_SIZE,
            start: int = DEFAULT_QUANTIZED_KV_START) -> Optional["KvQuant"]:
-        """The settings for ``bits`` (None: no KV quantization)."""
-        return None if not bits else cls(bits, group_size, start)
+        """The settings for ``bits`` (None or 16: no KV quantization)."""
+        return None if not bits or bits == 16 else cls(bits, group_size, start)
 
     def to_wire(self) -> pb.KvQuantization:
         return pb.KvQuantization(bits=self.bits, group_size=self.group_size, start=self.start)
@@ -89,13 +91,3 @@ def quantize_at(prompt_len: int, start: int, step: int = PREFILL_STEP) -> int:
             return body
     return max(start, prompt_len, 1)
 
-
-def kv_bytes_per_value(bits: Optional[int], group_size: int = DEFAULT_KV_GROUP_SIZE, dtype_bytes: int = 2) -> float:
-    """Bytes one key or value element costs in a KV cache of ``dtype_bytes`` activations:
-    ``dtype_bytes`` at full precision (``bits`` None or 16), else ``bits`` / 8 packed plus a
-    scale and a bias of the activations' dtype per ``group_size`` values (mx.quantize's
-    affine layout, as mlx-lm's QuantizedKVCache keeps it). A layer's bytes per token are
-    this times its KV heads times (key + value head dimensions)."""
-    if not bits or bits >= 8 * dtype_bytes:
-        return float(dtype_bytes)
-    return bits / 8 + 2 * dtype_bytes / group_size

@@ -262,3 +262,4 @@ class KvSwitch:
         if seq is not None and seq.quantized and e.trim and seq.length - e.trim < at:
             raise FrameError(f"sequence {e.seq_id}: its KV cache turned quantized at {at}; positions before it "
                              f"cannot be taken back (trim {e.trim} of {seq.length})")
+

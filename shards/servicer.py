@@ -16,6 +16,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import platform
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,8 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import memory
+from mlxpipe.shards import hello, links, memory
+from mlxpipe.shards.caches import kv_switch
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.kv_quant import KvQuant
@@ -36,7 +38,7 @@ from mlxpipe.shards.mlx_thread import MlxThread
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.quantized_cache import KvSwitch
-from mlxpipe.shards.slicing import SlicedModel, kv_switch, load_stage, read_weights, warm_up
+from mlxpipe.shards.slicing import SlicedModel, load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
@@ -91,6 +93,10 @@ class StageServicer(pb_grpc.StageServicer):
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
+        self.name = platform.node()  # what Hello and the announcement call this node
+        self.listening = (0, "")     # our port and the address we advertise (node.py sets them once bound)
+        self.next_link: Optional[links.Keeper] = None  # the hop to the next stage, kept current
+        self.in_link = links.LiveLink()                # the hop into this stage, from live frames
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -100,6 +106,17 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Ping(self, request, context):
         return pb.PingReply()
+
+    async def Hello(self, request, context):
+        """Who this node is, and (for an address of ours) proof that it holds the secret (``hello.py``)."""
+        port, advertise = self.listening
+        mine = hello.own_addresses(port, [advertise] if advertise else [])
+        return hello.reply(self.security.secret, offered_memory(self.memory_bytes), self.name,
+                           context.invocation_metadata(), mine)
+
+    async def Echo(self, request: pb.EchoRequest, context):
+        await refuse_malformed(request, context)
+        return pb.EchoReply(payload=bytes(min(request.reply_bytes, 1 << 20)))
 
     # -- Profile ---------------------------------------------------------------
 
@@ -255,9 +272,13 @@ class StageServicer(pb_grpc.StageServicer):
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
                 await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
+            if self.next_link is not None:
+                self.next_link.stop()
+                self.next_link = None
             if self.next_channel is not None:
                 await self.next_channel.close()
                 self.next_channel = self.next_stub = None
+            self.in_link = links.LiveLink()
             if request.next_address:
                 self.next_channel = self.security.channel(request.next_address)
                 self.next_stub = pb_grpc.StageStub(self.next_channel)
@@ -279,6 +300,32 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return loaded.reply
+
+    async def TimeNextHop(self, request: pb.LinkProbe, context):
+        """Time the hop to the next stage (``links.py``), then keep its latency current. The head
+        asks each stage in turn, so that no two probes share a link."""
+        await refuse_malformed(request, context)
+        loaded, stub = self.loaded, self.next_stub
+        if not 0 < request.small <= links.MAX_PROBE or request.large > links.MAX_PROBE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe sizes must be within {links.MAX_PROBE}")
+        if request.address:  # another node (with the secret, as to a next stage): timed once
+            async with self.security.channel(request.address) as channel:
+                return await self._time_hop(context, pb_grpc.StageStub(channel), request, request.address)
+        if loaded is None or stub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no next stage to time (load one first)")
+        first = await self._time_hop(context, stub, request, loaded.request.next_address)
+        if self.next_link is not None:
+            self.next_link.stop()
+        self.next_link = links.Keeper(stub, self.security.metadata(), first)
+        return first
+
+    async def _time_hop(self, context, stub, request: pb.LinkProbe, to: str) -> pb.LinkFigures:
+        try:
+            return await links.measure(stub, self.security.metadata(), request.small, request.large, to,
+                                       large_repeats=links.LARGE_REPEATS if request.large else 0)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot time the hop to {to}: {err.code().name}: "
+                                f"{err.details()}")
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):
@@ -365,6 +412,9 @@ class StageServicer(pb_grpc.StageServicer):
             reply.cache_bytes = view.cache_bytes
             reply.prefix_bytes = view.prefix_bytes
             reply.prefix_blocks = view.prefix_blocks
+            if self.next_link is not None:
+                reply.next_link.CopyFrom(self.next_link.link)
+            reply.in_link.CopyFrom(self.in_link.figures())
             busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(
                 pb.StageStats(

@@ -18,8 +18,8 @@ from mlxpipe.server.core.plan import Sample
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.errors import FrameError
-from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant,
-                                     kv_bytes_per_value, quantize_at)
+from mlxpipe.shards.kv_quant import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant, quantize_at
+from mlxpipe.shards.quant_spec import kv_bytes
 from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, merge
 from mlxpipe.shards.sampling import Sampling
 
@@ -126,15 +126,14 @@ def test_batched_attention_reads_each_row_as_its_own_cache():
         assert mx.allclose(out[i : i + 1], one, atol=1e-5).item()
 
 
-def test_bytes_per_value_is_what_a_quantized_cache_holds():
+def test_the_planners_kv_bytes_are_what_a_quantized_cache_holds():
+    values = 2 * H * 256 * D
     for bits in (8, 4):
         for dtype in (mx.float16, mx.float32):
             c = QuantizedKVCache(group_size=64, bits=bits)
             c.update_and_fetch(*(x.astype(dtype) for x in _kv(256, 0)))
-            per_value = c.nbytes / (2 * H * 256 * D)
-            assert per_value == kv_bytes_per_value(bits, 64, dtype.size)
-    assert kv_bytes_per_value(None, 64, 2) == kv_bytes_per_value(16, 64, 2) == 2.0
-    assert kv_bytes_per_value(4, 64, 2) / 2 < 0.3  # bf16/fp16 models: 4-bit KV under 0.3x
+            assert c.nbytes == kv_bytes(values, bits, 64, dtype.size)
+    assert kv_bytes(values, 4, 64, 2) / kv_bytes(values, 16, 64, 2) < 0.3  # bf16/fp16 models: 4-bit KV under 0.3x
 
 
 class _Counter(nn.Module):
@@ -190,7 +189,7 @@ def test_bad_settings_are_refused():
     for bits, group, start in ((3, 64, 0), (8, 48, 0), (4, 64, -1)):
         with pytest.raises(ValueError):
             KvQuant(bits, group, start)
-    assert KvQuant.of(None) is None and KvQuant.from_wire(pb.KvQuantization()) is None
+    assert KvQuant.of(None) is None and KvQuant.of(16) is None and KvQuant.from_wire(pb.KvQuantization()) is None
 
 
 def test_stage_refuses_frames_across_the_switch():

@@ -21,7 +21,7 @@ from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.streams import collect
 from mlxpipe.shards.kv_quant import KvQuant
-from mlxpipe.shards.slicing import kv_switch
+from mlxpipe.shards.caches import kv_switch
 
 START = 64
 NEW_TOKENS = 24

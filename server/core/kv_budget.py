@@ -63,11 +63,21 @@ class KvBudget:
             return n
         return max(n, math.ceil(min(n, seq.kv_at) * self.kv_ratio))
 
+    def longest(self) -> int:
+        """Tokens one sequence may hold in ``max_tokens``: all of them, unless positions held at
+        full precision up to the latest switch point a prompt may have (``quantize_at``) cost more."""
+        if self.kv_start is None:
+            return self.max_tokens
+        latest = quantize_at(1 << 40, self.kv_start)
+        if math.ceil(latest * self.kv_ratio) <= self.max_tokens:
+            return self.max_tokens
+        return int(self.max_tokens / self.kv_ratio)
+
     def _hashes(self, seq: Seq, upto: int) -> List[int]:
         """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
         point on, with that point in them (they hold what quantized keys gave from there)."""
         tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
-        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, tag)
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt, tag)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -100,8 +110,9 @@ class KvBudget:
 
     def cached_prefix(self, seq: Seq) -> List[int]:
         """The keys of the cached blocks ``seq`` may start after: all its first blocks
-        that every stage holds, leaving at least its last token to compute."""
-        if self.prefix is None:
+        that every stage holds, leaving at least its last token to compute. None for a
+        sequence that scores its prompt: a cached position's log-probability is not known."""
+        if self.prefix is None or seq.sampling.prompt_logprobs:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
         self._hashes(seq, usable)
