@@ -21,7 +21,7 @@ from mlxpipe.shards.errors import FrameError
 from mlxpipe.shards.kv_quant import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant, quantize_at
 from mlxpipe.shards.quant_spec import kv_bytes
 from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, merge
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 H, D = 2, 64  # KV heads, head dimension
 
@@ -240,6 +240,20 @@ def test_budget_counts_full_precision_positions_before_the_switch():
     assert kv.need(long) == 2300  # its peak: all of them, quantized
     kv.set_kv(None, 4.0)
     assert kv.need(Seq(seq_id=3, prompt=[1] * 30, max_tokens=20, sampling=Sampling())) == 50
+
+
+def test_the_served_context_counts_positions_before_the_switch_at_full_precision():
+    kv = KvBudget(10_000, 16, 0)
+    assert kv.longest() == 10_000
+    kv.set_kv(100, 4.0)  # every switch point lies at or before 2048 (quantize_at): 8,192 of 10,000 positions
+    assert kv.longest() == 10_000
+    for n in range(1, 10_001, 37):  # the longest holds however the request splits into prompt and reply
+        assert kv.need(Seq(seq_id=n, prompt=[1] * n, max_tokens=10_000 - n, sampling=Sampling())) <= 10_000
+    kv.resize(4_000)  # 2048 positions at full precision would cost 8,192: the context is what fits before the switch
+    assert kv.longest() == 1_000
+    assert all(kv.need(Seq(seq_id=n, prompt=[1] * n, max_tokens=1_000 - n, sampling=Sampling())) <= 4_000
+               for n in range(1, 1_000, 7))
+    assert kv.need(Seq(seq_id=9, prompt=[1] * 1_100, max_tokens=1, sampling=Sampling())) > 4_000  # a longer may not
 
 
 def test_blocks_past_the_switch_are_keyed_with_it():

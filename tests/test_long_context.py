@@ -30,7 +30,7 @@ from mlxpipe.bench import tiny
 LONG = 32_768 + 21   # prompt tokens: 32 chunks and a tail, past every window and YaRN's original 4,096
 NEW = 16             # tokens generated
 CHUNK = 1024         # prefill tokens per frame
-KV_BITS = [16]       # add 8 (and 4) once --kv-bits lands: the same models, nodes and prompt
+KV_BITS = [16, 8]    # the same models, nodes and prompt at each
 KV_GROUP = 32
 # Each model at the split its layers allow (``tiny.LONG_CONTEXT``: a layer per stage at most): 2 stages
 # where every layer is full attention, 3 where two of three are cheap. A split more is one more entry.
