@@ -18,7 +18,8 @@ from mlxpipe.server.core.plan import Sample
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.errors import FrameError
-from mlxpipe.shards.kv_quant import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant, quantize_at
+from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant,
+                                     quantize_at)
 from mlxpipe.shards.quant_spec import kv_bytes
 from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, merge
 from mlxpipe.shards.sampling_params import Sampling
