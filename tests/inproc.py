@@ -13,7 +13,9 @@ from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.caches import kv_switch
 from mlxpipe.shards.layers import with_sizes
+from mlxpipe.shards.quantized_cache import KvSwitch
 from mlxpipe.shards.slicing import load_stage, warm_up
 from mlxpipe.shards.stage import ShardLimits, Shard
 
@@ -42,19 +44,26 @@ class WiredScheduler:
 
 class InProcess:
     def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
-                 tokenizer=None):
-        """``tokenizer``: llguidance's, for the last stage's grammars."""
+                 tokenizer=None, kv=None):
+        """``tokenizer``: llguidance's, for the last stage's grammars; ``kv``: the stages'
+        KV quantization (``KvQuant``; the scheduler's ``kv_start`` should be its start)."""
         self.eos = frozenset(eos)
         self.stages = []
         self.footprints = []
+        self.kv_ratios = []  # stages that quantize their KV: a full-precision token over a quantized one
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
             cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
+            footprint = warm_up(model, int(cfg["hidden_size"]))
+            switch, kv_bytes, _ = kv_switch(model, int(cfg["hidden_size"]), kv) if kv else (KvSwitch(), 0, "")
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
-                                     tokenizer if model.last else None))
-            self.footprints.append(warm_up(model, int(cfg["hidden_size"])))
+                                     tokenizer if model.last else None, switch))
+            self.footprints.append(footprint)
+            if switch.slots:
+                self.kv_ratios.append(footprint.kv_bytes_per_token / kv_bytes)
         self.scheduler = WiredScheduler(config)
+        self.scheduler.set_kv(bool(self.kv_ratios), max(self.kv_ratios, default=1.0))
         self.reset_prefix()
         self._ids = 0
         self.scores: Dict[int, Dict[int, tuple]] = {}  # seq id -> position -> (logprob, top): prompt scores

@@ -135,7 +135,8 @@ class Pipeline:
                                  max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                                  quantization=quant.to_wire() if quant else None,
-                                 tokenizer=self.tokenizer if not nxt else None)
+                                 tokenizer=self.tokenizer if not nxt else None,
+                                 kv_cache=lim.kv.to_wire() if lim.kv else None)
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)
@@ -244,7 +245,8 @@ class Pipeline:
     def caches(self) -> List[StageCaches]:
         """What each stage reported of its caches when it loaded."""
         return [StageCaches(list(r.blocks), list(r.starts) if r.state_bytes else None, r.kv_bytes_per_token,
-                            r.state_bytes, r.max_rewind) for r in (st.load for st in self.stages)]
+                            r.state_bytes, r.max_rewind, r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0)
+                for r in (st.load for st in self.stages)]
 
     async def close(self) -> None:
         self.links.close()

@@ -188,6 +188,9 @@ class Engine:
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every)
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
+        quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
+        self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
+                                                     for c in quantizing), default=1.0))
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event
@@ -237,6 +240,10 @@ class Engine:
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
+        need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
+        if need > self.scheduler.max_kv_tokens:
+            raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "
+                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
         self.streams[seq_id] = stream
@@ -248,7 +255,7 @@ class Engine:
     def max_context(self) -> int:
         """The served context: tokens one request may hold, prompt and reply. The model's
         (or ``--context``), within what the stages' KV cache holds for one request."""
-        return min(self.model_context, self.scheduler.max_kv_tokens)
+        return min(self.model_context, self.scheduler.kv.longest())
 
     @property
     def kv_tokens(self) -> int:
@@ -257,7 +264,7 @@ class Engine:
 
     def context_limit(self) -> str:
         """What sets the served context, in words."""
-        if self.scheduler.max_kv_tokens < self.model_context:
+        if self.scheduler.kv.longest() < self.model_context:
             return f"what the stages' KV cache holds for one request; {self.context_source} is {self.model_context}"
         return self.context_source
 

@@ -32,6 +32,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.reuse.extend(e.opening.reuse)
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
+        out.kv_quantize_at = e.opening.kv_at
     return out
 
 

@@ -10,14 +10,25 @@ Where stages have state caches (rotating windows, state-space layers:
 ``snapshot_every`` > 0), a sequence can start only after a block whose end
 state they keep: a step that starts exactly at a block's end asks for it
 (``snap``) every ``snapshot_every`` blocks and at the last block of a prompt.
+
+With KV quantization (``set_kv``), positions are counted at what a quantized
+one costs: a sequence's positions before its switch point (``Seq.kv_at``,
+``shards/kv_quant.py``), held at full precision until then, count ``kv_ratio``
+times, and so do the blocks kept from them (stages keep a block in the form
+its sequence's caches had). A block that ends past its sequence's switch point
+is keyed with that point too: what it holds was computed against quantized
+keys from there on, so only a sequence that switches at the same point reuses
+it (blocks before both points hold full-precision keys that any may reuse).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.kv_quant import quantize_at
 
 
 class KvBudget:
@@ -30,6 +41,43 @@ class KvBudget:
         self._keep: Set[int] = set()        # blocks this round's steps reuse or store: not evicted now
         self._room = 0                      # blocks the budget leaves for the cache this round
         self.snapshot_every = 0  # blocks between state snapshots the stages keep (0: no stage has state caches)
+        self.kv_start: Optional[int] = None  # stages quantize their KV caches from mlx-lm's start (None: not)
+        self.kv_ratio = 1.0  # what a full-precision position costs in quantized ones, where most
+
+    def set_kv(self, start: Optional[int], ratio: float) -> None:
+        """Stages quantize their KV caches (``start``: mlx-lm's quantized_kv_start; None: not),
+        a full-precision position costing ``ratio`` quantized ones where it costs most."""
+        self.kv_start, self.kv_ratio = start, max(ratio, 1.0) if start is not None else 1.0
+
+    def place(self, seq: Seq) -> None:
+        """Where ``seq``'s caches turn quantized: where mlx-lm's would for its prompt."""
+        if self.kv_start is not None and seq.kv_at is None:
+            seq.kv_at = quantize_at(len(seq.prompt), self.kv_start)
+
+    def need(self, seq: Seq) -> int:
+        """KV positions ``seq`` may take (prompt plus token budget), counted at quantized
+        positions: those it holds at full precision, before its switch point, cost more."""
+        self.place(seq)
+        n = seq.reserve
+        if seq.kv_at is None:
+            return n
+        return max(n, math.ceil(min(n, seq.kv_at) * self.kv_ratio))
+
+    def longest(self) -> int:
+        """Tokens one sequence may hold in ``max_tokens``: all of them, unless positions held at
+        full precision up to the latest switch point a prompt may have (``quantize_at``) cost more."""
+        if self.kv_start is None:
+            return self.max_tokens
+        latest = quantize_at(1 << 40, self.kv_start)
+        if math.ceil(latest * self.kv_ratio) <= self.max_tokens:
+            return self.max_tokens
+        return int(self.max_tokens / self.kv_ratio)
+
+    def _hashes(self, seq: Seq, upto: int) -> List[int]:
+        """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
+        point on, with that point in them (they hold what quantized keys gave from there)."""
+        tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt, tag)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -67,7 +115,7 @@ class KvBudget:
         if self.prefix is None or seq.sampling.prompt_logprobs:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
-        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable, seq.salt)
+        self._hashes(seq, usable)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
@@ -76,7 +124,7 @@ class KvBudget:
         if self.prefix is not None:  # live sequences win: drop cached blocks before refusing
             over = reserved + need + self.prefix.tokens - self.max_tokens
             if over > 0:
-                self.pending_evict += self.prefix.evict(-(-over // self.block_tokens), self._keep | set(hit))
+                self.pending_evict += self.prefix.evict_tokens(over, self._keep | set(hit))
         return reserved + need + self.cached_tokens <= self.max_tokens
 
     def reusing(self, hit: List[int]) -> None:
@@ -96,12 +144,21 @@ class KvBudget:
         if upto <= seq.stored:
             return 0, [], False
         first = seq.stored
-        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt)[first:upto]
+        keys = self._hashes(seq, upto)[first:upto]
         snap = self._snaps(seq, offset, upto)
-        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None)
+        kept = self.prefix.add(keys, self._keep, self.pending_evict, self._room, start=keys[-1] if snap else None,
+                               weights=self._weights(seq, first, upto))
         self._keep.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
         return (first if kept else 0), keys[:kept], snap and kept == len(keys)
+
+    def _weights(self, seq: Seq, first: int, upto: int) -> Optional[List[int]]:
+        """What blocks ``first .. upto - 1`` of ``seq`` cost in quantized positions: those
+        before its switch point are kept at full precision (None: all cost their positions)."""
+        if seq.kv_at is None or self.kv_ratio <= 1.0:
+            return None
+        b, full = self.block_tokens, math.ceil(self.block_tokens * self.kv_ratio)
+        return [full if (k + 1) * b <= seq.kv_at else b for k in range(first, upto)]
 
     def _snaps(self, seq: Seq, offset: int, upto: int) -> bool:
         """Whether stages with state caches keep the state at the end of block ``upto``

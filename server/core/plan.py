@@ -30,6 +30,7 @@ class Opening:
     reuse: List[int]        # the cached blocks it starts after
     context: List[int]      # reused tokens its penalties look back at (the last stage never saw them)
     generated: List[int]    # with a grammar, on a replay: tokens the grammar must advance past
+    kv_at: int = 0          # with KV quantization: where its caches turn quantized (0: never)
 
 
 @dataclass

@@ -30,6 +30,11 @@ Rules:
   the first step of a round carries the blocks to drop (``evict``). Where
   stages have state caches, prefill chunks end at block boundaries, so that a
   step can ask them to keep the state there (``snap``, ``kv_budget.py``).
+- KV quantization (``kv_start``, once the stages say they quantize): a
+  sequence's caches turn quantized where mlx-lm's ``generate_step`` would
+  turn them for its prompt (``kv_at``, named in its first step:
+  ``shards/kv_quant.py``); no prefill chunk and no VERIFY step crosses it,
+  and its KV reservation counts the positions before it at full precision.
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``Sample.done``); replayed, its first step names the tokens
@@ -48,35 +53,11 @@ from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.server.core.kv_budget import KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
 from mlxpipe.server.core.speculation import Speculator
 
 MAX_FAULTS = 2  # pipeline faults blamed on one sequence's frames before it is failed instead of replayed
-
-
-@dataclass
-class SchedulerConfig:
-    """The scheduler's parameters, derived from the config tree (``cluster/config.py``,
-    ``scheduler_config``); the defaults here are a plain scheduler's, for direct use."""
-
-    num_groups: int = 2            # micro-batch groups in flight
-    max_batch: int = 32            # sequences per group
-    chunk_size: int = 256          # prefill tokens per step, at most
-    min_chunk: int = 16            # smallest chunk a short prefill is cut into
-    max_stall: float = 0.2         # seconds a prefill chunk may hold a stage (0: no bound)
-    max_prefill_inflight: int = 2  # prefill steps in flight
-    max_overtaken: int = 8         # prefill steps others may take ahead of the oldest prompt in a row (0: FIFO)
-    max_running: Optional[int] = None  # sequences holding caches (None: num_groups x max_batch)
-    max_waiting: int = 256         # requests queued before QueueFull
-    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
-    block_tokens: int = 16         # positions per prefix-cache block
-    prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
-    speculate: bool = False        # verify drafted tokens while few sequences are live
-    spec_max_running: int = 2      # ... at most this many
-    spec_positions: int = 1        # positions per VERIFY step (1 where extra rows cost in proportion)
-    spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
-    spec_frames: int = 2           # VERIFY steps in flight per sequence, at most (a step more than the stages
-                                   # would only queue at stage 0, and be lost on a miss)
 
 
 @dataclass
@@ -111,6 +92,11 @@ class Scheduler:
         self.inflight: Dict[int, Flight] = {}
         self.pending_free: List[int] = []
         self._step_ids = itertools.count(1)
+
+    def set_kv(self, quantizing: bool, ratio: float) -> None:
+        """Whether the stages quantize their KV caches (as asked: ``kv_start``), and how many
+        times a full-precision position costs a quantized one on the stage where most."""
+        self.kv.set_kv(self.config.kv_start if quantizing else None, ratio)
 
     def resize(self, max_kv_tokens: int) -> List[TokenEvent]:
         """A rebuilt pipeline holds a different number of KV positions. A sequence waiting
@@ -167,6 +153,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         seq.feed = list(seq.prompt)
+        self.kv.place(seq)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -201,7 +188,7 @@ class Scheduler:
     @property
     def kv_reserved(self) -> int:
         """KV positions admitted sequences may grow to: prompt plus token budget each."""
-        return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
+        return sum(self.kv.need(s) for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
 
     @property
     def decoding(self) -> int:
@@ -237,7 +224,8 @@ class Scheduler:
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
             hit = self.kv.cached_prefix(seq)
-            if not self.kv.admits(seq.reserve, reserved, hit) and holding:
+            need = self.kv.need(seq)
+            if not self.kv.admits(need, reserved, hit) and holding:
                 break  # wait for KV memory to free up (FIFO: nobody overtakes)
             self.waiting.popleft()
             seq.phase = Phase.PREFILL
@@ -249,7 +237,7 @@ class Scheduler:
             self.prefilling.append(seq)
             self.speculator.admitted(seq, self.live)
             holding += 1
-            reserved += seq.reserve
+            reserved += need
 
     def _chunk(self, seq: Seq) -> int:
         """Tokens per prefill step for ``seq``: about two chunks per stage in flight, no more than
@@ -274,7 +262,8 @@ class Scheduler:
         tokens it generated before a replay."""
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
-        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [])
+        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
+                       seq.kv_at or 0)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0) -> Step:
@@ -328,7 +317,10 @@ class Scheduler:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
         body = len(seq.feed) - 1
         if seq.sent < body:
-            n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
+            n = min(self._chunk(seq), body - seq.sent)
+            if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:
+                n = seq.kv_at - seq.sent  # no chunk crosses where its caches turn quantized
+            n, sample = self.kv.chunk_end(seq, n, body), False
         else:
             n, sample = 1, True
         if not seq.known:  # its first step
