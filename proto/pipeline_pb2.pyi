@@ -99,7 +99,7 @@ class StageTiming(_message.Message):
     def __init__(self, queued_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "timings")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -118,6 +118,7 @@ class Frame(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
@@ -127,8 +128,9 @@ class Frame(_message.Message):
     hidden: Tensor
     free: _containers.RepeatedScalarFieldContainer[int]
     evict: _containers.RepeatedScalarFieldContainer[int]
+    discard: _containers.RepeatedScalarFieldContainer[int]
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
@@ -254,7 +256,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "prefix_disk_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +268,7 @@ class LoadRequest(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -277,10 +280,11 @@ class LoadRequest(_message.Message):
     block_tokens: int
     quantization: Quantization
     tokenizer: TokenizerSpec
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ...) -> None: ...
+    prefix_disk_bytes: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "mlx_peak_bytes", "memory_warning")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "mlx_peak_bytes", "memory_warning")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,10 @@ class LoadReply(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REWIND_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_STARTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
@@ -317,9 +325,13 @@ class LoadReply(_message.Message):
     starts: _containers.RepeatedScalarFieldContainer[int]
     max_rewind: int
     state_bytes: int
+    disk_blocks: _containers.RepeatedScalarFieldContainer[int]
+    disk_starts: _containers.RepeatedScalarFieldContainer[int]
+    disk_limit_bytes: int
+    disk_block_bytes: int
     mlx_peak_bytes: int
     memory_warning: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")
@@ -357,6 +369,22 @@ class ProfileReply(_message.Message):
     prefill_tokens: int
     def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ..., prefill_layer_seconds: _Optional[_Iterable[float]] = ..., prefill_embed_seconds: _Optional[float] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
+class FetchRequest(_message.Message):
+    __slots__ = ("seq_id", "keys")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("loaded", "dropped")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loaded: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -374,7 +402,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens")
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped")
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +412,9 @@ class StageStats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     busy_seconds: float
     uptime_seconds: float
     frames: int
@@ -393,10 +424,13 @@ class StageStats(_message.Message):
     tokens_per_s: float
     reused_tokens: int
     prefilled_tokens: int
-    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
+    disk_blocks_read: int
+    disk_blocks_written: int
+    disk_blocks_dropped: int
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks")
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +446,9 @@ class HealthReply(_message.Message):
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_LIMIT_FIELD_NUMBER: _ClassVar[int]
     state: str
     detail: str
     model: str
@@ -427,7 +464,10 @@ class HealthReply(_message.Message):
     next_address: str
     prefix_bytes: int
     prefix_blocks: int
-    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
+    prefix_disk_bytes: int
+    prefix_disk_blocks: int
+    prefix_disk_limit: int
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ()

@@ -47,12 +47,13 @@ async def _exit_with_parent(stop) -> None:
     stop(0)
 
 
-async def _stop(server, code: int) -> None:
-    """SIGINT/SIGTERM, or the parent gone: end every call with a status, then leave at
-    once (the exit code the shell expects): interpreter teardown under MLX's and
-    gRPC's threads can only abort noisily ("terminate called without an active
-    exception")."""
+async def _stop(server, servicer, code: int) -> None:
+    """SIGINT/SIGTERM, or the parent gone: end every call with a status, finish the
+    prefix cache's disk writes, then leave at once (the exit code the shell expects):
+    interpreter teardown under MLX's and gRPC's threads can only abort noisily
+    ("terminate called without an active exception")."""
     await server.stop(grace=1.0)
+    await asyncio.to_thread(servicer.close)
     logging.shutdown()
     os._exit(code)
 
@@ -105,7 +106,7 @@ def _advertised(listen: str, head: str) -> str:
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
-                launch_ahead: Optional[bool] = None) -> None:
+                launch_ahead: Optional[bool] = None, disk_bytes: Optional[int] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -113,7 +114,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
-                             launch_ahead=launch_ahead)
+                             launch_ahead=launch_ahead, disk_bytes=disk_bytes)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
@@ -124,7 +125,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
 
     def stop(code: int) -> None:
         if not stopping:
-            stopping.append(asyncio.ensure_future(_stop(server, code)))
+            stopping.append(asyncio.ensure_future(_stop(server, servicer, code)))
 
     loop = asyncio.get_running_loop()
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):  # before anyone knows our address
@@ -164,6 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", default=None,
                         help="memory this node offers for weights and caches, e.g. 150GB "
                              "(default: 75%% of physical memory)")
+    parser.add_argument("--prefix-cache-disk", default=None, metavar="SIZE",
+                        help="disk this node's prefix cache may fill under $MLXPIPE_HOME, e.g. 50GB; 0: none "
+                             "(default: what the head asks, else 10%% of the free disk). Wins over the head's")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
@@ -193,11 +197,13 @@ def run(args) -> int:
         else:
             logger.warning("--cpu is not supported on this platform")
     memory = parse_size(args.memory) if args.memory else None
+    disk = args.prefix_cache_disk
+    disk = None if disk is None else 0 if disk.strip() == "0" else parse_size(disk)
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead))
+                          launch_ahead=args.launch_ahead, disk_bytes=disk))
     except KeyboardInterrupt:
         pass
     return 0

@@ -8,6 +8,10 @@ the MLX thread as it is read and its output handed back once, to go to the next
 stage's ``Forward`` stream or, on the last stage, the head's ``Results`` stream.
 Activations go straight from a stage to the next, never through the head.
 ``node.py`` runs it as ``mlxpipe node``.
+
+The prefix cache's disk tier (``disk_cache.py``) outlives a shard: a Load of another
+range of the same model keeps it (and what it holds for the new range); ``Fetch``
+reads its blocks back on a thread of its own, never the MLX thread.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
 from mlxpipe.shards import memory
+from mlxpipe.shards.disk_cache import FLUSH_S, DiskTier, block_file_bytes, tier_root
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
@@ -36,7 +41,7 @@ from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, 
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
-from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
+from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, mlxpipe_home, resolve_model,
                                   text_config)
 from mlxpipe.shards.store import models_dir as default_models_dir
 from mlxpipe.shards.weight_service import WeightService
@@ -69,7 +74,8 @@ class StageServicer(pb_grpc.StageServicer):
     """The Stage service of pipeline.proto on this node; Have and Receive go to ``WeightService``."""
 
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
-                 models_dir: Optional[Path] = None, progress: bool = False, launch_ahead: Optional[bool] = None):
+                 models_dir: Optional[Path] = None, progress: bool = False, launch_ahead: Optional[bool] = None,
+                 disk_bytes: Optional[int] = None):
         self.security = security or Security()
         self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
@@ -87,6 +93,8 @@ class StageServicer(pb_grpc.StageServicer):
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
+        self.disk_bytes = disk_bytes  # the node's own bound on its prefix cache's disk tier (None: the head's)
+        self.disk: Optional[DiskTier] = None  # that tier, for the model loaded (MLX thread)
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -171,7 +179,8 @@ class StageServicer(pb_grpc.StageServicer):
         if request.HasField("tokenizer") and stage.last:
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
-        shard = Shard(stage, hidden, vocab, limits, tokenizer)
+        model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
+        shard = Shard(stage, hidden, vocab, limits, tokenizer, self._disk_tier(request, model_print))
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -181,7 +190,7 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
+            fingerprint=model_print,
             kv_bytes_per_token=footprint.kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
@@ -194,14 +203,47 @@ class StageServicer(pb_grpc.StageServicer):
         )
         return _Loaded(shard, reply, request)
 
+    def _disk_tier(self, request: pb.LoadRequest, model_print: str) -> Optional[DiskTier]:
+        """The disk tier of the prefix cache for this Load (None: none), kept from the last
+        Load where the model and block size are the same (MLX thread)."""
+        limit = self.disk_bytes
+        if limit is None and request.HasField("prefix_disk_bytes"):
+            limit = request.prefix_disk_bytes
+        root = tier_root(mlxpipe_home(), model_print, request.block_tokens)
+        if self.disk is not None and (limit == 0 or not request.block_tokens or self.disk.base != root):
+            self.disk.close()
+            self.disk = None
+        if limit == 0 or not request.block_tokens:
+            return None
+        if self.disk is None:
+            self.disk = DiskTier(root, request.start, request.end, limit)
+            logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.disk.dir, len(self.disk),
+                        self.disk.own_bytes / 1e6, self.disk.limit / 1e6)
+        else:
+            self.disk.retarget(request.start, request.end)
+        return self.disk
+
+    def close(self) -> None:
+        """The node stops: finish the disk tier's writes (a while, at most)."""
+        if self.disk is not None:
+            self.disk.close(FLUSH_S)
+
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:
-        """What Load answers: the shard, and the prefix blocks it holds now."""
+        """What Load answers: the shard, and the prefix blocks it holds now (in memory and on disk)."""
         reply = pb.LoadReply()
         reply.CopyFrom(loaded.reply)
-        if loaded.shard.prefix is not None:
-            reply.blocks.extend(loaded.shard.prefix.blocks)
+        prefix = loaded.shard.prefix
+        if prefix is not None:
+            reply.blocks.extend(prefix.blocks)
             reply.starts.extend(loaded.shard.starts())
+        if prefix is not None and prefix.disk is not None:
+            keys, starts = prefix.disk.blocks()
+            reply.disk_blocks.extend(keys)
+            reply.disk_starts.extend(starts)
+            reply.disk_limit_bytes = prefix.disk.limit
+            reply.disk_block_bytes = block_file_bytes(prefix.block_tokens, reply.kv_bytes_per_token,
+                                                      2 * len(prefix.slots))
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):
@@ -255,7 +297,7 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.model_path, request.start, request.end,
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
-            return loaded.reply
+            return self._reply(loaded)
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):
@@ -310,7 +352,15 @@ class StageServicer(pb_grpc.StageServicer):
         except asyncio.CancelledError:  # replaced, or the node stopping: the call just ends
             return
 
-    # -- Free, Health ----------------------------------------------------------
+    # -- Fetch, Free, Health ---------------------------------------------------
+
+    async def Fetch(self, request: pb.FetchRequest, context):
+        await refuse_malformed(request, context)
+        loaded = self.loaded
+        if loaded is None or loaded.shard.prefix is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shard with a prefix cache is loaded")
+        got, dropped = await asyncio.to_thread(loaded.shard.prefix.fetch, request.seq_id, list(request.keys))
+        return pb.FetchReply(loaded=got, dropped=dropped)
 
     async def Free(self, request: pb.FreeRequest, context):
         await refuse_malformed(request, context)
@@ -342,6 +392,10 @@ class StageServicer(pb_grpc.StageServicer):
             reply.cache_bytes = view.cache_bytes
             reply.prefix_bytes = view.prefix_bytes
             reply.prefix_blocks = view.prefix_blocks
+            disk = loaded.shard.prefix.disk if loaded.shard.prefix is not None else None
+            if disk is not None:
+                reply.prefix_disk_bytes, reply.prefix_disk_blocks = disk.own_bytes, len(disk)
+                reply.prefix_disk_limit = disk.limit
             busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(
                 pb.StageStats(
@@ -351,4 +405,8 @@ class StageServicer(pb_grpc.StageServicer):
                     prefilled_tokens=clock.prefilled_tokens,
                 )
             )
+            if disk is not None:
+                stats = reply.stats
+                stats.disk_blocks_read, stats.disk_blocks_written = disk.stats.reads, disk.stats.writes
+                stats.disk_blocks_dropped = disk.stats.dropped
         return reply

@@ -31,7 +31,9 @@ Sequences and caches:
   first drops the blocks in ``evict``; a sequence's first frame may start it
   after cached blocks (``reuse``); any later frame may name blocks of the
   sequence to keep (``store``), copied out before the frame's work, with the
-  state at the end of the last (``snap``: the caches are exactly there).
+  state at the end of the last (``snap``: the caches are exactly there). With a
+  disk tier, a first frame may start from blocks read back for it (``Fetch``),
+  which its ``store`` keeps in memory; ``discard`` drops blocks from disk too.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Shard:
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
     def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
-                 tokenizer=None):
+                 tokenizer=None, disk=None):
         self.model = model
         self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
@@ -108,7 +110,7 @@ class Shard:
         self.stats = BusyClock()
         self.prefix: Optional[BlockStore] = None
         if limits.block_tokens:
-            self.prefix = BlockStore(limits.block_tokens)
+            self.prefix = BlockStore(limits.block_tokens, disk, model.own)  # disk: its disk tier, or None
         self._template = template
         self.view = ShardView()
         self.publish()
@@ -125,6 +127,8 @@ class Shard:
         freed = 0
         by_group: Dict[int, List[int]] = {}
         for sid in seq_ids:
+            if self.prefix is not None:
+                self.prefix.unstage(sid)  # blocks fetched for it that no frame took
             seq = self.seqs.pop(sid, None)
             if seq is None:
                 continue
@@ -150,6 +154,8 @@ class Shard:
         n = len(self.seqs)
         self.seqs.clear()
         self.groups.clear()
+        if self.prefix is not None:
+            self.prefix.staged.clear()
         mx.clear_cache()
         self.publish()
         return n
@@ -170,7 +176,7 @@ class Shard:
 
     def _check(self, frame: pb.Frame) -> tuple[int, int]:
         """Validate ``frame`` against this stage; return (rows, tokens per row)."""
-        if frame.evict and self.prefix is None:
+        if (frame.evict or frame.discard) and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
         rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
         freeing = set(frame.free)
@@ -250,8 +256,9 @@ class Shard:
         decoded = time.perf_counter()
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
-        if frame.evict:
+        if frame.evict or frame.discard:
             self.prefix.drop(frame.evict)
+            self.prefix.discard(frame.discard)
         for e in frame.seqs:
             if e.trim:
                 self._trim(self.seqs[e.seq_id], e.trim)
@@ -278,7 +285,8 @@ class Shard:
             return pb.Result(frame_id=frame.frame_id, tokens=out,
                              timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
         nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
-                       tokens=frame.tokens, free=frame.free, evict=frame.evict, timings=frame.timings)
+                       tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
+                       timings=frame.timings)
         if out is not None:
             codec.encode(out, into=nxt.hidden)
         nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
@@ -289,7 +297,9 @@ class Shard:
             self.free([entry.seq_id])
         seq = _Seq(caches=self.model.make_cache(), session=session)
         if entry.reuse:
-            seq.length = self.prefix.start(entry.reuse, seq.caches)
+            staged = self.prefix.unstage(entry.seq_id)  # read back from disk for it (Fetch)
+            seq.length = self.prefix.start(entry.reuse, seq.caches, staged)
+            self._keep_blocks(entry, seq, staged)
             self.stats.reused_tokens += seq.length
         if self.model.last:
             params = Sampling.from_wire(entry.sampling)
@@ -301,9 +311,10 @@ class Shard:
         self.seqs[entry.seq_id] = seq
         return seq
 
-    def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq) -> None:
+    def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq, staged=None) -> None:
         """Copy the blocks the head named out of the sequence's caches (before the frame's
-        work), with the state at the end of the last when it says ``snap``."""
+        work), with the state at the end of the last when it says ``snap``; or take them
+        from ``staged`` (read back from disk)."""
         if not entry.store:
             return
         group = self.groups[seq.group] if seq.group is not None else None
@@ -313,7 +324,8 @@ class Shard:
             caches, row = group.caches, group.members.index(entry.seq_id)
         last = len(entry.store) - 1
         for i, key in enumerate(entry.store):
-            self.prefix.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last)
+            self.prefix.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last,
+                             staged=(staged or {}).get(key))
 
     def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]

@@ -48,6 +48,11 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from the prefix cache
+    cached_disk_tokens: int = 0  # ... of which some stage read back from its disk (the rest: memory)
+
+    def by_tier(self) -> dict:
+        """Our own usage field: which tier of the prefix cache served the cached tokens."""
+        return {"memory": self.cached_tokens - self.cached_disk_tokens, "disk": self.cached_disk_tokens}
 
 
 @dataclass
@@ -96,7 +101,8 @@ class Generation:
             s.cancel()
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.completion_tokens, self.streams[0].cached_tokens)
+        s = self.streams[0]
+        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens)
 
     async def chunks(self) -> AsyncIterator[tuple]:
         """(choice index, chunk) from all n streams, as they come; the streams are

@@ -23,13 +23,22 @@ def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
 
 
+def _disk(s: dict) -> str:
+    """A stage's disk tier: the prefix blocks on it, of what it may hold."""
+    if not s.get("prefix_disk_limit_bytes"):
+        return "off" if "prefix_disk_limit_bytes" in s else "-"
+    return f"{_mb(s.get('prefix_disk_bytes'))} of {_mb(s['prefix_disk_limit_bytes'])}"
+
+
 def from_head(url: str, key: str = "") -> str:
     h = get_head(url, key, "/health").json()
-    rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "busy", "queue", "tok/s", "live"]]
+    rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "prefix MB", "disk MB", "busy", "queue",
+             "tok/s", "live"]]
     for s in h.get("stages", []):
         layers = s.get("layers", [0, 0])
         rows.append([str(s["stage"]), s["address"], f"[{layers[0]}, {layers[1]})", s.get("state", "?"),
-                     _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")),
+                     _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")), _mb(s.get("prefix_cache_bytes")),
+                     _disk(s),
                      f"{s['busy_fraction']:.0%}" if "busy_fraction" in s else "-",
                      str(s.get("queue_depth", "-")), f"{s.get('tokens_per_s', 0):.1f}",
                      str(s.get("live_sequences", "-"))])

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster.config import (ClusterConfig, kv_token_budget, prefix_blocks, scheduler_config,
-                                           stage_limits)
+from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_token_budget, prefix_blocks,
+                                           scheduler_config, stage_limits)
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -150,16 +150,16 @@ class Cluster:
                 await self._node_added.wait()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
 
-    def _budget(self, pipeline: Pipeline) -> Tuple[int, int]:
-        """The KV positions and prefix-cache blocks a loaded pipeline's stages hold."""
+    def _budget(self, pipeline: Pipeline) -> Tuple[int, int, int]:
+        """The KV positions and prefix-cache blocks (in memory, on disk) a loaded pipeline's stages hold."""
         loads = [st.load for st in pipeline.stages]
         kv = kv_token_budget(loads)
-        return kv, prefix_blocks(loads, kv, self.config.prefix_cache_bytes)
+        return kv, prefix_blocks(loads, kv, self.config.prefix_cache_bytes), disk_blocks(loads)
 
     async def _start_engine(self, pipeline: Pipeline) -> None:
         n = len(pipeline.stages)  # the planner may have left nodes out
-        kv, blocks = self._budget(pipeline)
-        self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost),
+        kv, blocks, disk = self._budget(pipeline)
+        self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost, disk),
                              eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
                              max_context=pipeline.stages[0].load.max_context,
                              rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,

@@ -31,6 +31,9 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.reuse.extend(e.opening.reuse)
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
+        if e.opening.store:  # reused blocks read back from disk, kept in memory again
+            out.store_first = e.opening.store_first
+            out.store.extend(e.opening.store)
     return out
 
 
@@ -38,7 +41,7 @@ def frame(step: Step) -> pb.Frame:
     """A step as the frame stage 0 gets."""
     return pb.Frame(frame_id=step.step_id, kind=_KINDS[step.kind], group=step.group,
                     seqs=[seq_entry(e) for e in step.entries], tokens=step.tokens,
-                    free=step.free, evict=step.evict)
+                    free=step.free, evict=step.evict, discard=step.discard)
 
 
 def step_result(result: pb.Result) -> StepResult:

@@ -24,9 +24,12 @@ Rules:
   it may grow to fits; it starts after the longest run of its first blocks that
   every stage holds, its first step names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
-  the first step of a round carries the blocks to drop (``evict``). Where
-  stages have state caches, prefill chunks end at block boundaries, so that a
-  step can ask them to keep the state there (``snap``, ``kv_budget.py``).
+  the first step of a round carries the blocks to drop (``evict``; ``discard``:
+  from disk too). Where stages have state caches, prefill chunks end at block
+  boundaries, so that a step can ask them to keep the state there (``snap``,
+  ``kv_budget.py``). Where some stage holds a block on disk only, the sequence's
+  first step waits until the engine has had it read back (``take_fetches``,
+  ``fetched``).
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``Sample.done``); replayed, its first step names the tokens
@@ -39,11 +42,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Iterable, List, Optional
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
-from mlxpipe.server.core.kv_budget import KvBudget
+from mlxpipe.server.core.kv_budget import Fetch, KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
 from mlxpipe.server.core.speculation import Speculator
@@ -67,6 +70,7 @@ class SchedulerConfig:
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
     block_tokens: int = 16         # positions per prefix-cache block
     prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
+    prefix_disk_blocks: int = 0    # ... and on its disk (0: no disk tier)
     speculate: bool = False        # verify drafted tokens while few sequences are live
     spec_max_running: int = 2      # ... at most this many
     spec_positions: int = 1        # positions per VERIFY step (1 where extra rows cost in proportion)
@@ -113,11 +117,23 @@ class Scheduler:
         self.kv.resize(max_kv_tokens)
 
     def reset_prefix(self, held: List[Iterable[int]], capacity: int,
-                     starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0) -> None:
+                     starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0,
+                     disk: Optional[List[List[int]]] = None, disk_capacity: int = 0) -> None:
         """What each stage of a (re)built pipeline holds, and the blocks it may hold;
         ``starts``: per stage with state caches, the held blocks it can start after
-        (None for a stage without); ``snapshot_every``: see ``kv_budget.py``."""
-        self.kv.reset_prefix(held, capacity, starts, snapshot_every)
+        (None for a stage without); ``snapshot_every``: see ``kv_budget.py``; ``disk``:
+        what each stage's disk tier holds, ``disk_capacity`` the blocks it may hold."""
+        self.kv.reset_prefix(held, capacity, starts, snapshot_every, disk, disk_capacity)
+
+    def take_fetches(self) -> List[Fetch]:
+        """Blocks to have stages read back from disk (``Fetch``), then hand to ``fetched``."""
+        return self.kv.take_fetches()
+
+    def fetched(self, fetch: Fetch, results: List[Tuple[List[int], List[int]]]) -> None:
+        """Each stage's answer to ``fetch`` (keys read back, keys it could not): the
+        sequence's first step may go, after what every stage holds now."""
+        if not self.kv.fetched(fetch, results, self.seqs.get(fetch.seq_id)):
+            self.pending_free.append(fetch.seq_id)  # ended while it waited: stages drop what they read
 
     @property
     def max_rewind(self) -> int:
@@ -172,7 +188,7 @@ class Scheduler:
         self.speculator.forget(seq)
         seq.phase = Phase.DONE
         seq.finish_reason = reason
-        if seq.known:
+        if self.kv.release(seq.seq_id) or seq.known:  # (a fetch: stages may hold blocks read back for it)
             self.pending_free.append(seq.seq_id)
         del self.seqs[seq.seq_id]
 
@@ -182,7 +198,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.seqs and not self.inflight and not self.pending_free and not self.kv.pending_evict
+        return not (self.seqs or self.inflight or self.pending_free or self.kv.pending_evict or self.kv.pending_discard)
 
     @property
     def kv_reserved(self) -> int:
@@ -205,13 +221,13 @@ class Scheduler:
         steps += self._decode_steps()   # ... or take one out of its group...
         steps += self._verify_steps()   # ... which then verifies at once
         steps += self._prefill_steps()
-        evict = self.kv.take_evictions()
-        if self.pending_free or evict:
+        evict, discard = self.kv.take_evictions()
+        if self.pending_free or evict or discard:
             if not steps:
                 steps.append(self._step(StepKind.CONTROL, [], []))
             # Stages apply these before the step's work; blocks this round's
             # steps reuse or store were kept out of the evictions.
-            steps[0].free, steps[0].evict = self.pending_free, evict
+            steps[0].free, steps[0].evict, steps[0].discard = self.pending_free, evict, discard
             self.pending_free = []
         return steps
 
@@ -227,9 +243,9 @@ class Scheduler:
             seq.phase = Phase.PREFILL
             seq.reuse, seq.stored = hit, len(hit)
             seq.sent = len(hit) * self.config.block_tokens
+            seq.fetching = self.kv.reusing(seq, hit)  # blocks on a disk only: its first step waits
             if seq.cached_tokens is None:
-                seq.cached_tokens = seq.sent
-            self.kv.reusing(hit)
+                seq.cached_tokens, seq.disk_tokens = seq.sent, None if seq.fetching else 0
             self.prefilling.append(seq)
             self.speculator.admitted(seq, self.live)
             holding += 1
@@ -261,7 +277,8 @@ class Scheduler:
         tokens it generated before a replay."""
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
-        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [])
+        return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
+                       *self.kv.promote(seq))
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0) -> Step:
@@ -295,7 +312,7 @@ class Scheduler:
         steps = []
         inflight = sum(1 for f in self.inflight.values() if f.kind == StepKind.PREFILL)
         for seq in list(self.prefilling):
-            while inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
+            while not seq.fetching and inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
                 body = len(seq.feed) - 1  # all but the last token go in chunks
                 if seq.sent < body:
                     n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
@@ -402,6 +419,7 @@ class Scheduler:
         self.inflight.clear()
         self.pending_free.clear()
         self.kv.take_evictions()
+        self.kv.forget_fetches()
         live = sorted(
             (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
             key=lambda s: s.seq_id,
@@ -412,6 +430,6 @@ class Scheduler:
         for seq in reversed(live):
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
-            seq.sent, seq.group, seq.known, seq.stored, seq.reuse = 0, None, False, 0, []
+            seq.sent, seq.group, seq.known, seq.stored, seq.reuse, seq.fetching = 0, None, False, 0, [], False
             self.waiting.appendleft(seq)
         return live

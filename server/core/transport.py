@@ -4,7 +4,7 @@ knows only this protocol."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, List, Optional, Protocol, Sequence, Tuple
 
 
@@ -41,6 +41,8 @@ class StageCaches:
     kv_bytes_per_token: int
     state_bytes: int             # one sequence's state caches (0: none)
     max_rewind: int              # drafted positions it can take back (0: none)
+    disk_blocks: List[int] = field(default_factory=list)  # the blocks its disk tier holds, least recently used first
+    disk_starts: List[int] = field(default_factory=list)  # ... of those, the ones stored with their end state
 
 
 class Transport(Protocol):
@@ -61,6 +63,10 @@ class Transport(Protocol):
 
     async def health(self, timeout: float) -> List[StageHealth]:
         """Every stage's health, asked at once."""
+
+    async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
+        """Have each stage read ``keys[i]`` back from its disk for a sequence's first frame;
+        per stage, (keys read, keys it could not). A stage that does not answer read none."""
 
     def caches(self) -> List[StageCaches]:
         """What each stage reported of its caches when it loaded."""
