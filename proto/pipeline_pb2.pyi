@@ -59,7 +59,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "spill")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class SeqEntry(_message.Message):
     TRIM_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     SNAP_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -84,7 +85,8 @@ class SeqEntry(_message.Message):
     trim: int
     generated: _containers.RepeatedScalarFieldContainer[int]
     snap: bool
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ...) -> None: ...
+    spill: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., spill: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")

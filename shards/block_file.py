@@ -16,7 +16,7 @@ import importlib
 import json
 import math
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -109,6 +109,20 @@ def encode(tree: Any, meta: Dict[str, str]) -> Tuple[List[Any], int]:
     raw += b" " * (-len(raw) % 8)
     head = len(raw).to_bytes(8, "little") + raw
     return [head, *chunks], len(head) + offset
+
+
+def declared_size(data: bytes) -> Optional[int]:
+    """The size a file's header says it has (at least), or None where no header reads."""
+    if len(data) < 8:
+        return 8
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        return 8 + n
+    try:
+        header = json.loads(data[8 : 8 + n])
+        return 8 + n + max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
 
 
 def decode(data: bytes) -> Tuple[Any, Dict[str, str]]:

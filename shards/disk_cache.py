@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.shards.block_file import decode, encode
+from mlxpipe.shards.block_file import declared_size, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -202,10 +202,9 @@ class DiskTier:
             keys = [k for k in self.lru]
             return keys, [k for k in keys if self.files[k].state]
 
-    def __contains__(self, key: int) -> bool:
-        return key in self.files or key in self.pending
-
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Blocks it holds for the range (files of its own and others' it reads)."""
         return len(self.files)
 
     # -- writing (the MLX thread asks; the writer thread writes) --------------------------------
@@ -366,16 +365,18 @@ class DiskTier:
 
     def read(self, keys: Sequence[int]) -> List[Tuple[int, Any, str]]:
         """Blocks ``keys`` as trees, in order, read in parallel: (key, tree, "") for each
-        until the first that cannot be read, which comes as (key, None, why) and ends
-        the list. A file that is missing, truncated or corrupt is dropped here."""
+        until the first that cannot be read, which comes as (key, None, why); then any
+        other that was read and failed (the rest are not read). A file that is missing,
+        truncated or corrupt is dropped here."""
         futures = [self._readers.submit(self._read, k) for k in keys]
-        out = []
+        out, failed = [], False
         for key, fut in zip(keys, futures):
-            if out and out[-1][1] is None:
-                fut.cancel()
+            if failed and fut.cancel():
                 continue
             tree, why = fut.result()
-            out.append((key, tree, why))
+            if not failed or tree is None:
+                out.append((key, tree, why))
+            failed = failed or tree is None
         return out
 
     def _read(self, key: int) -> Tuple[Any, str]:
@@ -396,7 +397,9 @@ class DiskTier:
             if len(data) != f.nbytes:
                 why = f"its file is truncated ({len(data)} of {f.nbytes} bytes)"
             elif zlib.crc32(data) != f.crc:
-                why = "its file fails its checksum"
+                size = declared_size(data)
+                short = size is not None and len(data) < size
+                why = f"its file is truncated ({len(data)} of {size} bytes)" if short else "its file fails its checksum"
             else:
                 try:
                     tree, meta = decode(data)

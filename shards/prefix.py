@@ -134,6 +134,29 @@ class BlockStore:
         if write and self.disk is not None:
             self.disk.put(key, self._tree(block), block.state is not None, block.nbytes)
 
+    def keep_named(self, entry: pb.SeqEntry, caches: Sequence, row: int = -1,
+                   staged: Optional[Dict[int, Block]] = None) -> None:
+        """Keep the blocks a frame's entry names (``store``: in memory, taking those
+        ``staged`` for it; then ``spill``: on disk only), with the state at the end of
+        the last when it says ``snap``."""
+        last = len(entry.store) + len(entry.spill) - 1
+        for i, key in enumerate(entry.store):
+            self.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last,
+                      staged=(staged or {}).get(key))
+        for i, key in enumerate(entry.spill, len(entry.store)):
+            self.spill(key, caches, entry.store_first + i, row, snap=entry.snap and i == last)
+
+    def spill(self, key: int, caches: Sequence, index: int, row: int = -1, snap: bool = False) -> None:
+        """Write block ``index`` of a sequence to the disk tier only, as ``keep`` would keep it."""
+        if self.disk is None or key in self.blocks:  # (a block held is on disk already)
+            return
+        a = index * self.block_tokens
+        block = Block([_cut(c, a, a + self.block_tokens, row) if kinds.sliceable(c) else None for c in caches])
+        if snap and not all(kinds.sliceable(c) for c in caches):
+            block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
+        mx.eval(kinds.arrays(block.kv), kinds.arrays(block.state))
+        self.disk.put(key, self._tree(block), block.state is not None, kinds.nbytes(block.kv) + kinds.nbytes(block.state))
+
     def _tree(self, block: Block) -> dict:
         """A block as its disk file holds it: by the model's cache slots, not the stage's."""
         state = None if block.state is None else {self.slots[i]: s for i, s in block.state.items()}
@@ -152,9 +175,9 @@ class BlockStore:
     def fetch(self, seq_id: int, keys: Sequence[int]) -> Tuple[List[int], List[int]]:
         """Read blocks ``keys`` back from disk (or take them from memory, where an eviction
         the head sent has not arrived yet), in order, until one fails; stage them for
-        sequence ``seq_id``'s first frame. Returns (the keys staged, the key that could not
-        be read, if one: it is not on this stage's disk any more). Runs on a thread of its
-        own, never the MLX thread."""
+        sequence ``seq_id``'s first frame. Returns (the keys staged, the keys that could not
+        be read: they are not on this stage's disk any more). Runs on a thread of its own,
+        never the MLX thread."""
         got: Dict[int, Block] = {}
         todo = []
         for key in keys:
@@ -165,11 +188,11 @@ class BlockStore:
                 todo.append(key)
         dropped = []
         for key, tree, _ in (self.disk.read(todo) if self.disk is not None and todo else []):
-            block = self._block(tree) if tree is not None else None
+            block = self._block(tree) if tree is not None and not dropped else None
             if block is None:
                 dropped.append(key)
-                break
-            got[key] = block
+            else:
+                got[key] = block
         loaded = []
         for key in keys:
             if key not in got:
@@ -236,10 +259,11 @@ def check_blocks(store: Optional["BlockStore"], template: Sequence, frame: pb.Fr
                              f"{e.reuse[-1]:016x}, so nothing can start after it", "FAILED_PRECONDITION")
     if e.context and not e.reuse:
         raise FrameError(f"sequence {e.seq_id}: penalty context comes only with reused blocks")
-    end = (e.store_first + len(e.store)) * b
+    end = (e.store_first + len(e.store) + len(e.spill)) * b
     if end > e.offset:
-        raise FrameError(f"sequence {e.seq_id}: blocks up to {e.store_first + len(e.store)} are not all "
-                         f"before offset {e.offset}")
-    if e.snap and (not e.store or end != e.offset):
+        raise FrameError(f"sequence {e.seq_id}: blocks up to {end // b} are not all before offset {e.offset}")
+    if e.spill and store.disk is None:
+        raise FrameError(f"sequence {e.seq_id}: this stage has no disk tier to spill blocks to")
+    if e.snap and (not (e.store or e.spill) or end != e.offset):
         raise FrameError(f"sequence {e.seq_id}: `snap` keeps the state at the end of the last stored block, "
                          f"which must end at the frame's offset {e.offset}")

@@ -217,7 +217,7 @@ class StageServicer(pb_grpc.StageServicer):
             return None
         if self.disk is None:
             self.disk = DiskTier(root, request.start, request.end, limit)
-            logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.disk.dir, len(self.disk),
+            logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.disk.dir, self.disk.count,
                         self.disk.own_bytes / 1e6, self.disk.limit / 1e6)
         else:
             self.disk.retarget(request.start, request.end)
@@ -394,7 +394,7 @@ class StageServicer(pb_grpc.StageServicer):
             reply.prefix_blocks = view.prefix_blocks
             disk = loaded.shard.prefix.disk if loaded.shard.prefix is not None else None
             if disk is not None:
-                reply.prefix_disk_bytes, reply.prefix_disk_blocks = disk.own_bytes, len(disk)
+                reply.prefix_disk_bytes, reply.prefix_disk_blocks = disk.own_bytes, disk.count
                 reply.prefix_disk_limit = disk.limit
             busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(

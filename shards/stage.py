@@ -315,17 +315,14 @@ class Shard:
         """Copy the blocks the head named out of the sequence's caches (before the frame's
         work), with the state at the end of the last when it says ``snap``; or take them
         from ``staged`` (read back from disk)."""
-        if not entry.store:
+        if not (entry.store or entry.spill):
             return
         group = self.groups[seq.group] if seq.group is not None else None
         if group is None or group.caches is None:
             caches, row = seq.caches, -1
         else:
             caches, row = group.caches, group.members.index(entry.seq_id)
-        last = len(entry.store) - 1
-        for i, key in enumerate(entry.store):
-            self.prefix.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last,
-                             staged=(staged or {}).get(key))
+        self.prefix.keep_named(entry, caches, row, staged)
 
     def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]

@@ -6,13 +6,14 @@ start real processes)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.frames import Framer
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.disk_cache import DiskTier
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.slicing import load_stage, warm_up
 from mlxpipe.shards.stage import ShardLimits, Shard
@@ -42,8 +43,10 @@ class WiredScheduler:
 
 class InProcess:
     def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
-                 tokenizer=None):
-        """``tokenizer``: llguidance's, for the last stage's grammars."""
+                 tokenizer=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30):
+        """``tokenizer``: llguidance's, for the last stage's grammars; ``disk``: where the
+        stages keep the prefix cache's disk tier (each its own, of ``disk_bytes``), as
+        ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier)."""
         self.eos = frozenset(eos)
         self.stages = []
         self.footprints = []
@@ -51,8 +54,9 @@ class InProcess:
             model, cfg = load_stage(Path(path), start, end)
             cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
+            tier = DiskTier(disk, start, end, disk_bytes) if disk is not None and config.block_tokens else None
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
-                                     tokenizer if model.last else None))
+                                     tokenizer if model.last else None, tier))
             self.footprints.append(warm_up(model, int(cfg["hidden_size"])))
         self.scheduler = WiredScheduler(config)
         self.reset_prefix()
@@ -61,10 +65,26 @@ class InProcess:
     def reset_prefix(self) -> None:
         """Tell the scheduler what each stage holds now (as a rebuilt pipeline's Load replies do)."""
         held = [list(st.prefix.blocks) if st.prefix else [] for st in self.stages]
-        starts = [st.starts() if f.state_bytes else None for st, f in zip(self.stages, self.footprints)]
+        disks = [st.prefix.disk.blocks() if st.prefix is not None and st.prefix.disk is not None else ([], [])
+                 for st in self.stages]
+        starts = [st.starts() + disk[1] if f.state_bytes else None
+                  for st, f, disk in zip(self.stages, self.footprints, disks)]
         every = snapshot_every(self.scheduler.config.block_tokens,
                                [(f.kv_bytes_per_token, f.state_bytes) for f in self.footprints])
-        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every)
+        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every,
+                                    [d[0] for d in disks], self.scheduler.config.prefix_disk_blocks)
+
+    def flush(self) -> None:
+        """Wait for the disk tiers' writes (a stage process does it before it exits)."""
+        for st in self.stages:
+            if st.prefix is not None and st.prefix.disk is not None:
+                st.prefix.disk.flush()
+
+    def close(self) -> None:
+        """As the stage processes stopping: their disk tiers finish writing and let go."""
+        for st in self.stages:
+            if st.prefix is not None and st.prefix.disk is not None:
+                st.prefix.disk.close()
         self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
 
     def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None,
@@ -84,6 +104,9 @@ class InProcess:
         out: Dict[int, List[int]] = {s.seq_id: [] for s in seqs}
         results = 0
         while not self.scheduler.idle:
+            for fetch in self.scheduler.take_fetches():  # (the engine asks the stages at once; so do we)
+                self.scheduler.fetched(fetch, [st.prefix.fetch(fetch.seq_id, keys) if keys else ([], [])
+                                               for st, keys in zip(self.stages, fetch.keys)])
             for frame in self.scheduler.schedule():
                 x = frame
                 for st in self.stages:

@@ -22,9 +22,10 @@ _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
 
 def seq_entry(e: Entry) -> pb.SeqEntry:
     out = pb.SeqEntry(seq_id=e.seq_id, offset=e.offset, num_tokens=e.num_tokens, sample=e.sample, trim=e.trim)
-    if e.store:
+    if e.store or e.spill:
         out.store_first = e.store_first
         out.store.extend(e.store)
+        out.spill.extend(e.spill)
         out.snap = e.snap
     if e.opening is not None:
         out.sampling.CopyFrom(e.opening.sampling.to_wire())

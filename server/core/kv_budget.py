@@ -187,16 +187,17 @@ class KvBudget:
         self._keep.update(keys[:kept])
         return (first if kept else 0), keys[:kept]
 
-    def store(self, seq: Seq, offset: int) -> Tuple[int, List[int], bool]:
+    def store(self, seq: Seq, offset: int) -> Tuple[int, List[int], bool, List[int]]:
         """The blocks ``seq`` completed before a step at ``offset`` that the stages are
         to keep: (index of the first, their keys, whether stages with state caches keep
-        the state at the last one's end too); none once they were asked for."""
+        the state at the last one's end too, the keys after those that memory has no
+        room for, to write to disk only); none once they were asked for."""
         if self.prefix is None:
-            return 0, [], False
+            return 0, [], False, []
         # Only confirmed positions: a verify step's offset may lie past drafted ones.
         upto = min(offset, len(seq.prompt) + len(seq.generated) - 1) // self.block_tokens
         if upto <= seq.stored:
-            return 0, [], False
+            return 0, [], False, []
         first = seq.stored
         keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
         snap = self._snaps(seq, offset, upto)
@@ -204,7 +205,11 @@ class KvBudget:
                                start=keys[-1] if snap else None, discarded=self.pending_discard)
         self._keep.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
-        return (first if kept else 0), keys[:kept], snap and kept == len(keys)
+        spill = self.prefix.spill(keys[kept:], self._protected(), self.pending_discard, keys[-1] if snap else None)
+        self._keep.update(spill)
+        if not kept and not spill:
+            return 0, [], False, []
+        return first, keys[:kept], snap and kept + len(spill) == len(keys), spill
 
     def _snaps(self, seq: Seq, offset: int, upto: int) -> bool:
         """Whether stages with state caches keep the state at the end of block ``upto``

@@ -46,6 +46,7 @@ class Entry:
     store_first: int = 0    # with ``store``: the index of the first block to keep
     store: List[int] = field(default_factory=list)  # keys of blocks the stages keep after this step
     snap: bool = False      # with ``store``: stages with state caches keep the state at the last one's end
+    spill: List[int] = field(default_factory=list)  # blocks after ``store``'s to write to disk only
     opening: Optional[Opening] = None  # set on its first step
 
 

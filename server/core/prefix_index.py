@@ -158,11 +158,12 @@ class PrefixIndex:
         be told to keep only those."""
         protected = protected | set(keys)
         limit = min(self.capacity, room)
-        for n, key in enumerate(keys):
+        kept = 0
+        for key in keys:
             if key not in self.lru and len(self.lru) >= limit:
                 gone = self.evict(len(self.lru) - limit + 1, protected)
                 if not gone:
-                    return n
+                    break
                 evicted.extend(gone)
             self.lru[key] = None
             self.lru.move_to_end(key)
@@ -172,14 +173,33 @@ class PrefixIndex:
                 for s in self.starts:
                     if s is not None:
                         s.add(key)
-            if self.disk_capacity:
-                self.disk_lru[key] = None
-                self.disk_lru.move_to_end(key)
-                for d in self.disk:
-                    d.add(key)
-        if self.disk_capacity and discarded is not None:
-            discarded.extend(self.discard(len(self.disk_lru) - self.disk_capacity, protected))
-        return len(keys)
+            kept += 1
+        self.spill(keys[:kept], protected, [] if discarded is None else discarded, start)  # (written through)
+        return kept
+
+    def spill(self, keys: Sequence[int], protected: Set[int], discarded: List[int],
+              start: Optional[int] = None) -> List[int]:
+        """Record that every stage writes ``keys`` to its disk (in order; those memory has
+        no room for, or those it keeps: they are written through), within
+        ``disk_capacity``, discarding least recently used blocks not in ``protected``
+        (appended to ``discarded``); ``start``: as for ``add``. Returns those of ``keys``
+        that fit (none without a disk tier)."""
+        if not self.disk_capacity:
+            return []
+        protected = protected | set(keys)
+        for n, key in enumerate(keys):
+            if key not in self.disk_lru and len(self.disk_lru) >= self.disk_capacity:
+                gone = self.discard(len(self.disk_lru) - self.disk_capacity + 1, protected)
+                if not gone:
+                    return list(keys[:n])
+                discarded.extend(gone)
+            self.disk_lru[key] = None
+            self.disk_lru.move_to_end(key)
+            for d, s in zip(self.disk, self.starts):
+                d.add(key)
+                if s is not None and key == start:
+                    s.add(key)
+        return list(keys)
 
     def evict(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
         """Drop up to ``count`` least recently used blocks not in ``protected``."""

@@ -268,7 +268,7 @@ class Scheduler:
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
         """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
         entry = Entry(seq.seq_id, offset, num_tokens, sample, trim)
-        entry.store_first, entry.store, entry.snap = self.kv.store(seq, offset)
+        entry.store_first, entry.store, entry.snap, entry.spill = self.kv.store(seq, offset)
         return entry
 
     def _opening(self, seq: Seq) -> Opening:
