@@ -284,7 +284,6 @@ def _chat(tok, *turns):
 
 
 @pytest.mark.parametrize("model,ranges,again", [
-    ("default_model", [(0, 30)], [(0, 30)]),
     ("default_model", [(0, 11), (11, 30)], [(0, 11), (11, 30)]),
     ("dsv3_model", [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]),  # restarted as three stages: a re-plan
 ])

@@ -34,6 +34,8 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
                                 "dropped": s.disk_blocks_dropped},
                 prefix_hit_rate=s.reused_tokens / max(s.reused_tokens + s.prefilled_tokens, 1))
     load = getattr(st, "load", None)  # the stage's Load reply, when the transport keeps it
+    if load is not None:
+        info["kv_bytes_per_token"] = load.kv_bytes_per_token
     if load is not None and load.memory_warning:  # close to what the Mac's GPU may wire
         info["memory_warning"] = load.memory_warning
     if reply.state != "ready":

@@ -1,0 +1,185 @@
+"""``mlxpipe bench chat --restart``: an agent's session across restarts, carried by the
+prefix cache's disk tier.
+
+An agent pattern: a long fixed prefix (``--prefix-tokens``: a system prompt and a file)
+and turns that grow it (each adds a tool result of ``--turn-tokens`` tokens, a question
+and the answer). Three runs of it, greedy, each on texts of its own:
+
+- ``cache off``: ``serve --prefix-cache-bytes 0``, every prompt computed;
+- ``restarts``: ``serve`` killed (SIGKILL: its stages finish their disk writes as they
+  see it gone) and started again before every turn: nothing is in memory, every hit is
+  read back from disk; after the last turn stage 1 alone is killed, and the head
+  restarts it, and the turn is sent again;
+- ``tiny memory``: ``--prefix-cache-bytes`` of about one block, so the disk tier
+  carries the hits of a server that stays up.
+
+Then ``--prefixes`` different prompts of ``--prefix-tokens`` tokens, each sent twice,
+with the memory tier sized to hold about one of them: the second pass comes from disk.
+Every answer must equal the cache-off run's. All servers share one fresh
+``$MLXPIPE_HOME`` (``--home`` to keep one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import httpx
+
+from mlxpipe.bench.common import HttpServer, long_text, median, pin_flags, stream_chat
+from mlxpipe.bench.soak import stage_pids
+
+SYSTEM = "You are a coding agent. Tools: read_file, edit_file, run_tests. The repository's main file follows.\n"
+
+
+class Serve:
+    """`mlxpipe serve` on the bench's home, killed rather than stopped."""
+
+    def __init__(self, path: str, args, *extra: str):
+        cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
+               "--stages", str(args.stages), "--no-speculate", *pin_flags(args.pin), *extra]
+        self.server = HttpServer("mlxpipe", cmd)
+        self.url = self.server.url
+
+    def stages(self) -> List[dict]:
+        return httpx.get(f"{self.url}/health", timeout=30).json()["stages"]
+
+    def kill(self) -> None:
+        """SIGKILL, then wait for its stage processes, which leave once they see it gone."""
+        pids = [p for p in stage_pids(self.server.proc.pid, [s["address"] for s in self.stages()]) if p]
+        self.server.proc.kill()
+        self.server.proc.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def kill_stage(self, i: int) -> None:
+        """SIGKILL stage ``i`` alone; returns once the head has restarted it and serves again."""
+        before = httpx.get(f"{self.url}/health", timeout=30).json()["recoveries"]
+        os.kill(stage_pids(self.server.proc.pid, [s["address"] for s in self.stages()])[i], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{self.url}/health", timeout=30)
+            if r.status_code == 200 and r.json()["recoveries"] > before:
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the pipeline did not recover from the stage's kill")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+async def _ask(http, url: str, messages: List[dict], max_tokens: int) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.monotonic()
+    times, text, usage = await stream_chat(http, url, body)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"ttft": (times[0] if times else time.monotonic()) - t0, "text": text,
+            "prompt_tokens": usage.get("prompt_tokens") or 0, "cached_tokens": cached,
+            "disk_tokens": (usage.get("cached_tokens_by_tier") or {}).get("disk", 0)}
+
+
+def _turns(tok, args, tag: str) -> List[List[dict]]:
+    """The agent's messages before each turn's answer (answers are filled in as they come)."""
+    prefix = SYSTEM + long_text(tok, args.prefix_tokens, f"{tag}-file")
+    return [[{"role": "system", "content": prefix}]] + [
+        [{"role": "user", "content": f"Tool result {i}:\n{long_text(tok, args.turn_tokens, f'{tag}-{i}')}\n"
+                                     f"What should change next?"}] for i in range(args.turns)]
+
+
+async def _session(http, start, tok, args, tag: str, restart: bool) -> List[dict]:
+    """The agent's turns on servers ``start()`` makes: one for all, or a new one per turn."""
+    parts, history, out = _turns(tok, args, tag), [], []
+    history += parts[0]
+    server = None
+    for turn in parts[1:]:
+        history += turn
+        if server is None or restart:
+            if server is not None:
+                server.kill()
+            server = start()
+        r = await _ask(http, server.url, history, args.max_tokens)
+        history.append({"role": "assistant", "content": r["text"]})
+        out.append(r)
+    if restart:  # one stage alone killed and restarted, the last turn again
+        history.pop()
+        server.kill_stage(1)
+        out.append(await _ask(http, server.url, history, args.max_tokens))
+    server.kill()
+    return out
+
+
+async def _prefixes(http, start, tok, args, tag: str) -> Dict[str, List[dict]]:
+    server = start()
+    prompts = [[{"role": "system", "content": SYSTEM + long_text(tok, args.prefix_tokens, f"{tag}-p{i}")},
+                {"role": "user", "content": "Summarize the file."}] for i in range(args.prefixes)]
+    passes = {"first": [], "second": []}
+    for name in passes:
+        for messages in prompts:
+            passes[name].append(await _ask(http, server.url, messages, args.max_tokens))
+    server.kill()
+    return passes
+
+
+async def bench_restart(args, path: str, tok) -> dict:
+    home = args.home or tempfile.mkdtemp(prefix="mlxpipe-bench-home-")
+    os.environ["MLXPIPE_HOME"] = home  # for the servers it starts
+    tag = f"{os.getpid()}-{int(time.time())}"
+    async with httpx.AsyncClient(timeout=3600) as http:
+        probe = Serve(path, args, "--prefix-cache-bytes", "0")  # what a token's keys and values cost a stage
+        per_token = max(s.get("kv_bytes_per_token") or 0 for s in probe.stages()) or 1
+        probe.kill()
+        runs = {
+            "cache off": await _session(http, lambda: Serve(path, args, "--prefix-cache-bytes", "0"), tok, args,
+                                        tag, restart=False),
+            "restarts": await _session(http, lambda: Serve(path, args), tok, args, tag, restart=True),
+            "tiny memory": await _session(http, lambda: Serve(path, args, "--prefix-cache-bytes",
+                                                              f"{per_token * 16 * 2}B"), tok, args, tag, restart=False),
+        }
+        one_prefix = f"{int(per_token * args.prefix_tokens * 1.2)}B"
+        prefixes = await _prefixes(http, lambda: Serve(path, args, "--prefix-cache-bytes", one_prefix), tok, args,
+                                   tag) if args.prefixes else {}
+    return report(runs, prefixes, args, home, one_prefix)
+
+
+def _cell(r: dict) -> str:
+    share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0
+    disk = r["disk_tokens"] / r["cached_tokens"] if r["cached_tokens"] else 0
+    return f"{r['ttft']:7.2f}s {share:4.0%} ({disk:4.0%} disk)"
+
+
+def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, home: str, one_prefix: str) -> dict:
+    base = runs["cache off"]
+    lines = [f"agent: a {args.prefix_tokens}-token prefix, {args.turns} turns of +{args.turn_tokens} tokens, "
+             f"{args.max_tokens}-token answers; time to first token, the share of the prompt cached (and of that, "
+             f"read back from disk); $MLXPIPE_HOME {home}",
+             f"{'turn':>5}{'prompt':>8}   " + "".join(f"{name:>27}" for name in runs)]
+    for i, r in enumerate(base):
+        cells = "".join(f"{_cell(runs[name][i]):>27}" for name in runs)
+        lines.append(f"{i + 1:5d}{r['prompt_tokens']:8d}   {cells}")
+    after = runs["restarts"][-1]
+    lines.append(f"  last turn again after stage 1 alone was killed and restarted: {_cell(after)}")
+    equal = all(runs[name][i]["text"] == base[i]["text"] for name in runs for i in range(len(base)))
+    equal = equal and after["text"] == base[-1]["text"]
+    out: dict = {"runs": runs, "equal_to_cache_off": equal}
+    if prefixes:
+        first, second = (median([r["ttft"] for r in prefixes[k]]) for k in ("first", "second"))
+        disk = sum(r["disk_tokens"] for r in prefixes["second"]) / max(sum(r["prompt_tokens"] for r in prefixes["second"]), 1)
+        equal = equal and all(a["text"] == b["text"] for a, b in zip(prefixes["first"], prefixes["second"]))
+        lines.append(f"prefixes: {args.prefixes} different {args.prefix_tokens}-token prompts, each twice, memory tier "
+                     f"{one_prefix} (about one of them): median TTFT {first:.2f}s first, {second:.2f}s second "
+                     f"(x{second / first:.3f}); second pass {disk:.0%} of its prompts read back from disk")
+        out["prefixes"] = prefixes | {"median_first": first, "median_second": second, "ratio": second / first}
+    lines.append(f"answers equal to the cache-off run's: {'yes' if equal else 'NO'}")
+    out["equal_to_cache_off"] = equal
+    print("\n".join(lines))
+    return out
