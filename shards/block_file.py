@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 FORMAT = "mlxpipe-prefix-block/1"
+ARRAY_HEADER_BYTES = 192  # what an array adds to a file's header, about
 _local = threading.local()
 
 # safetensors' name of each dtype, and the numpy type its bytes are read as (bfloat16 as uint16, then viewed)
@@ -162,3 +163,9 @@ def _stream():
     if stream is None:
         stream = _local.stream = mx.new_stream(mx.default_device())
     return stream
+
+
+def block_file_bytes(block_tokens: int, kv_bytes_per_token: int, arrays: int) -> int:
+    """What one block's file takes, about (without a state snapshot): its keys and
+    values, and a header for ``arrays`` arrays (the head's estimate of a block on disk)."""
+    return block_tokens * kv_bytes_per_token + 1024 + ARRAY_HEADER_BYTES * arrays

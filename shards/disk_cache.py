@@ -60,7 +60,6 @@ DEFAULT_SHARE = 0.10     # of the free disk (plus what the tier holds already), 
 FLUSH_S = 10.0           # how long a stopping stage waits for the writes still queued
 READERS = 4              # threads reading the files of one Fetch
 MAX_PENDING_BYTES = 1 << 30  # blocks queued for writing, at most (more are not written: the disk is too slow)
-ARRAY_HEADER_BYTES = 192  # what an array adds to a file's header, about (for the head's estimate)
 _NAME = re.compile(r"([0-9a-f]{16})-(\d+)-(\d+)-([ks])-([0-9a-f]{8})\.safetensors")
 
 
@@ -368,16 +367,20 @@ class DiskTier:
         until the first that cannot be read, which comes as (key, None, why); then any
         other that was read and failed (the rest are not read). A file that is missing,
         truncated or corrupt is dropped here."""
-        futures = [self._readers.submit(self._read, k) for k in keys]
-        out, failed = [], False
-        for key, fut in zip(keys, futures):
+        ahead: "OrderedDict[int, Any]" = OrderedDict()  # a few reads in flight at a time, in order
+        out, todo, failed = [], iter(keys), False
+        while True:
+            while not failed and len(ahead) < 2 * READERS and (key := next(todo, None)) is not None:
+                ahead[key] = self._readers.submit(self._read, key)
+            if not ahead:
+                return out
+            key, fut = ahead.popitem(last=False)
             if failed and fut.cancel():
                 continue
             tree, why = fut.result()
             if not failed or tree is None:
                 out.append((key, tree, why))
             failed = failed or tree is None
-        return out
 
     def _read(self, key: int) -> Tuple[Any, str]:
         with self.lock:
@@ -441,9 +444,3 @@ def _unlink(path: Path) -> None:
 def tier_root(home: Path, fingerprint: str, block_tokens: int) -> Path:
     """Where the disk tier of a model (by fingerprint) and block size lives."""
     return home / DIR / fingerprint / f"b{block_tokens}"
-
-
-def block_file_bytes(block_tokens: int, kv_bytes_per_token: int, arrays: int) -> int:
-    """What one block's file takes, about (without a state snapshot): its keys and
-    values, and a header for ``arrays`` arrays."""
-    return block_tokens * kv_bytes_per_token + 1024 + ARRAY_HEADER_BYTES * arrays

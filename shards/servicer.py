@@ -31,7 +31,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
 from mlxpipe.shards import memory
-from mlxpipe.shards.disk_cache import FLUSH_S, DiskTier, block_file_bytes, tier_root
+from mlxpipe.shards.block_file import block_file_bytes
+from mlxpipe.shards.disk_cache import FLUSH_S, DiskTier, tier_root
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
