@@ -173,7 +173,8 @@ def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, h
     out: dict = {"runs": runs, "equal_to_cache_off": equal}
     if prefixes:
         first, second = (median([r["ttft"] for r in prefixes[k]]) for k in ("first", "second"))
-        disk = sum(r["disk_tokens"] for r in prefixes["second"]) / max(sum(r["prompt_tokens"] for r in prefixes["second"]), 1)
+        second_pass = prefixes["second"]
+        disk = sum(r["disk_tokens"] for r in second_pass) / max(sum(r["prompt_tokens"] for r in second_pass), 1)
         equal = equal and all(a["text"] == b["text"] for a, b in zip(prefixes["first"], prefixes["second"]))
         lines.append(f"prefixes: {args.prefixes} different {args.prefix_tokens}-token prompts, each twice, memory tier "
                      f"{one_prefix} (about one of them): median TTFT {first:.2f}s first, {second:.2f}s second "

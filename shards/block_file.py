@@ -157,11 +157,11 @@ def decode(data: bytes) -> Tuple[Any, Dict[str, str]]:
 
 
 def _stream():
-    """This thread's own MLX stream: arrays made here are evaluated here, never
-    lazily on the stage's MLX thread."""
+    """This thread's own MLX stream, on the CPU (a view is no computation: nothing for a
+    GPU to do): arrays made here are evaluated here, never lazily on the stage's MLX thread."""
     stream = getattr(_local, "stream", None)
     if stream is None:
-        stream = _local.stream = mx.new_stream(mx.default_device())
+        stream = _local.stream = mx.new_stream(mx.cpu)
     return stream
 
 

@@ -155,7 +155,8 @@ class BlockStore:
         if snap and not all(kinds.sliceable(c) for c in caches):
             block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
         mx.eval(kinds.arrays(block.kv), kinds.arrays(block.state))
-        self.disk.put(key, self._tree(block), block.state is not None, kinds.nbytes(block.kv) + kinds.nbytes(block.state))
+        nbytes = kinds.nbytes(block.kv) + kinds.nbytes(block.state)
+        self.disk.put(key, self._tree(block), block.state is not None, nbytes)
 
     def _tree(self, block: Block) -> dict:
         """A block as its disk file holds it: by the model's cache slots, not the stage's."""
@@ -188,10 +189,10 @@ class BlockStore:
                 todo.append(key)
         dropped = []
         for key, tree, _ in (self.disk.read(todo) if self.disk is not None and todo else []):
-            block = self._block(tree) if tree is not None and not dropped else None
-            if block is None:
+            block = None if tree is None else self._block(tree)
+            if block is None:  # (after the first, only failures come back)
                 dropped.append(key)
-            else:
+            elif not dropped:
                 got[key] = block
         loaded = []
         for key in keys:
@@ -239,7 +240,7 @@ class BlockStore:
 def check_blocks(store: Optional["BlockStore"], template: Sequence, frame: pb.Frame, e: pb.SeqEntry) -> None:
     """The prefix-cache instructions of one entry of ``frame``, for a stage holding ``store``
     (None: no prefix cache) whose sequences have caches like ``template``; raises ``FrameError``."""
-    if not (e.reuse or e.store or e.context):
+    if not (e.reuse or e.store or e.spill or e.context):
         return
     if store is None:
         raise FrameError(f"sequence {e.seq_id}: this stage keeps no prefix cache")

@@ -318,3 +318,20 @@ def test_greedy_tokens_from_blocks_on_disk_equal_mlx_lm(model, ranges, again, re
     assert any("truncated" in r.getMessage() for r in caplog.records)
     assert seq.cached_tokens < seqs[0].cached_tokens
     pipe.close()
+
+
+def test_a_tiny_memory_tier_leaves_the_hits_to_the_disk(dsv3_model, reference, tmp_path):
+    """Memory for two blocks: what a prompt stores mostly spills to disk, and the next
+    prompts that share it read it back from there, with mlx-lm's tokens."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(dsv3_model)
+    config = SchedulerConfig(chunk_size=16, block_tokens=8, prefix_blocks=2, num_groups=2, prefix_disk_blocks=1 << 16)
+    pipe = InProcess(dsv3_model, [(0, 2), (2, 4)], config, eos=tok.eos_token_ids, disk=tmp_path)
+    first, other = _chat(tok, "Name three rivers in Europe."), _chat(tok, "Name three mountains in Asia.")
+    outs, _ = pipe.generate([first, other], 8)
+    (again,), (seq,) = pipe.generate([first], 8)
+    assert [*outs, again] == [reference(dsv3_model, p, 8) for p in (first, other, first)]
+    assert seq.cached_tokens == (len(first) - 1) // 8 * 8 and seq.disk_tokens >= seq.cached_tokens - 2 * 8
+    assert all(st.prefix.disk.stats.reads > 0 and len(st.prefix.blocks) <= 2 for st in pipe.stages)
+    pipe.close()
