@@ -8,8 +8,8 @@ and the answer). Three runs of it, greedy, each on texts of its own:
 - ``cache off``: ``serve --prefix-cache-bytes 0``, every prompt computed;
 - ``restarts``: ``serve`` killed (SIGKILL: its stages finish their disk writes as they
   see it gone) and started again before every turn: nothing is in memory, every hit is
-  read back from disk; after the last turn stage 1 alone is killed, and the head
-  restarts it, and the turn is sent again;
+  read back from disk; then the last turn is sent again as it was, after ``serve`` is
+  restarted once more, and after stage 1 alone is killed (the head restarts it);
 - ``tiny memory``: ``--prefix-cache-bytes`` of about one block, so the disk tier
   carries the hits of a server that stays up.
 
@@ -110,8 +110,11 @@ async def _session(http, start, tok, args, tag: str, restart: bool) -> List[dict
         r = await _ask(http, server.url, history, args.max_tokens)
         history.append({"role": "assistant", "content": r["text"]})
         out.append(r)
-    if restart:  # one stage alone killed and restarted, the last turn again
+    if restart:  # the last turn again, as it was: after serve restarts, after stage 1 alone restarts
         history.pop()
+        server.kill()
+        server = start()
+        out.append(await _ask(http, server.url, history, args.max_tokens))
         server.kill_stage(1)
         out.append(await _ask(http, server.url, history, args.max_tokens))
     server.kill()
@@ -166,10 +169,12 @@ def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, h
     for i, r in enumerate(base):
         cells = "".join(f"{_cell(runs[name][i]):>27}" for name in runs)
         lines.append(f"{i + 1:5d}{r['prompt_tokens']:8d}   {cells}")
-    after = runs["restarts"][-1]
-    lines.append(f"  last turn again after stage 1 alone was killed and restarted: {_cell(after)}")
+    cold = base[-1]["ttft"]
+    for r, when in zip(runs["restarts"][-2:], ("serve was restarted", "stage 1 alone was restarted")):
+        lines.append(f"  the last turn sent again after {when}: {_cell(r)}, x{r['ttft'] / cold:.3f} of its cold "
+                     f"time ({cold:.2f}s, the cache off)")
     equal = all(runs[name][i]["text"] == base[i]["text"] for name in runs for i in range(len(base)))
-    equal = equal and after["text"] == base[-1]["text"]
+    equal = equal and all(r["text"] == base[-1]["text"] for r in runs["restarts"][-2:])
     out: dict = {"runs": runs, "equal_to_cache_off": equal}
     if prefixes:
         first, second = (median([r["ttft"] for r in prefixes[k]]) for k in ("first", "second"))

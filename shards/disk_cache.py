@@ -91,18 +91,14 @@ def _claim(base: Path, start: int, end: int) -> Tuple[Path, int]:
     dirs = [d for d in sorted(base.iterdir()) if d.is_dir()]
     score = {d: sum(_covers(e.name, start, end) for e in os.scandir(d)) for d in dirs}
     for d in sorted(dirs, key=lambda d: -score[d]):
-        fd = _lock(d)
-        if fd is not None:
+        if (fd := _lock(d)) is not None:
             return d, fd
     for i in itertools.count():
         d = base / f"w{i}"
-        try:
-            d.mkdir()
-        except FileExistsError:
-            continue
-        fd = _lock(d)
-        if fd is not None:
-            return d, fd
+        if not d.exists():
+            d.mkdir(exist_ok=True)  # (another process may make it too: the lock decides)
+            if (fd := _lock(d)) is not None:
+                return d, fd
 
 
 @dataclass
@@ -153,9 +149,10 @@ class DiskTier:
 
     # -- the index ------------------------------------------------------------------------
 
-    def retarget(self, start: int, end: int, fresh: bool = False) -> None:
+    def retarget(self, start: int, end: int, limit: Optional[int] = None, fresh: bool = False) -> None:
         """Index what this tier holds for layers ``[start, end)`` (a new range after a
-        re-plan; ``fresh``: the directory was just claimed, nothing writes it yet)."""
+        re-plan; ``fresh``: the directory was just claimed, nothing writes it yet), and
+        hold to ``limit`` bytes from now on, if given."""
         found = []
         for d in sorted(self.base.iterdir()):
             if not d.is_dir():
@@ -194,6 +191,9 @@ class DiskTier:
                 self.files[key] = f
             by_age = {f.path: t for _, t, _, f in found}
             self.lru = OrderedDict((k, None) for k in sorted(self.files, key=lambda k: by_age[self.files[k].path]))
+        if limit is not None and not fresh:
+            self.limit = limit
+            self._jobs.put(("fit",))
 
     def blocks(self) -> Tuple[List[int], List[int]]:
         """The blocks it holds, least recently used first, and those of them with their end state."""

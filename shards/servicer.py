@@ -221,7 +221,7 @@ class StageServicer(pb_grpc.StageServicer):
             logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.disk.dir, self.disk.count,
                         self.disk.own_bytes / 1e6, self.disk.limit / 1e6)
         else:
-            self.disk.retarget(request.start, request.end)
+            self.disk.retarget(request.start, request.end, limit)
         return self.disk
 
     def close(self) -> None:

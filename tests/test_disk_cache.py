@@ -335,3 +335,13 @@ def test_a_tiny_memory_tier_leaves_the_hits_to_the_disk(dsv3_model, reference, t
     assert seq.cached_tokens == (len(first) - 1) // 8 * 8 and seq.disk_tokens >= seq.cached_tokens - 2 * 8
     assert all(st.prefix.disk.stats.reads > 0 and len(st.prefix.blocks) <= 2 for st in pipe.stages)
     pipe.close()
+
+
+def test_the_head_sizes_the_disk_tier_from_every_stage_and_none_turns_it_off():
+    from mlxpipe.server.cluster.config import disk_blocks
+
+    loads = [pb.LoadReply(block_tokens=16, kv_bytes_per_token=100, disk_limit_bytes=10_000_000, disk_block_bytes=2000),
+             pb.LoadReply(block_tokens=16, kv_bytes_per_token=100, disk_limit_bytes=1_000_000, disk_block_bytes=2500)]
+    assert disk_blocks(loads) == 400  # the tightest stage's bound over its block's file
+    loads[1].disk_limit_bytes = 0     # a node that keeps none (`mlxpipe node --prefix-cache-disk 0`)
+    assert disk_blocks(loads) == 0

@@ -58,14 +58,17 @@ async def from_nodes(addresses: List[str], security) -> str:
         health = await pipeline.health(timeout=5)
     finally:
         await pipeline.close()
-    rows = [["node", "state", "model", "layers", "weights MB", "KV MB", "RSS MB", "live", "detail"]]
+    rows = [["node", "state", "model", "layers", "weights MB", "KV MB", "prefix MB", "disk MB", "RSS MB", "live",
+             "detail"]]
     for st, reply, err in health:
         if reply is None:
-            rows.append([st.address, "unreachable", "-", "-", "-", "-", "-", "-", err[:60]])
+            rows.append([st.address, "unreachable", "-", "-", "-", "-", "-", "-", "-", "-", err[:60]])
             continue
         layers = f"[{reply.start}, {reply.end}) of {reply.num_layers}" if reply.num_layers else "-"
+        disk = _disk({"prefix_disk_bytes": reply.prefix_disk_bytes, "prefix_disk_limit_bytes": reply.prefix_disk_limit})
         rows.append([st.address, reply.state, Path(reply.model).name or "-", layers, _mb(reply.weight_bytes),
-                     _mb(reply.cache_bytes), _mb(reply.rss_bytes), str(len(reply.live_seqs)), reply.detail[:60]])
+                     _mb(reply.cache_bytes), _mb(reply.prefix_bytes), disk, _mb(reply.rss_bytes),
+                     str(len(reply.live_seqs)), reply.detail[:60]])
     return table(rows)
 
 

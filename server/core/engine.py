@@ -254,7 +254,11 @@ class Engine:
         """Have the stages read a sequence's blocks back from disk; its first frame goes after."""
 
         async def run():
-            results = await self.pipeline.fetch(fetch.seq_id, fetch.keys)
+            try:
+                results = await self.pipeline.fetch(fetch.seq_id, fetch.keys)
+            except Exception:  # noqa: BLE001 - nothing read: the sequence computes it all, it never waits on
+                logger.exception("reading prefix blocks back from the stages' disks")
+                results = [([], []) for _ in fetch.keys]
             if not self._stopping:
                 self.scheduler.fetched(fetch, results)
                 self._pump()
