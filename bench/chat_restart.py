@@ -15,18 +15,21 @@ and the answer). Three runs of it, greedy, each on texts of its own:
 
 Then ``--prefixes`` different prompts of ``--prefix-tokens`` tokens, each sent twice,
 with the memory tier sized to hold about one of them: the second pass comes from disk.
-Every answer must equal the cache-off run's. All servers share one fresh
-``$MLXPIPE_HOME`` (``--home`` to keep one).
+Every answer must equal the cache-off run's. Each run has a ``$MLXPIPE_HOME`` of its
+own, so that each starts cold on the same texts (under a fresh temporary folder, or
+``--home``; the nodes' profiles are shared).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from pathlib import Path
+from typing import Dict, List, Tuple
 
 import httpx
 
@@ -37,11 +40,16 @@ SYSTEM = "You are a coding agent. Tools: read_file, edit_file, run_tests. The re
 
 
 class Serve:
-    """`mlxpipe serve` on the bench's home, killed rather than stopped."""
+    """`mlxpipe serve` on its run's ``home``, killed rather than stopped."""
 
-    def __init__(self, path: str, args, *extra: str):
+    def __init__(self, path: str, args, home: Path, *extra: str):
         cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
                "--stages", str(args.stages), "--no-speculate", *pin_flags(args.pin), *extra]
+        home.mkdir(parents=True, exist_ok=True)
+        if not (home / "profiles").exists():  # what the nodes measured: the same for every run
+            (home.parent / "profiles").mkdir(exist_ok=True)
+            (home / "profiles").symlink_to(home.parent / "profiles")
+        os.environ["MLXPIPE_HOME"] = str(home)  # (the server's processes inherit it)
         self.server = HttpServer("mlxpipe", cmd)
         self.url = self.server.url
 
@@ -134,24 +142,34 @@ async def _prefixes(http, start, tok, args, tag: str) -> Dict[str, List[dict]]:
 
 
 async def bench_restart(args, path: str, tok) -> dict:
-    home = args.home or tempfile.mkdtemp(prefix="mlxpipe-bench-home-")
-    os.environ["MLXPIPE_HOME"] = home  # for the servers it starts
+    home = Path(args.home or tempfile.mkdtemp(prefix="mlxpipe-bench-home-"))
+    try:
+        return await _runs(args, path, tok, home)
+    finally:
+        if not args.home:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+async def _runs(args, path: str, tok, home: Path) -> dict:
     tag = f"{os.getpid()}-{int(time.time())}"
+
+    def serve(run: str, *extra: str):
+        return lambda: Serve(path, args, home / run, *extra)
+
     async with httpx.AsyncClient(timeout=3600) as http:
-        probe = Serve(path, args, "--prefix-cache-bytes", "0")  # what a token's keys and values cost a stage
+        probe = serve("probe", "--prefix-cache-bytes", "0")()  # what a token's keys and values cost a stage
         per_token = max(s.get("kv_bytes_per_token") or 0 for s in probe.stages()) or 1
         probe.kill()
-        runs = {
-            "cache off": await _session(http, lambda: Serve(path, args, "--prefix-cache-bytes", "0"), tok, args,
-                                        tag, restart=False),
-            "restarts": await _session(http, lambda: Serve(path, args), tok, args, tag, restart=True),
-            "tiny memory": await _session(http, lambda: Serve(path, args, "--prefix-cache-bytes",
-                                                              f"{per_token * 16 * 2}B"), tok, args, tag, restart=False),
+        runs = {} if not args.turns else {  # (--turns 0: the prefixes alone)
+            "cache off": await _session(http, serve("off", "--prefix-cache-bytes", "0"), tok, args, tag, False),
+            "restarts": await _session(http, serve("restarts"), tok, args, tag, True),
+            "tiny memory": await _session(http, serve("tiny", "--prefix-cache-bytes", f"{per_token * 16 * 2}B"),
+                                          tok, args, tag, False),
         }
         one_prefix = f"{int(per_token * args.prefix_tokens * 1.2)}B"
-        prefixes = await _prefixes(http, lambda: Serve(path, args, "--prefix-cache-bytes", one_prefix), tok, args,
+        prefixes = await _prefixes(http, serve("prefixes", "--prefix-cache-bytes", one_prefix), tok, args,
                                    tag) if args.prefixes else {}
-    return report(runs, prefixes, args, home, one_prefix)
+    return report(runs, prefixes, args, str(home), one_prefix)
 
 
 def _cell(r: dict) -> str:
@@ -160,7 +178,8 @@ def _cell(r: dict) -> str:
     return f"{r['ttft']:7.2f}s {share:4.0%} ({disk:4.0%} disk)"
 
 
-def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, home: str, one_prefix: str) -> dict:
+def _sessions(runs: Dict[str, List[dict]], args, home: str) -> Tuple[List[str], bool]:
+    """The agent's turns, run by run, and whether every answer equals the cache-off run's."""
     base = runs["cache off"]
     lines = [f"agent: a {args.prefix_tokens}-token prefix, {args.turns} turns of +{args.turn_tokens} tokens, "
              f"{args.max_tokens}-token answers; time to first token, the share of the prompt cached (and of that, "
@@ -174,8 +193,12 @@ def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, h
         lines.append(f"  the last turn sent again after {when}: {_cell(r)}, x{r['ttft'] / cold:.3f} of its cold "
                      f"time ({cold:.2f}s, the cache off)")
     equal = all(runs[name][i]["text"] == base[i]["text"] for name in runs for i in range(len(base)))
-    equal = equal and all(r["text"] == base[-1]["text"] for r in runs["restarts"][-2:])
-    out: dict = {"runs": runs, "equal_to_cache_off": equal}
+    return lines, equal and all(r["text"] == base[-1]["text"] for r in runs["restarts"][-2:])
+
+
+def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, home: str, one_prefix: str) -> dict:
+    lines, equal = _sessions(runs, args, home) if runs else ([], True)
+    out: dict = {"runs": runs}
     if prefixes:
         first, second = (median([r["ttft"] for r in prefixes[k]]) for k in ("first", "second"))
         second_pass = prefixes["second"]
@@ -185,7 +208,7 @@ def report(runs: Dict[str, List[dict]], prefixes: Dict[str, List[dict]], args, h
                      f"{one_prefix} (about one of them): median TTFT {first:.2f}s first, {second:.2f}s second "
                      f"(x{second / first:.3f}); second pass {disk:.0%} of its prompts read back from disk")
         out["prefixes"] = prefixes | {"median_first": first, "median_second": second, "ratio": second / first}
-    lines.append(f"answers equal to the cache-off run's: {'yes' if equal else 'NO'}")
-    out["equal_to_cache_off"] = equal
+    lines.append(f"answers equal {'to the cache-off run' if runs else 'between the passes'}: {'yes' if equal else 'NO'}")
+    out["equal"] = equal
     print("\n".join(lines))
     return out
