@@ -145,7 +145,8 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="prefix-disk-reader")
-        self._jobs.put(("fit",))  # a smaller bound than last time: drop what is over it
+        with self.lock:  # a smaller bound than last time: drop what is over it before anyone is told
+            self._room(0)
 
     # -- the index ------------------------------------------------------------------------
 
@@ -191,9 +192,9 @@ class DiskTier:
                 self.files[key] = f
             by_age = {f.path: t for _, t, _, f in found}
             self.lru = OrderedDict((k, None) for k in sorted(self.files, key=lambda k: by_age[self.files[k].path]))
-        if limit is not None and not fresh:
-            self.limit = limit
-            self._jobs.put(("fit",))
+            if limit is not None and not fresh:
+                self.limit = limit
+                self._room(0)
 
     def blocks(self) -> Tuple[List[int], List[int]]:
         """The blocks it holds, least recently used first, and those of them with their end state."""
@@ -250,9 +251,6 @@ class DiskTier:
                     self._write(*job[1:])
                 elif job[0] == "delete":
                     self._delete(job[1], job[2])
-                elif job[0] == "fit":
-                    with self.lock:
-                        self._room(0)
                 elif job[0] == "flush":
                     job[1].set()
             except Exception:  # noqa: BLE001 - the writer must outlive any one block

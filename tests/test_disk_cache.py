@@ -120,6 +120,9 @@ def test_the_disk_bound_is_never_exceeded_and_the_oldest_go_first(tmp_path):
     tier.flush()
     assert sorted(tier.blocks()[0]) == [6, 8] and len(_files(tier)) == 2
     tier.close()
+    again = DiskTier(tmp_path / "tiny", 0, 4, limit=size + size // 2)  # restarted with a smaller bound
+    assert again.blocks() == ([8], []) and len(_files(again)) == 1  # the oldest went before it reported
+    again.close()
     small = DiskTier(tmp_path / "small", 0, 4, limit=size - 1)
     small.put(1, _block(1), False, 0)
     small.flush()
