@@ -163,9 +163,10 @@ async def _runs(args, path: str, tok, home: Path) -> dict:
         runs = {} if not args.turns else {  # (--turns 0: the prefixes alone)
             "cache off": await _session(http, serve("off", "--prefix-cache-bytes", "0"), tok, args, tag, False),
             "restarts": await _session(http, serve("restarts"), tok, args, tag, True),
-            "tiny memory": await _session(http, serve("tiny", "--prefix-cache-bytes", f"{per_token * 16 * 2}B"),
-                                          tok, args, tag, False),
         }
+        if args.turns > 1:  # (its first turn is cold: only later ones can hit)
+            runs["tiny memory"] = await _session(http, serve("tiny", "--prefix-cache-bytes", f"{per_token * 32}B"),
+                                                 tok, args, tag, False)
         one_prefix = f"{int(per_token * args.prefix_tokens * 1.2)}B"
         prefixes = await _prefixes(http, serve("prefixes", "--prefix-cache-bytes", one_prefix), tok, args,
                                    tag) if args.prefixes else {}
