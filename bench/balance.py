@@ -51,7 +51,8 @@ async def _drain(stream) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("balance"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--streams", type=int, default=8, help="concurrent streams (default %(default)s)")
     q.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     q.add_argument("--seconds", type=float, default=30.0, help="seconds measured")

@@ -31,6 +31,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (HttpServer, add_common_arguments, free_port, long_text, median, percentile,
                                   pin_flags, progress_bar, stream_chat)
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 QUESTION = "Summarize the passage above in one sentence."
@@ -165,10 +166,11 @@ def report(results: Dict[str, Dict[str, list]], args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("chat"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--pattern", choices=("conversation", "agent", "both"), default="both",
                    help="a chat that grows turn by turn, agents resending one long prefix, or both (default)")
-    q.add_argument("--turns", type=int, default=6, help="turns of the conversation (default 6)")
+    q.add_argument("--turns", type=int, default=6, help="turns of the conversation (default %(default)s)")
     q.add_argument("--turn-tokens", type=int, default=160, help="tokens of the passage each user turn adds")
     q.add_argument("--prefix-tokens", type=int, default=1100, help="tokens of the agent's fixed prefix")
     q.add_argument("--clients", type=int, default=8, help="concurrent agent clients after the warm request")

@@ -1,6 +1,9 @@
 """``mlxpipe bench MODE``; also the entry point of the plain mlx-lm baseline process.
 
     python -m mlxpipe.bench.command --baseline-worker MODEL
+
+The CLI (``server/cli/main.py``) names this module; it names nothing of the CLI's:
+its modes are subcommands of the lazy parser the CLI hands it (``add_arguments``).
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ import asyncio
 import json
 import os
 import sys
-
-from mlxpipe.server.cli.main import LazyCommand
 
 # Each mode is a module of mlxpipe.bench (named as the mode) that adds its options and
 # the coroutine it runs (``measure``), imported only when the mode is used (`mlxpipe
@@ -46,15 +47,16 @@ class _Into:
         return self.parser
 
 
-class _Mode(LazyCommand):
-    def attach(self, module) -> None:
-        module.add_parser(_Into(self))
+def _attach_mode(parser: argparse.ArgumentParser, module) -> None:
+    module.add_parser(_Into(parser))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE", parser_class=_Mode)
+    """The modes, as subcommands of ``p``'s class: the CLI's lazy parser (``LazyCommand``),
+    which imports a mode's module when the mode is used."""
+    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     for name, help in MODES:
-        sub.add_parser(name, help=help, module=f"mlxpipe.bench.{name}")
+        sub.add_parser(name, help=help, module=f"mlxpipe.bench.{name}", attach=_attach_mode)
 
 
 def run(args) -> int:
@@ -68,14 +70,14 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--baseline-worker":
-        from mlxpipe.bench.common import baseline_worker
+    if len(argv) != 2 or argv[0] != "--baseline-worker":
+        print("usage: python -m mlxpipe.bench.command --baseline-worker MODEL (the modes: mlxpipe bench)",
+              file=sys.stderr)
+        return 2
+    from mlxpipe.bench.common import baseline_worker
 
-        baseline_worker(argv[1])
-        return 0
-    parser = argparse.ArgumentParser(prog="mlxpipe bench")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    baseline_worker(argv[1])
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import httpx
 import mlx.core as mx
 from tqdm import tqdm
 
+from mlxpipe.server.cluster.config import ClusterConfig
+
 DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
 FILLER = ("The history of the river valley is a long story of farms, floods, bridges, markets and the "
           "people who lived there across many generations. ")
@@ -246,7 +248,8 @@ def pin_flags(pin) -> List[str]:
 
 def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options every mode takes."""
-    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
+    q.add_argument("--model", default=ClusterConfig.model,
+                   help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=3, help="runs per configuration; medians are reported")
     q.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                    help="--pin: stage i pinned to CPU core i and each baseline to core 0; --no-pin: the OS places "
@@ -254,3 +257,15 @@ def add_common_arguments(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "core of its own), baselines as a user runs mlx-lm (unpinned)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return q
+
+
+def measured_mix(url: str) -> list:
+    """The head's measured workload and the splits it implies (its /health), as lines: the
+    measured-mix split beside the decode-only one (server/cluster/mix.py)."""
+    import httpx
+
+    try:
+        workload = httpx.get(f"{url.removesuffix('/v1')}/health", timeout=30).json().get("workload") or {}
+    except httpx.HTTPError as err:
+        return [f"measured mix: the head did not answer ({err})"]
+    return workload.get("lines", ["measured mix: the head reports none"])

@@ -22,8 +22,10 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import median, percentile, progress_bar
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.grammar import Constraint, tokenizer_from_json
-from mlxpipe.shards.sampling import Sampling, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import SeqSampler, pick_batch
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.store import resolve_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
@@ -129,7 +131,8 @@ async def bench_grammar(args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("grammar")
-    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
+    q.add_argument("--model", default=ClusterConfig.model,
+                   help="model folder, HF repo id, or 'default' (the embedded one)")
     q.add_argument("--runs", type=int, default=20, help="constrained generations")
     q.add_argument("--max-tokens", type=int, default=96, help="tokens per answer, at most (default %(default)s)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")

@@ -19,8 +19,9 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
-                                  decode_window, free_port, long_text, median, percentile, pin_flags,
+                                  decode_window, free_port, long_text, measured_mix, median, percentile, pin_flags,
                                   progress_bar, window_rate)
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 
@@ -132,6 +133,7 @@ async def bench_load(args) -> dict:
                         bar.update()
         if bar:
             bar.close()
+        mix = measured_mix(ours.url)
     finally:
         if baseline:
             baseline.close()
@@ -166,8 +168,8 @@ async def bench_load(args) -> dict:
                          + " ".join(f"{b:.0%}" for b in busy))
     lines.append(f"one stream vs mlx-lm generate: {median(agg('mlxpipe', levels[0], 'aggregate_tps')) / single_tps:.3f}"
                  if levels[0] == 1 else "")
-    print("\n".join(line for line in lines if line))
-    result = {"stages": stages, "levels": table, "mlx_lm_generate_decode_tps": single_tps,
+    print("\n".join(line for line in lines + mix if line))
+    result = {"stages": stages, "levels": table, "mlx_lm_generate_decode_tps": single_tps, "measured_mix": mix,
               "rounds": [asdict(r) for r in rounds], "single": [asdict(s) for s in single]}
     if args.chart:
         chart(result, args.chart)
@@ -206,7 +208,8 @@ def chart(result: dict, path: str) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("load"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--concurrency", default="1,2,4,8", help="concurrency levels")
     q.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")
     q.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default %(default)s)")

@@ -226,8 +226,11 @@ async def check_type(model_type: str, path: Path, pool: NodePool, stages: int, r
     try:
         async with Cluster(_cluster_config(path, pool.addresses[:stages])) as cluster:
             outcome.results = await asyncio.wait_for(_scenarios(cluster, path, pool, stages, ref), 240)
-    except PipelineError as err:
-        outcome.refused = str(err)
+    except (PipelineError, ValueError) as err:  # a stage's refusal, or the head's (no valid cut there)
+        if isinstance(err, ValueError) and "cannot be cut" not in str(err) and "cannot run as a stage" not in str(err):
+            outcome.results = {"error": f"{type(err).__name__}: {err}"}
+        else:
+            outcome.refused = str(err)
     except Exception as err:  # noqa: BLE001 - a row of the table, whatever broke
         outcome.results = {"error": f"{type(err).__name__}: {err}"}
     outcome.seconds = time.monotonic() - t0
@@ -332,7 +335,7 @@ model's own cache class.
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("models")
     q.add_argument("--types", default=None, help="comma-separated model types (default: all)")
-    q.add_argument("--stages", default="2,3", help="stage counts to run each type at (default 2,3)")
+    q.add_argument("--stages", default="2,3", help="stage counts to run each type at (default %(default)s)")
     q.add_argument("--markdown", default=None, help="also write the table to this file (docs/models.md)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     q.set_defaults(measure=bench_models)

@@ -61,9 +61,11 @@ async def bench_prefill(args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("prefill"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of the prompt (default %(default)s)")
-    q.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per frame (default %(default)s)")
+    q.add_argument("--chunk-size", type=int, default=ClusterConfig.chunk_size,
+                   help="prefill tokens per frame (default %(default)s)")
     q.add_argument("--prompt-ratio", type=float, default=Workload.prompt_ratio,
                    help="the workload the split is balanced for, as `serve --prompt-ratio` (default %(default)s)")
     q.set_defaults(measure=bench_prefill)

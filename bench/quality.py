@@ -1,4 +1,6 @@
-"""``mlxpipe bench quality``: what quantizing costs, as perplexity on a fixed text.
+"""``mlxpipe bench quality``: what quantizing costs, as perplexity on a fixed text (or,
+with ``--task``, as an lm-evaluation-harness task's scores through a server at each
+setting: ``lm_eval_task.py``).
 
 The model (default: the embedded SmolLM2-135M-Instruct, dequantized once into a
 bf16 folder that serves as the full-precision source) is quantized the way a
@@ -14,6 +16,7 @@ from the 3-bit to the 4-bit model.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import time
@@ -27,6 +30,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.bits import plan_bits
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.planner import NodeSpec
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.quantize import quantize_range
@@ -118,7 +122,12 @@ def measure(path: Path, settings: List[str], tokens: List[int], group_size: int)
 
 
 async def bench_quality(args) -> dict:
-    path = full_precision_default() if args.model == DEFAULT_MODEL else resolve_model(args.model)
+    from_source = args.model == DEFAULT_MODEL and not (args.task and args.url)  # (--url: its tokenizer only)
+    path = full_precision_default() if from_source else resolve_model(args.model)
+    if args.task:  # a task of the user's own, through a server at each setting
+        from mlxpipe.bench.lm_eval_task import bench_task
+
+        return await asyncio.to_thread(bench_task, args, Path(path))
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(path)
@@ -142,9 +151,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("quality")
     q.add_argument("--model", default=DEFAULT_MODEL,
                    help="a full-precision model folder (default: the embedded model dequantized to bf16)")
-    q.add_argument("--settings", default=DEFAULT_SETTINGS,
+    q.add_argument("--settings", "--bits", default=DEFAULT_SETTINGS,
                    help=f"comma-separated: bf16 (as stored), bits, mlx-lm recipes, auto (default {DEFAULT_SETTINGS})")
-    q.add_argument("--group-size", type=int, default=64, help="weights per quantization scale and bias (default %(default)s)")
+    q.add_argument("--task", default=None,
+                   help="score an lm-evaluation-harness task instead (a task YAML of your own, or a task name): "
+                        "through `mlxpipe serve --bits SETTING` at each setting, or the server at --url")
+    q.add_argument("--include-path", default=None, help="with --task NAME: the folder of your task YAMLs")
+    q.add_argument("--url", default=None, help="with --task: score this running server (what it serves) instead")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="with --task: stages of each server started (default %(default)s)")
+    q.add_argument("--limit", type=int, default=None, help="with --task: score only this many documents")
+    q.add_argument("--group-size", type=int, default=ClusterConfig.group_size,
+                   help="weights per quantization scale and bias (default %(default)s)")
     q.add_argument("--text", default=None, help="a text file to score (default: bench/quality.txt)")
     q.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens of the text")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")

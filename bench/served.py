@@ -16,8 +16,9 @@ from typing import Dict, List, Tuple
 
 import httpx
 
-from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, median, pin_flags,
-                                  progress_bar, stream_chat)
+from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, measured_mix, median,
+                                  pin_flags, progress_bar, stream_chat)
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 PARTS = "\n".join(f"{i + 1}. {name}: {qty} x part {1000 + 37 * i}" for i, (name, qty) in enumerate([
@@ -73,10 +74,13 @@ async def bench_served(args) -> dict:
                             bar.update(1)
         if bar:
             bar.close()
+        mix = measured_mix(ours.url)
     finally:
         for s in servers:
             s.close()
-    return _report(args, series)
+    out = _report(args, series)
+    print("\n".join(mix))
+    return dict(out, measured_mix=mix)
 
 
 def _report(args, series: Dict[str, Dict[str, list]]) -> dict:
@@ -101,7 +105,8 @@ def _report(args, series: Dict[str, Dict[str, list]]) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = add_common_arguments(sub.add_parser("served"))
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
     q.add_argument("--max-tokens", type=int, default=400, help="tokens per answer, at most (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt (a user message)")
     q.add_argument("--serve-args", default="",

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import httpx
 
 from mlxpipe.bench.common import HttpServer
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
 WORDS = ("river stone light paper garden window music number silver north winter letter field "
@@ -231,17 +232,19 @@ def _print(r: SoakResult) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("soak")
-    q.add_argument("--model", default="default", help="model folder, HF repo id, or 'default' (the embedded one)")
-    q.add_argument("--stages", type=int, default=2, help="local stage processes (default %(default)s)")
-    q.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
-    q.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
+    q.add_argument("--model", default=ClusterConfig.model,
+                   help="model folder, HF repo id, or 'default' (the embedded one)")
+    q.add_argument("--stages", type=int, default=ClusterConfig.stages,
+                   help="local stage processes (default %(default)s)")
+    q.add_argument("--duration", type=float, default=600, help="seconds of load (default %(default)s)")
+    q.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (default %(default)s)")
     q.add_argument("--kill-every", type=float, default=120,
-                   help="SIGKILL a stage process this often, in seconds (default 120; 0: never)")
+                   help="SIGKILL a stage process this often, in seconds (default %(default)s; 0: never)")
     q.add_argument("--kill-stages", default=None, help="stages to kill in turn, e.g. 0,1 (default: all)")
     q.add_argument("--disconnect", type=float, default=0.1,
-                   help="share of requests whose client hangs up after a few chunks (default 0.1)")
-    q.add_argument("--max-tokens", type=int, default=48, help="longest answer asked for (default 48)")
-    q.add_argument("--prompts", type=int, default=24, help="prompts in the pool (default 24)")
+                   help="share of requests whose client hangs up after a few chunks (default %(default)s)")
+    q.add_argument("--max-tokens", type=int, default=48, help="longest answer asked for (default %(default)s)")
+    q.add_argument("--prompts", type=int, default=24, help="prompts in the pool (default %(default)s)")
     q.add_argument("--seed", type=int, default=0, help="seed of the clients' random choices (default %(default)s)")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")
     q.set_defaults(measure=bench_soak)

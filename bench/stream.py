@@ -24,6 +24,7 @@ from mlxpipe.bench.common import (DEFAULT_PROMPT, Baseline, RunResult, add_commo
                                   pipeline_run, progress_bar)
 from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.store import mlxpipe_home, resolve_model
 
 RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", "known_for": '
@@ -167,8 +168,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--stages", default="1,2,3", help="stage counts to measure (--speculative: the last one)")
     q.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default %(default)s)")
     q.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (a user message)")
-    q.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
-                   help="the stages' --launch-ahead (default: theirs, on where MLX computes on a GPU)")
+    add_launch_ahead(q, "the stages': ")
     q.add_argument("--speculative", action="store_true",
                    help="a repetition-heavy and a chat prompt, speculation off and on, beside mlx-lm's own")
     q.add_argument("--draft-layers", type=int, default=4,

@@ -208,6 +208,31 @@ TEXT_OVERRIDES: Dict[str, dict] = {
 }
 
 
+# Long-context machinery as the real configs carry it, at toy size (tests/test_long_context.py):
+# DeepSeek-V3's YaRN (x40 from 4,096, mscale and mscale_all_dim as in its config), Llama 3.1's
+# "llama3" scaling, Gemma 3's 512-token windows beside a linearly scaled global layer, Qwen3-Next's
+# linear attention beside full attention with a partial rotary. On MLX's CPU backend a layer of
+# full attention over 32k positions costs about 20 CPU-seconds a head whatever its width, so each
+# has one head and as few full-attention layers as a split needs: two layers of them where every
+# layer is one (split in 2), one beside two cheap ones otherwise (split in 3). Head dimensions of
+# 32, so that KV groups of 32 quantize them (mlx quantizes groups of 32, 64 or 128).
+_LONG = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+LONG_CONTEXT: Dict[str, dict] = {
+    "deepseek_v3": dict(_LONG, num_hidden_layers=2, max_position_embeddings=163840, kv_lora_rank=32,
+                        q_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16,
+                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "llama": dict(_LONG, num_hidden_layers=2, max_position_embeddings=131072, rope_theta=500000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192)),
+    "gemma3_text": dict(_LONG, num_hidden_layers=3, max_position_embeddings=131072, sliding_window=512,
+                        sliding_window_pattern=3, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        query_pre_attn_scalar=32, rope_scaling=dict(rope_type="linear", factor=8.0)),
+    "qwen3_next": dict(_LONG, num_hidden_layers=3, full_attention_interval=3, max_position_embeddings=262144,
+                       rope_theta=10000000.0, partial_rotary_factor=0.25),
+}
+
+
 def _not_here() -> Dict[str, str]:
     out = {
         "olmo": "mlx-lm's olmo needs the ai2-olmo package (hf_olmo), not installed",
@@ -261,17 +286,19 @@ def _overrides(model_type: str) -> dict:
     return {k: v for k, v in OVERRIDES.get(model_type, {}).items() if not k.startswith("_")}
 
 
-def tiny_config(model_type: str) -> dict:
-    """The toy config of ``model_type``: what its ModelArgs takes of TINY, and its overrides."""
+def tiny_config(model_type: str, extra: Optional[dict] = None) -> dict:
+    """The toy config of ``model_type``: what its ModelArgs takes of TINY, its overrides,
+    and ``extra`` (a variant: say, Gemma 4 with layers that share keys and values, or a
+    ``LONG_CONTEXT`` entry; for a model with a text part, it goes there too)."""
     args = _module(model_type).ModelArgs
     fields = {f.name for f in dataclasses.fields(args)}
     if "text_config" in fields:
-        text = dict(TINY, **TEXT_OVERRIDES.get(model_type, {}))
+        text = dict(TINY, **TEXT_OVERRIDES.get(model_type, {}), **(extra or {}))
         return dict({k: v for k, v in TINY.items() if k in fields}, model_type=model_type, text_config=text,
-                    **_overrides(model_type))
+                    **_overrides(model_type)) | (extra or {})
     config = {k: v for k, v in TINY.items() if k in fields}
     config.update(model_type=model_type, **_overrides(model_type))
-    return config
+    return config | (extra or {})
 
 
 def _widen(model: nn.Module, vocab: int, embed: float) -> None:
@@ -299,9 +326,9 @@ def _widen(model: nn.Module, vocab: int, embed: float) -> None:
                     m.weight = m.weight * TIED_GAIN
 
 
-def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
-    """mlx-lm's ``Model`` of ``tiny_config(model_type)`` with widened random weights."""
-    config = tiny_config(model_type)
+def make_model(model_type: str, seed: int = 0, extra: Optional[dict] = None) -> Tuple[nn.Module, dict]:
+    """mlx-lm's ``Model`` of ``tiny_config(model_type, extra)`` with widened random weights."""
+    config = tiny_config(model_type, extra)
     module = _module(model_type)
     mx.random.seed(OVERRIDES.get(model_type, {}).get("_seed", seed))
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -310,17 +337,19 @@ def make_model(model_type: str, seed: int = 0) -> Tuple[nn.Module, dict]:
     return model, config
 
 
-def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0, weights: bool = True) -> Path:
+def build(model_type: str, out: Path, tokenizer_from: Path, seed: int = 0, weights: bool = True,
+          extra: Optional[dict] = None) -> Path:
     """A tiny ``model_type`` folder at ``out`` (weights as mlx-lm saves them, the config, and
-    the tokenizer of ``tokenizer_from``); without ``weights``, the config only."""
+    the tokenizer of ``tokenizer_from``); without ``weights``, the config only. ``extra``:
+    config entries over the toy ones (``LONG_CONTEXT``)."""
     from mlx_lm.utils import save_model
 
     out.mkdir(parents=True, exist_ok=True)
     if weights:
-        model, config = make_model(model_type, seed)
+        model, config = make_model(model_type, seed, extra)
         save_model(out, model)
     else:
-        config = dict(tiny_config(model_type), num_hidden_layers=LAYERS)
+        config = dict(tiny_config(model_type, extra), num_hidden_layers=LAYERS)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_from / name, out / name)

@@ -18,7 +18,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "penalty_context_size", "has_seed", "seed", "top_logprobs", "logprobs", "logit_bias", "grammar")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "penalty_context_size", "has_seed", "seed", "top_logprobs", "logprobs", "logit_bias", "grammar", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -56,7 +57,8 @@ class SamplingParams(_message.Message):
     logprobs: bool
     logit_bias: _containers.ScalarMap[int, float]
     grammar: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
     __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "spill")
@@ -101,7 +103,7 @@ class StageTiming(_message.Message):
     def __init__(self, queued_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings", "sent_us")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -122,6 +124,7 @@ class Frame(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SENT_US_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
     group: int
@@ -132,7 +135,8 @@ class Frame(_message.Message):
     evict: _containers.RepeatedScalarFieldContainer[int]
     discard: _containers.RepeatedScalarFieldContainer[int]
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
+    sent_us: int
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
@@ -152,15 +156,31 @@ class TokenResult(_message.Message):
     error: str
     def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
+class PromptScores(_message.Message):
+    __slots__ = ("seq_id", "start", "logprobs", "top_ids", "top_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class Result(_message.Message):
-    __slots__ = ("frame_id", "tokens", "timings")
+    __slots__ = ("frame_id", "tokens", "prompt", "timings")
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
+    prompt: _containers.RepeatedCompositeFieldContainer[PromptScores]
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
-    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., prompt: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class WeightUnit(_message.Message):
     __slots__ = ("name", "header", "data_bytes")
@@ -346,7 +366,7 @@ class ProfileRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., batch: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost", "prefill_layer_seconds", "prefill_embed_seconds", "prefill_tokens")
+    __slots__ = ("layer_seconds", "embed_seconds", "head_seconds", "memory_bytes", "node", "cached", "bandwidth_bytes_per_s", "row_cost", "prefill_layer_seconds", "prefill_embed_seconds", "prefill_tokens", "fingerprint")
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +378,7 @@ class ProfileReply(_message.Message):
     PREFILL_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     embed_seconds: float
     head_seconds: float
@@ -369,7 +390,8 @@ class ProfileReply(_message.Message):
     prefill_layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     prefill_embed_seconds: float
     prefill_tokens: int
-    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ..., prefill_layer_seconds: _Optional[_Iterable[float]] = ..., prefill_embed_seconds: _Optional[float] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ..., prefill_layer_seconds: _Optional[_Iterable[float]] = ..., prefill_embed_seconds: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("seq_id", "keys")
@@ -432,7 +454,7 @@ class StageStats(_message.Message):
     def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +470,8 @@ class HealthReply(_message.Message):
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LINK_FIELD_NUMBER: _ClassVar[int]
+    IN_LINK_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -466,10 +490,78 @@ class HealthReply(_message.Message):
     next_address: str
     prefix_bytes: int
     prefix_blocks: int
+    next_link: LinkFigures
+    in_link: LinkFigures
     prefix_disk_bytes: int
     prefix_disk_blocks: int
     prefix_disk_limit: int
-    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., next_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., in_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ...) -> None: ...
+
+class LinkFigures(_message.Message):
+    __slots__ = ("latency_s", "bytes_per_s", "jitter_s", "samples", "measured_at", "to")
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    JITTER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    latency_s: float
+    bytes_per_s: float
+    jitter_s: float
+    samples: int
+    measured_at: float
+    to: str
+    def __init__(self, latency_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., jitter_s: _Optional[float] = ..., samples: _Optional[int] = ..., measured_at: _Optional[float] = ..., to: _Optional[str] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class LinkProbe(_message.Message):
+    __slots__ = ("small", "large", "address")
+    SMALL_FIELD_NUMBER: _ClassVar[int]
+    LARGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    small: int
+    large: int
+    address: str
+    def __init__(self, small: _Optional[int] = ..., large: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("proof", "name", "chip", "memory_bytes", "mlxpipe_version", "mlx_version", "mlx_lm_version", "time_s", "cluster")
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLXPIPE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MLX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MLX_LM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    name: str
+    chip: str
+    memory_bytes: int
+    mlxpipe_version: str
+    mlx_version: str
+    mlx_lm_version: str
+    time_s: float
+    cluster: str
+    def __init__(self, proof: _Optional[bytes] = ..., name: _Optional[str] = ..., chip: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., mlxpipe_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., time_s: _Optional[float] = ..., cluster: _Optional[str] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ()

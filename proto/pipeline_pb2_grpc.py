@@ -39,6 +39,21 @@ class StageStub:
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.SerializeToString,
                 response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.Hello = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Hello',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.HelloRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.HelloReply.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Echo',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.FromString,
+                _registered_method=True)
+        self.TimeNextHop = channel.unary_unary(
+                '/mlxpipe.v1.Stage/TimeNextHop',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/mlxpipe.v1.Stage/Profile',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.SerializeToString,
@@ -91,6 +106,29 @@ class StageServicer:
 
     def Ping(self, request, context):
         """Liveness only, and the one call that needs no cluster secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hello(self, request, context):
+        """Who the node is, and proof that it holds the cluster secret (no secret needed: the
+        head asks before it sends the secret to a node it discovered).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Echo(self, request, context):
+        """Bytes there and back: what a hop to this node costs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TimeNextHop(self, request, context):
+        """Time the hop from this node to another (the head plans with every pair), or from this
+        loaded stage to its next one (then kept current).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +208,21 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.FromString,
                     response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.SerializeToString,
             ),
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.HelloRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.HelloReply.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.SerializeToString,
+            ),
+            'TimeNextHop': grpc.unary_unary_rpc_method_handler(
+                    servicer.TimeNextHop,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.SerializeToString,
+            ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ProfileRequest.FromString,
@@ -243,6 +296,87 @@ class Stage:
             '/mlxpipe.v1.Stage/Ping',
             mlxpipe_dot_proto_dot_pipeline__pb2.PingRequest.SerializeToString,
             mlxpipe_dot_proto_dot_pipeline__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Hello',
+            mlxpipe_dot_proto_dot_pipeline__pb2.HelloRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.HelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Echo',
+            mlxpipe_dot_proto_dot_pipeline__pb2.EchoRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TimeNextHop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/TimeNextHop',
+            mlxpipe_dot_proto_dot_pipeline__pb2.LinkProbe.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.LinkFigures.FromString,
             options,
             channel_credentials,
             insecure,

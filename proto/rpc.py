@@ -6,7 +6,7 @@ stage that dies, stalls (SIGSTOP) or drops off the network is noticed within
 about three seconds even while no frame is moving, because an HTTP/2 PING
 needs the peer's process, not just its kernel, to answer.
 
-Security (``Security``): every call but ``Ping`` carries the cluster secret
+Security (``Security``): every call but ``Ping`` and ``Hello`` carries the cluster secret
 (``authorization: Bearer ...`` metadata), which a node compares in constant
 time; optional TLS (and mutual TLS when the node is given a CA) through grpc's
 own credentials.
@@ -68,7 +68,9 @@ SERVER_OPTIONS = _MESSAGES + [
 REPLAN_WAIT_S = 300.0  # how long a Join waits for the re-plan it causes: the node's deadline, the head's wait
 
 SECRET_ENV = "MLXPIPE_SECRET"
-UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping",)
+# Ping (liveness) and Hello (who a node is, and its proof that it holds the secret: a head
+# asks before it trusts a node it discovered with the secret; shards/hello.py).
+UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping", "/mlxpipe.v1.Stage/Hello")
 
 
 def read_file(path: str, what: str) -> bytes:
@@ -196,6 +198,7 @@ _REQUEST_BYTES = {
     "Have": 64 << 20,                     # safetensors headers of a stage's layers, config files
     "Load": 64 << 20,                     # the last stage's tokenizer (for grammars): vocabulary, merges, template
     "Fetch": 4 << 20,                     # prefix-block keys, 9 bytes each: a prefix of millions of tokens
+    "Echo": (16 << 20) + (64 << 10),      # a prefill-sized probe of a hop (shards/links.py: MAX_PROBE)
 }
 _OTHER_REQUEST_BYTES = 64 << 10           # Profile, Free, Health, Results, Join: a few fields
 

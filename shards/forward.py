@@ -142,6 +142,7 @@ class ForwardStream:
         async for frame in self.requests:
             if (why := malformed(frame)) is not None:
                 raise FrameError(why)
+            self.servicer.in_link.arrived(len(frame.hidden.data) + 4 * len(frame.tokens), frame.sent_us)
             await self.room.acquire()
             self.depth.arrived += 1
             self.submitted += 1
@@ -191,6 +192,7 @@ class ForwardStream:
             if self.last:
                 await self.results.put(out)
             else:
+                out.sent_us = time.time_ns() // 1000  # for the next stage's view of this hop (links.py)
                 await self.downstream.write(out)
             self.sending = False
             self._sent()

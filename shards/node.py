@@ -27,12 +27,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
+from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.sizes import parse_size
-
-LAUNCH_AHEAD_HELP = (
-    "build each frame's graph while MLX runs what came before: launch each block as soon as it is built, "
-    "and the next group's frame before the last one finishes. Default: on where MLX computes on a GPU; "
-    "on MLX's CPU build it pays only with a core to spare (docs/benchmarks.md)")
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +43,16 @@ async def _exit_with_parent(stop) -> None:
     stop(0)
 
 
-async def _stop(server, servicer, code: int) -> None:
-    """SIGINT/SIGTERM, or the parent gone: end every call with a status, finish the
-    prefix cache's disk writes, then leave at once (the exit code the shell expects):
-    interpreter teardown under MLX's and gRPC's threads can only abort noisily
-    ("terminate called without an active exception")."""
+async def _stop(server, servicer, code: int, announcer=None) -> None:
+    """SIGINT/SIGTERM, or the parent gone: say goodbye on the LAN, end every call with a
+    status, finish the prefix cache's disk writes, then leave at once (the exit code the
+    shell expects): interpreter teardown under MLX's and gRPC's threads can only abort
+    noisily ("terminate called without an active exception")."""
+    if announcer is not None:
+        try:
+            await asyncio.wait_for(announcer.stop(), 2.0)
+        except Exception as err:  # noqa: BLE001 - leaving anyway; the records expire by themselves
+            logger.info("goodbye on the LAN failed: %s", err)
     await server.stop(grace=1.0)
     await asyncio.to_thread(servicer.close)
     logging.shutdown()
@@ -103,11 +104,30 @@ def _advertised(listen: str, head: str) -> str:
         return f"{s.getsockname()[0]}:{port}"
 
 
+async def _announce(servicer, host: str, port: int, advertise: Optional[str], memory_bytes: Optional[int]):
+    """Announce this node on the LAN (``announce.py``); None, saying why, where it cannot."""
+    from mlxpipe.shards.announce import Announcer, addresses, properties
+    from mlxpipe.shards.profile import offered_memory
+
+    if advertise:
+        host, _, given = advertise.rpartition(":")
+        port = int(given)
+    try:
+        announcer = Announcer(servicer.name, addresses(host), port,
+                              properties(servicer.name, offered_memory(memory_bytes), servicer.security.secret))
+        await announcer.start()
+    except Exception as err:  # noqa: BLE001 - zeroconf's own errors too: the node serves all the same
+        logger.error("cannot announce this node on the local network: %s: %s", type(err).__name__, err)
+        return None
+    return announcer
+
+
 async def serve(listen: str, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
-                launch_ahead: Optional[bool] = None, disk_bytes: Optional[int] = None) -> None:
-    """Run a stage server on ``listen`` (host:port; port 0 picks a free one)."""
+                launch_ahead: Optional[bool] = None, announce: bool = False, name: Optional[str] = None,
+                disk_bytes: Optional[int] = None) -> None:
+    """Run a stage server on ``listen`` (host:port; port 0 picks a free one); ``announce``: on the LAN."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
     # A node shows progress (bars in a terminal, lines in a log); stages a head started stay quiet.
@@ -115,17 +135,20 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
                              launch_ahead=launch_ahead, disk_bytes=disk_bytes)
+    servicer.name = name or servicer.name
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
+    servicer.listening = (bound, advertise or "")
+    announcer = None  # (set below: stop() reads it when it runs)
     stopping = []  # the stop under way, which main awaits: returning first would start the noisy teardown
 
     def stop(code: int) -> None:
         if not stopping:
-            stopping.append(asyncio.ensure_future(_stop(server, servicer, code)))
+            stopping.append(asyncio.ensure_future(_stop(server, servicer, code, announcer)))
 
     loop = asyncio.get_running_loop()
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):  # before anyone knows our address
@@ -135,6 +158,8 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     logger.info("stage listening on %s:%d (%s, %s)", host, bound,
                 "secret required" if security.secret else "no secret",
                 "mutual TLS" if security.cert and security.ca else "TLS" if security.cert else "no TLS")
+    if announce:
+        announcer = await _announce(servicer, host, bound, advertise, memory_bytes)
     watcher = asyncio.ensure_future(_exit_with_parent(stop)) if exit_with_parent else None
     joiner = None
     if join:
@@ -153,9 +178,14 @@ def _loopback(host: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:50051",
-                        help="host:port to listen on (default 127.0.0.1:50051; port 0 picks one). "
-                             "Any other host than loopback needs the cluster secret.")
+    parser.add_argument("--listen", default=None,
+                        help="host:port to listen on (default 127.0.0.1:50051, or 0.0.0.0:50051 with --announce; "
+                             "port 0 picks one). Any other host than loopback needs the cluster secret.")
+    parser.add_argument("--name", default=None, help="what heads call this node (default: the host name)")
+    parser.add_argument("--announce", action="store_true",
+                        help="announce this node on the local network (DNS-SD), with its cluster id (derived from "
+                             "the secret, never the secret), so that `mlxpipe serve --discover` finds it; needs the "
+                             "cluster secret. Off unless given")
     add_security_arguments(parser, node=True)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening beyond loopback without a cluster secret (not recommended)")
@@ -170,8 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: what the head asks, else 10%% of the free disk). Wins over the head's")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
-    parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
-                        help=LAUNCH_AHEAD_HELP)
+    add_launch_ahead(parser)
     parser.add_argument("--join", default=None, metavar="HEAD:PORT",
                         help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
     parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
@@ -186,7 +215,12 @@ def run(args) -> int:
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger().setLevel(args.log_level)
     security = Security.from_args(args)
+    if args.listen is None:
+        args.listen = "0.0.0.0:50051" if args.announce else "127.0.0.1:50051"
     host = args.listen.rpartition(":")[0]
+    if args.announce and (not security.secret or _loopback(host)):
+        raise SystemExit("--announce needs the cluster secret (--secret-file or $MLXPIPE_SECRET) and a --listen "
+                         "address other than loopback: heads find only their own cluster's nodes, by its secret")
     if not _loopback(host) and not security.secret and not args.insecure:
         raise SystemExit(f"refusing to listen on {args.listen} without a cluster secret: anyone who can reach "
                          f"the port could run and read computations. Give --secret-file or ${SECRET_ENV} "
@@ -203,7 +237,8 @@ def run(args) -> int:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead, disk_bytes=disk))
+                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name,
+                          disk_bytes=disk))
     except KeyboardInterrupt:
         pass
     return 0

@@ -10,7 +10,9 @@ prompt token; no head: an unsampled chunk reads only its caches on the last
 stage), for the planner's prefill cost; and one block on a single row too, to
 tell what extra rows cost (``row_cost``: near 1 where a step's time grows with
 its rows, as on CPUs; near 0 where reading the weights dominates, as on Apple
-silicon). Each measurement loads just the blocks it runs. Results are cached
+silicon). Where a model's structure forbids some cuts (``cuts.py``), what is
+timed is a unit of blocks that can run as a stage, never one that cannot.
+Each measurement loads just the blocks it runs. Results are cached
 per model fingerprint, node and batch under ``$MLXPIPE_HOME/profiles``.
 """
 
@@ -30,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.cuts import Cuts, of_model
 from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.layers import layer_list, with_sizes
@@ -110,56 +113,75 @@ def _time_range(path: Path, start: int, end: int, batch: int, hidden_size: int, 
     return step, (timed(1, prefill, False) / prefill if prefill else 0.0)
 
 
-def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
-            quant: Optional[QuantSpec] = None) -> Dict:
-    """Seconds per decode step of ``batch`` rows: per layer, embedding, head. With
-    ``quant``, of the blocks quantized so (``fingerprint`` should say so too)."""
-    cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
-    if cache_file.exists():
-        cached = json.loads(cache_file.read_text())
-        if "prefill_layer_seconds" in cached:  # (older profiles lack it: measure again)
-            return cached | {"cached": True}
+def _structure(path: Path) -> Tuple[List[str], Cuts, int]:
+    """The kind of each block, the valid cuts and the hidden size, from the model built lazily."""
     from mlx_lm.utils import load_model
 
     model, config = load_model(path, lazy=True)
-    blocks = layer_list(model)
-    n = len(blocks)
-    kinds: Dict[str, List[int]] = {}
-    for i, b in enumerate(blocks):
-        kinds.setdefault(block_kind(b), []).append(i)
-    del model, blocks
-    hidden = int(with_sizes(text_config(config))["hidden_size"])
-    timed: Dict[int, Tuple[float, float]] = {}  # layer -> (decode step, prefill per token)
+    kinds_of = [block_kind(b) for b in layer_list(model)]
+    cuts = of_model(model, config.get("model_type", ""))
+    return kinds_of, cuts, int(with_sizes(text_config(config))["hidden_size"])
 
-    def layer_time(i: int) -> Tuple[float, float]:
-        # A kind found only at layer 0 or n - 1 (or a one-layer model) would load and time it twice.
-        if i not in timed:
-            timed[i] = _time_range(path, i, i + 1, batch, hidden, repeats, quant, PREFILL_TOKENS)
-        return timed[i]
 
-    seconds_of_kind = {}
-    for kind, idx in kinds.items():
-        inner = [i for i in idx if 0 < i < n - 1] or idx
-        seconds_of_kind[kind] = layer_time(inner[len(inner) // 2])
+def _inner(units: List[Tuple[int, int]], n: int) -> Tuple[int, int]:
+    """The middle one of ``units`` that holds neither the embedding nor the head (if any does not)."""
+    inner = [u for u in units if u[0] > 0 and u[1] < n] or units
+    return inner[len(inner) // 2]
+
+
+def _unit_kinds(kinds_of: List[str], units: List[Tuple[int, int]]) -> Dict[tuple, List[Tuple[int, int]]]:
+    """Units alike in the kinds of their blocks cost alike: unit kind -> its units."""
+    out: Dict[tuple, List[Tuple[int, int]]] = {}
+    for a, b in units:
+        out.setdefault(tuple(kinds_of[a:b]), []).append((a, b))
+    return out
+
+
+def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
+            quant: Optional[QuantSpec] = None) -> Dict:
+    """Seconds per decode step of ``batch`` rows: per layer, embedding, head. With
+    ``quant``, of the blocks quantized so (``fingerprint`` should say so too).
+
+    What is timed runs as a stage would: a *unit* (the blocks between two valid cuts,
+    ``cuts.py``; one block where every cut is valid), one of each kind of unit, and
+    the first and last with the embedding and the head. A unit of several blocks
+    shares its time among them evenly (the planner never cuts inside it)."""
+    cache_file = mlxpipe_home() / "profiles" / f"{fingerprint}-{node_name()}-b{batch}.json"
+    if cache_file.exists():
+        cached = json.loads(cache_file.read_text())
+        if "units" in cached:  # (older profiles lack the valid cuts: measure again)
+            return cached | {"cached": True}
+    kinds_of, cuts, hidden = _structure(path)
+    n, units = len(kinds_of), cuts.units()
+    timed: Dict[Tuple[int, int], Tuple[float, float]] = {}  # unit -> (decode step, prefill per token)
+
+    def unit_time(u: Tuple[int, int], prefill: int = PREFILL_TOKENS) -> Tuple[float, float]:
+        if u not in timed:
+            timed[u] = _time_range(path, u[0], u[1], batch, hidden, repeats, quant, prefill)
+        return timed[u]
+
     layer_seconds, prefill_seconds = [0.0] * n, [0.0] * n
-    for kind, idx in kinds.items():
-        for i in idx:
-            layer_seconds[i], prefill_seconds[i] = seconds_of_kind[kind]
-    first = layer_time(0)
-    last = timed[n - 1][0] if n - 1 in timed else _time_range(path, n - 1, n, batch, hidden, repeats, quant)[0]
-    typical = max(kinds.values(), key=len)
-    inner = [i for i in typical if 0 < i < n - 1] or typical
-    middle = inner[len(inner) // 2]  # timed above, at `batch` rows
-    one_row = _time_range(path, middle, middle + 1, 1, hidden, repeats, quant)[0]
+    alike = _unit_kinds(kinds_of, units)
+    for group in alike.values():
+        step, pre = unit_time(_inner(group, n))
+        for a, b in group:
+            for i in range(a, b):
+                layer_seconds[i], prefill_seconds[i] = step / (b - a), pre / (b - a)
+    first, last = units[0], units[-1]
+    step0, pre0 = unit_time(first)
+    last_step = unit_time(last)[0]  # (the first's, when the model is one unit)
+    middle = _inner(max(alike.values(), key=len), n)  # timed above, at `batch` rows
+    one_row = _time_range(path, middle[0], middle[1], 1, hidden, repeats, quant)[0]
     row_cost = (timed[middle][0] / one_row - 1) / (batch - 1) if batch > 1 and one_row > 0 else 1.0
     result = {
         "layer_seconds": layer_seconds,
         "row_cost": min(max(row_cost, 0.0), 1.0),
-        "embed_seconds": max(first[0] - layer_seconds[0], 0.0),
-        "head_seconds": max(last - layer_seconds[n - 1], 0.0),
+        "embed_seconds": max(step0 - sum(layer_seconds[first[0]:first[1]]), 0.0),
+        "head_seconds": max(last_step - sum(layer_seconds[last[0]:last[1]]), 0.0),
         "prefill_layer_seconds": prefill_seconds,
-        "prefill_embed_seconds": max(first[1] - prefill_seconds[0], 0.0),
+        "prefill_embed_seconds": max(pre0 - sum(prefill_seconds[first[0]:first[1]]), 0.0),
         "prefill_tokens": PREFILL_TOKENS,
+        "units": [list(u) for u in units],
         "batch": batch,
         "node": node_name(),
     }
@@ -167,6 +189,6 @@ def profile(path: Path, fingerprint: str, batch: int = 8, repeats: int = 3,
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text(json.dumps(result))
     logger.info("profiled %s: %.1f ms per layer (median), head %.1f ms, batch %d; prefill %.2f ms per layer "
-                "and prompt token", path, 1000 * statistics.median(layer_seconds), 1000 * result["head_seconds"],
-                batch, 1000 * statistics.median(prefill_seconds))
+                "and prompt token; %s", path, 1000 * statistics.median(layer_seconds), 1000 * result["head_seconds"],
+                batch, 1000 * statistics.median(prefill_seconds), cuts.describe())
     return result | {"cached": False}

@@ -108,3 +108,20 @@ def quantized_fingerprint(source_fingerprint: str, spec: Optional[QuantSpec]) ->
     if spec is None:
         return source_fingerprint
     return hashlib.sha256(f"{source_fingerprint}:{spec.key()}".encode()).hexdigest()[:16]
+
+
+# -- the KV cache ---------------------------------------------------------------------
+
+KV_BITS = (16, 8, 4)  # the KV precisions `mlxpipe plan` tabulates (16: the model's dtype, unquantized)
+
+
+def kv_bytes(values: int, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, dtype_bytes: int = 2) -> int:
+    """Bytes of ``values`` cached keys and values at ``bits``, as mlx-lm's ``QuantizedKVCache``
+    holds them: at 16, as computed (``dtype_bytes`` each); at fewer, ``bits``/8 bytes a value
+    plus a scale and a bias in the KV dtype per ``group_size`` values (groups run along the
+    head dimension: one position's vectors quantize alone)."""
+    if bits >= 16:
+        return values * dtype_bytes
+    if str(bits) not in BITS:
+        raise ValueError(f"KV bits {bits}: give 16 (unquantized) or one of {', '.join(BITS)}")
+    return -(-values * bits // 8) + -(-values // group_size) * 2 * dtype_bytes

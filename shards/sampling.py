@@ -1,8 +1,7 @@
 """Token choice on the last stage, built from mlx-lm's samplers and logits processors.
 
-``Sampling`` is the one home of the sampling parameters: defaults, bounds,
-validation and wire form; the HTTP API, the head and the last stage all use it.
-A sequence's parameters arrive once, with its first frame; from then on
+The parameters are ``Sampling``'s (``sampling_params.py``: defaults, bounds,
+validation and wire form). A sequence's parameters arrive once, with its first frame; from then on
 ``SeqSampler`` keeps what the penalties need (the tokens seen so far) and picks
 one token per ``sample`` request, in the order mlx-lm's ``generate_step`` does:
 logits processors, log-softmax, filters (top-p, min-p, top-k), then a draw at
@@ -19,145 +18,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.grammar import Constraint, GrammarError
+from mlxpipe.shards.sampling_params import Sampling
 
-MAX_TOP_LOGPROBS = 20
 MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
-# Temperatures below this draw the argmax. At T = 1e-5 a log-probability gap of
-# 2e-4 is already 20 nats after scaling, more than the spread of the Gumbel noise
-# a draw adds, so lower temperatures pick the same token bar near-exact ties; and
-# 1/T must stay finite in the logits' dtype (float16 overflows from T < 1.5e-5,
-# float32 from T < 3e-39). vLLM uses the same floor (_SAMPLING_EPS = 1e-5).
-GREEDY_BELOW = 1e-5
-INT32 = 1 << 31  # token ids and top_k travel as int32
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-class SamplingError(ValueError):
-    """Sampling parameters that cannot be honoured; the message says which, ``param`` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class Bound:
-    """The values a parameter may take: ``lo`` <= (or <, when ``lo_open``) x <= ``hi``."""
-
-    lo: float
-    hi: float
-    lo_open: bool = False
-
-    def holds(self, x: float) -> bool:
-        return (x > self.lo if self.lo_open else x >= self.lo) and x <= self.hi
-
-    def describe(self) -> str:
-        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one sequence's tokens are chosen: the one home of every sampling
-    parameter's default, bounds, validation and wire form.
-
-    Defaults are "off", as in mlx-lm's samplers (temperature 0 is greedy); the
-    HTTP API fills in its own default temperature (OpenAI's 1.0). The API
-    takes bounds from ``BOUNDS`` for its schema; the last stage validates what
-    arrives on the wire with ``validate``.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0                   # 1: off
-    top_k: int = 0                       # 0: off
-    min_p: float = 0.0                   # 0: off
-    repetition_penalty: float = 1.0      # 1: off
-    repetition_context_size: int = 20
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_context_size: int = 20       # tokens the presence/frequency penalties look back
-    seed: Optional[int] = None           # None: the engine picks one (so a replay draws the same tokens)
-    logprobs: bool = False               # report the chosen token's log-probability
-    top_logprobs: int = 0                # alternatives to report per token
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    grammar: str = ""                    # llguidance grammar the output follows ("": none; see grammar.py)
-
-    # OpenAI's bounds where it has them; top_k's upper bound is the vocabulary (checked in validate).
-    BOUNDS: ClassVar[Dict[str, Bound]] = {
-        "temperature": Bound(0, 2),
-        "top_p": Bound(0, 1),
-        "top_k": Bound(0, INT32 - 1),
-        "min_p": Bound(0, 1),
-        "repetition_penalty": Bound(0, 10, lo_open=True),
-        "repetition_context_size": Bound(0, INT32 - 1),
-        "presence_penalty": Bound(-2, 2),
-        "frequency_penalty": Bound(-2, 2),
-        "penalty_context_size": Bound(0, INT32 - 1),
-        "top_logprobs": Bound(0, MAX_TOP_LOGPROBS),
-    }
-    LOGIT_BIAS = Bound(-100, 100)
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise SamplingError for the first parameter no sampler can honour."""
-        for name, bound in self.BOUNDS.items():
-            value = getattr(self, name)
-            if not (math.isfinite(value) and bound.holds(value)):
-                raise SamplingError(name, f"{name} must be in {bound.describe()}, got {value}")
-        if self.top_k >= vocab_size:
-            raise SamplingError("top_k", f"top_k must be in [0, {vocab_size}) (the vocabulary's size), "
-                                         f"got {self.top_k}")
-        for token, bias in self.logit_bias.items():
-            if not 0 <= token < vocab_size:
-                raise SamplingError("logit_bias", f"logit_bias names token {token}, outside the vocabulary "
-                                                  f"[0, {vocab_size})")
-            if not (math.isfinite(bias) and self.LOGIT_BIAS.holds(bias)):
-                raise SamplingError("logit_bias", f"logit_bias values must be in {self.LOGIT_BIAS.describe()}, "
-                                                  f"got {bias}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def penalty_lookback(self) -> int:
-        """Tokens of history the penalties look back at (0 when none is on); a context
-        size of 0 means the default, 20, as it does on the wire (``from_wire``)."""
-        if self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty:
-            return 0
-        return max(self.repetition_context_size or 20, self.penalty_context_size or 20)
-
-    def to_wire(self) -> pb.SamplingParams:
-        p = pb.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p if 0 < self.top_p < 1 else 0.0,  # the wire's 0 is "off"
-            top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty != 1 else 0.0,
-            repetition_context_size=self.repetition_context_size,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            penalty_context_size=self.penalty_context_size,
-            logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
-            logit_bias=dict(self.logit_bias), grammar=self.grammar,
-        )
-        if self.seed is not None:
-            p.has_seed, p.seed = True, self.seed % (1 << 64)
-        return p
-
-    @classmethod
-    def from_wire(cls, p: pb.SamplingParams) -> "Sampling":
-        return cls(
-            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty or 1.0,
-            repetition_context_size=p.repetition_context_size or 20,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            penalty_context_size=p.penalty_context_size or 20,
-            seed=p.seed if p.has_seed else None, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-            logit_bias=dict(p.logit_bias), grammar=p.grammar,
-        )
 
 
 class SeqSampler:
@@ -185,6 +55,7 @@ class SeqSampler:
         # be trimmed off); keep no more than that.
         self._keep = max(params.repetition_context_size, params.penalty_context_size) + MAX_DRAFTED
         self.history: List[int] = []
+        self.before: Optional[Tuple[int, mx.array]] = None  # prompt scoring: (position, log-probabilities [1, V] for it)
         self.filters = []
         if 0 < params.top_p < 1:
             self.filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -328,3 +199,52 @@ def pick_positions(sampler: SeqSampler, logits: mx.array, tokens: List[int], off
         sampler.observe([t])
         picks += pick_batch([sampler], logits[i : i + 1], [offset + i + 1])
     return picks
+
+
+@dataclass
+class Scored:
+    """Prompt positions a prefill frame scored: ``arrays`` (lazy) to evaluate, then
+    ``results()``, their ``pb.PromptScores`` (none when the sequence did not ask)."""
+
+    arrays: list = field(default_factory=list)
+    results: Callable[[], list] = list
+
+
+def score_prompt(sampler: SeqSampler, seq_id: int, offset: int, tokens: Sequence[int], logits: mx.array) -> Scored:
+    """The log-probability of each of a prefill chunk's ``tokens`` (positions ``offset`` ..
+    ``offset + n - 1``) given the tokens before it, when its sequence asked
+    (``Sampling.prompt_logprobs``): position p's from the log-softmax of the logits
+    [n, V] at p - 1, in float32, as mlx-lm's ``logits - logsumexp(logits)``; the
+    chunk's first token from the last row of the chunk before, which the sampler
+    keeps. No logits processor or grammar takes part: these are the model's own.
+    Position 0, and a chunk's first position when the chunk before was not scored
+    here (never, while the head gives such sequences no cached blocks), get none."""
+    p = sampler.params
+    if not p.prompt_logprobs:
+        return Scored()
+    rows = logits.astype(mx.float32)
+    lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    n = lp.shape[0]
+    before = sampler.before[1] if sampler.before is not None and sampler.before[0] == offset else None
+    sampler.before = (offset + n, mx.take(lp, mx.array([n - 1]), axis=0))  # a copy: the chunk's rows can go
+    if before is not None:
+        scoring, start, ids = mx.concatenate([before, lp[:-1]]), offset, list(tokens)
+    else:
+        scoring, start, ids = lp[:-1], offset + 1, list(tokens[1:])
+    if not ids:
+        return Scored()
+    chosen = mx.take_along_axis(scoring, mx.array(ids, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    arrays = [chosen]
+    if p.top_logprobs:
+        part = mx.argpartition(-scoring, kth=p.top_logprobs - 1, axis=-1)[:, : p.top_logprobs]
+        vals = mx.take_along_axis(scoring, part, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        arrays += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+
+    def results() -> list:
+        out = pb.PromptScores(seq_id=seq_id, start=start, logprobs=chosen.tolist())
+        if p.top_logprobs:
+            out.top_ids.extend(arrays[1].reshape(-1).tolist())
+            out.top_logprobs.extend(arrays[2].reshape(-1).tolist())
+        return [out]
+    return Scored(arrays, results)

@@ -8,10 +8,7 @@ the MLX thread as it is read and its output handed back once, to go to the next
 stage's ``Forward`` stream or, on the last stage, the head's ``Results`` stream.
 Activations go straight from a stage to the next, never through the head.
 ``node.py`` runs it as ``mlxpipe node``.
-
-The prefix cache's disk tier (``disk_cache.py``) outlives a shard: a Load of another
-range of the same model keeps it (and what it holds for the new range); ``Fetch``
-reads its blocks back on a thread of its own, never the MLX thread.
+The prefix cache's disk tier outlives a shard (``disk_service.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import platform
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,9 +28,8 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import memory
-from mlxpipe.shards.block_file import block_file_bytes
-from mlxpipe.shards.disk_cache import FLUSH_S, DiskTier, tier_root
+from mlxpipe.shards import hello, links, memory
+from mlxpipe.shards import disk_service
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
 from mlxpipe.shards.layers import with_sizes
@@ -42,7 +39,7 @@ from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, 
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
 from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
-from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, mlxpipe_home, resolve_model,
+from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
 from mlxpipe.shards.store import models_dir as default_models_dir
 from mlxpipe.shards.weight_service import WeightService
@@ -94,8 +91,11 @@ class StageServicer(pb_grpc.StageServicer):
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
-        self.disk_bytes = disk_bytes  # the node's own bound on its prefix cache's disk tier (None: the head's)
-        self.disk: Optional[DiskTier] = None  # that tier, for the model loaded (MLX thread)
+        self.disk = disk_service.DiskService(disk_bytes)  # the prefix cache's disk tier, across Loads
+        self.name = platform.node()  # what Hello and the announcement call this node
+        self.listening = (0, "")     # our port and the address we advertise (node.py sets them once bound)
+        self.next_link: Optional[links.Keeper] = None  # the hop to the next stage, kept current
+        self.in_link = links.LiveLink()                # the hop into this stage, from live frames
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -105,6 +105,17 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Ping(self, request, context):
         return pb.PingReply()
+
+    async def Hello(self, request, context):
+        """Who this node is, and (for an address of ours) proof that it holds the secret (``hello.py``)."""
+        port, advertise = self.listening
+        mine = hello.own_addresses(port, [advertise] if advertise else [])
+        return hello.reply(self.security.secret, offered_memory(self.memory_bytes), self.name,
+                           context.invocation_metadata(), mine)
+
+    async def Echo(self, request: pb.EchoRequest, context):
+        await refuse_malformed(request, context)
+        return pb.EchoReply(payload=bytes(min(request.reply_bytes, 1 << 20)))
 
     # -- Profile ---------------------------------------------------------------
 
@@ -181,7 +192,7 @@ class StageServicer(pb_grpc.StageServicer):
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
         model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
-        shard = Shard(stage, hidden, vocab, limits, tokenizer, self._disk_tier(request, model_print))
+        shard = Shard(stage, hidden, vocab, limits, tokenizer, self.disk.for_load(request, model_print))
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -204,30 +215,9 @@ class StageServicer(pb_grpc.StageServicer):
         )
         return _Loaded(shard, reply, request)
 
-    def _disk_tier(self, request: pb.LoadRequest, model_print: str) -> Optional[DiskTier]:
-        """The disk tier of the prefix cache for this Load (None: none), kept from the last
-        Load where the model and block size are the same (MLX thread)."""
-        limit = self.disk_bytes
-        if limit is None and request.HasField("prefix_disk_bytes"):
-            limit = request.prefix_disk_bytes
-        root = tier_root(mlxpipe_home(), model_print, request.block_tokens)
-        if self.disk is not None and (limit == 0 or not request.block_tokens or self.disk.base != root):
-            self.disk.close()
-            self.disk = None
-        if limit == 0 or not request.block_tokens:
-            return None
-        if self.disk is None:
-            self.disk = DiskTier(root, request.start, request.end, limit)
-            logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.disk.dir, self.disk.count,
-                        self.disk.own_bytes / 1e6, self.disk.limit / 1e6)
-        else:
-            self.disk.retarget(request.start, request.end, limit)
-        return self.disk
-
     def close(self) -> None:
         """The node stops: finish the disk tier's writes (a while, at most)."""
-        if self.disk is not None:
-            self.disk.close(FLUSH_S)
+        self.disk.close()
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:
@@ -238,13 +228,7 @@ class StageServicer(pb_grpc.StageServicer):
         if prefix is not None:
             reply.blocks.extend(prefix.blocks)
             reply.starts.extend(loaded.shard.starts())
-        if prefix is not None and prefix.disk is not None:
-            keys, starts = prefix.disk.blocks()
-            reply.disk_blocks.extend(keys)
-            reply.disk_starts.extend(starts)
-            reply.disk_limit_bytes = prefix.disk.limit
-            reply.disk_block_bytes = block_file_bytes(prefix.block_tokens, reply.kv_bytes_per_token,
-                                                      2 * len(prefix.slots))
+        disk_service.report_load(reply, prefix)
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):
@@ -275,9 +259,13 @@ class StageServicer(pb_grpc.StageServicer):
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
                 await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
+            if self.next_link is not None:
+                self.next_link.stop()
+                self.next_link = None
             if self.next_channel is not None:
                 await self.next_channel.close()
                 self.next_channel = self.next_stub = None
+            self.in_link = links.LiveLink()
             if request.next_address:
                 self.next_channel = self.security.channel(request.next_address)
                 self.next_stub = pb_grpc.StageStub(self.next_channel)
@@ -299,6 +287,32 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return self._reply(loaded)
+
+    async def TimeNextHop(self, request: pb.LinkProbe, context):
+        """Time the hop to the next stage (``links.py``), then keep its latency current. The head
+        asks each stage in turn, so that no two probes share a link."""
+        await refuse_malformed(request, context)
+        loaded, stub = self.loaded, self.next_stub
+        if not 0 < request.small <= links.MAX_PROBE or request.large > links.MAX_PROBE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe sizes must be within {links.MAX_PROBE}")
+        if request.address:  # another node (with the secret, as to a next stage): timed once
+            async with self.security.channel(request.address) as channel:
+                return await self._time_hop(context, pb_grpc.StageStub(channel), request, request.address)
+        if loaded is None or stub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no next stage to time (load one first)")
+        first = await self._time_hop(context, stub, request, loaded.request.next_address)
+        if self.next_link is not None:
+            self.next_link.stop()
+        self.next_link = links.Keeper(stub, self.security.metadata(), first)
+        return first
+
+    async def _time_hop(self, context, stub, request: pb.LinkProbe, to: str) -> pb.LinkFigures:
+        try:
+            return await links.measure(stub, self.security.metadata(), request.small, request.large, to,
+                                       large_repeats=links.LARGE_REPEATS if request.large else 0)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot time the hop to {to}: {err.code().name}: "
+                                f"{err.details()}")
 
     async def _end_streams(self) -> None:
         for task in list(self._streams):
@@ -360,8 +374,7 @@ class StageServicer(pb_grpc.StageServicer):
         loaded = self.loaded
         if loaded is None or loaded.shard.prefix is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shard with a prefix cache is loaded")
-        got, dropped = await asyncio.to_thread(loaded.shard.prefix.fetch, request.seq_id, list(request.keys))
-        return pb.FetchReply(loaded=got, dropped=dropped)
+        return await disk_service.fetch(loaded.shard.prefix, request)
 
     async def Free(self, request: pb.FreeRequest, context):
         await refuse_malformed(request, context)
@@ -393,10 +406,9 @@ class StageServicer(pb_grpc.StageServicer):
             reply.cache_bytes = view.cache_bytes
             reply.prefix_bytes = view.prefix_bytes
             reply.prefix_blocks = view.prefix_blocks
-            disk = loaded.shard.prefix.disk if loaded.shard.prefix is not None else None
-            if disk is not None:
-                reply.prefix_disk_bytes, reply.prefix_disk_blocks = disk.own_bytes, disk.count
-                reply.prefix_disk_limit = disk.limit
+            if self.next_link is not None:
+                reply.next_link.CopyFrom(self.next_link.link)
+            reply.in_link.CopyFrom(self.in_link.figures())
             busy_fraction, tokens_per_s = clock.window()
             reply.stats.CopyFrom(
                 pb.StageStats(
@@ -406,8 +418,5 @@ class StageServicer(pb_grpc.StageServicer):
                     prefilled_tokens=clock.prefilled_tokens,
                 )
             )
-            if disk is not None:
-                stats = reply.stats
-                stats.disk_blocks_read, stats.disk_blocks_written = disk.stats.reads, disk.stats.writes
-                stats.disk_blocks_dropped = disk.stats.dropped
+            disk_service.report_health(reply, loaded.shard.prefix)
         return reply

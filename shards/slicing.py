@@ -238,22 +238,33 @@ def trace_blocks(model: nn.Module, blocks: List[nn.Module], template: list) -> T
                       f"{n} blocks uses")
 
 
+def crossing(trace: Trace, c: int) -> Optional[str]:
+    """Why a stage boundary at ``c`` would cut what blocks hand each other besides the hidden
+    state (a value a block returns, a shared cache), as ``trace`` shows; None where it cuts
+    nothing (``cuts.py`` lists a model's valid cuts)."""
+    for j, read in sorted(trace.reads.items()):
+        before = sorted(i for i in read if i < c)
+        if j >= c and before:
+            return f"block {j} reads what block {before[0]} returns besides the hidden state"
+    owners: Dict[int, List[int]] = {}
+    for i, slots in enumerate(trace.slots):
+        for k in slots:
+            owners.setdefault(k, []).append(i)
+    for k, blocks in sorted(owners.items()):
+        if min(blocks) < c <= max(blocks):
+            return f"block {max(blocks)} shares its cache with block {min(blocks)}"
+    return None
+
+
 def _refuse_reads(model: nn.Module, trace: Trace, start: int, end: int) -> None:
-    """Nothing but the hidden state crosses stages: a block of the range that reads what a
-    block of another stage returned besides it, or shares a cache with one, cannot run here."""
-    name = type(model).__module__
-    for i in range(start, end):
-        outside = sorted(j for j in trace.reads.get(i, ()) if not start <= j < end)
-        if outside:
-            raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} reads what "
-                              f"block {outside[0]} returns besides the hidden state, and that block is on another "
-                              "stage; cut the model elsewhere")
-        for k in trace.slots[i]:
-            sharing = [j for j, ks in enumerate(trace.slots) if k in ks and not start <= j < end]
-            if sharing:
-                raise Unsupported(f"layers [{start}, {end}) of {name} cannot run as a stage: block {i} shares its "
-                                  f"cache with block {sharing[0]}, which is on another stage; cut the model "
-                                  "elsewhere")
+    """Nothing but the hidden state crosses stages: a range whose ends cut what blocks hand
+    each other besides it (values a block returns, a shared cache) cannot run here
+    (``cuts.py`` names the cuts that can)."""
+    for c in (start, end):
+        why = crossing(trace, c) if 0 < c < len(trace.slots) else None
+        if why is not None:
+            raise Unsupported(f"layers [{start}, {end}) of {type(model).__module__} cannot run as a stage: {why}, "
+                              "and that block is on another stage; cut the model elsewhere")
 
 
 _LAUNCHING: Dict[type, type] = {}  # a block class -> its launching subclass

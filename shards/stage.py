@@ -54,8 +54,8 @@ from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.launch import Launched, later
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
-from mlxpipe.shards.sampling import (Sampling, SamplingError, SeqSampler, SequenceFailure, pick_batch,
-                                     pick_positions)
+from mlxpipe.shards.sampling import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
+from mlxpipe.shards.sampling_params import Sampling, SamplingError
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
@@ -281,8 +281,9 @@ class Shard:
     def _output(self, frame: pb.Frame, out, times, computed: float, stolen: float):
         """The Frame for the next stage (``out``: its activations, evaluated), or the last
         stage's Result (``out``: its token results), with this stage's timing."""
-        if self.model.last:
-            return pb.Result(frame_id=frame.frame_id, tokens=out,
+        if self.model.last:  # ``out``: token results, and the prompt scores of sequences that asked
+            return pb.Result(frame_id=frame.frame_id, tokens=[r for r in out if isinstance(r, pb.TokenResult)],
+                             prompt=[r for r in out if isinstance(r, pb.PromptScores)],
                              timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
         nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
                        tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
@@ -339,10 +340,11 @@ class Shard:
             mx.async_eval(out)
             return out
         seq.sampler.observe(frame.tokens)
+        scored = score_prompt(seq.sampler, entry.seq_id, entry.offset, frame.tokens, out[0])  # if it asked
         if not entry.sample:
-            return later(kinds.arrays(seq.caches), list)
+            return later([kinds.arrays(seq.caches), scored.arrays], scored.results)
         logits = out[:, -1, :]
-        return later(logits, lambda: self._sample([entry], [seq], logits))
+        return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
 
     def _trim(self, seq: _Seq, n: int) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds

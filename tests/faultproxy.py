@@ -107,3 +107,12 @@ class FaultProxy:
         finally:
             await queue.put((0.0, None))
             await asyncio.gather(sender, return_exceptions=True)
+
+
+if __name__ == "__main__":  # python tests/faultproxy.py LISTEN_HOST TARGET_HOST TARGET_PORT DELAY_S
+    import sys
+
+    proxy = FaultProxy(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    proxy.set(delay=float(sys.argv[4]))
+    print(proxy.port, flush=True)
+    threading.Event().wait()

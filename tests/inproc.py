@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
-from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
@@ -61,6 +61,7 @@ class InProcess:
         self.scheduler = WiredScheduler(config)
         self.reset_prefix()
         self._ids = 0
+        self.scores: Dict[int, Dict[int, tuple]] = {}  # seq id -> position -> (logprob, top): prompt scores
 
     def reset_prefix(self) -> None:
         """Tell the scheduler what each stage holds now (as a rebuilt pipeline's Load replies do)."""
@@ -92,7 +93,7 @@ class InProcess:
         """Greedy (or ``sampling``: one, or one per prompt) tokens of every prompt, run
         together; and their Sequences. ``replay_after``: after that many results the
         stages lose every sequence and the scheduler replays them (as after a fault)."""
-        from mlxpipe.shards.sampling import Sampling
+        from mlxpipe.shards.sampling_params import Sampling
 
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         seqs = []
@@ -111,8 +112,12 @@ class InProcess:
                 x = frame
                 for st in self.stages:
                     x = st.run(x)
+                for sc in prompt_scores(x):
+                    for i, lp in enumerate(sc.logprobs):
+                        self.scores.setdefault(sc.seq_id, {})[sc.start + i] = (lp, sc.top[i] if sc.top else None)
                 for ev in self.scheduler.on_result(x):
-                    out[ev.seq.seq_id].append(ev.token)
+                    if ev.token >= 0:  # (a sequence that only scored its prompt ends with none)
+                        out[ev.seq.seq_id].append(ev.token)
                 results += 1
                 if results == replay_after:
                     for st in self.stages:

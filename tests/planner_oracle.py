@@ -10,8 +10,10 @@ from mlxpipe.server.cluster.planner import NodeSpec, Plan, PlanInfeasible, Workl
 
 
 def brute_force(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
-                hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
-    """The best plan by trying every choice of nodes and every cut (every node, with ``every_node``)."""
+                hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload(),
+                cuts=None) -> Plan:
+    """The best plan by trying every choice of nodes and every cut (every node, with ``every_node``;
+    only the valid ``cuts``, when given)."""
     prob = _Problem(cost, nodes, context, concurrency, hop_seconds, workload)
     L, N = prob.L, prob.N
     if every_node and N > L:
@@ -19,8 +21,8 @@ def brute_force(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 81
     best_key, best = None, None
     for k in [N] if every_node else range(1, min(N, L) + 1):
         for chosen in itertools.combinations(range(N), k):
-            for cuts in itertools.combinations(range(1, L), k - 1):
-                bounds = (0, *cuts, L)
+            for chosen_cuts in itertools.combinations(range(1, L) if cuts is None else cuts, k - 1):
+                bounds = (0, *chosen_cuts, L)
                 stages = [(n, bounds[j], bounds[j + 1]) for j, n in enumerate(chosen)]
                 if not all(prob.fits(n, s, e) for n, s, e in stages):
                     continue

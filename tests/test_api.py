@@ -274,7 +274,10 @@ BAD_REQUESTS = [
     ("empty completion prompt", "completions", {"model": "default", "prompt": ""}, 400, "empty"),
     ("completion token outside the vocabulary", "completions", {"model": "default", "prompt": [1, 999999]},
      400, "outside the vocabulary"),
-    ("echo", "completions", {"model": "default", "prompt": "hi", "echo": True}, 400, "echo"),
+    ("batched prompts", "completions", {"model": "default", "prompt": [[1, 2], [3]]}, 400,
+     "prompt: batched prompts are not served"),
+    ("max_tokens 0 without echo", "completions", {"model": "default", "prompt": "hi", "max_tokens": 0}, 400,
+     "it is for scoring a prompt, with echo"),
 ]
 
 
@@ -390,3 +393,31 @@ def test_a_request_chooses_whether_to_speculate(server, client, mlx_lm_chat):
     assert ask(num_draft_tokens=0) == (want, 0)
     text, drafted = ask(speculation="prompt_lookup", num_draft_tokens=2)
     assert text == want and drafted > 0
+
+
+def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
+    """OpenAI's default (aider and Open WebUI send no max_tokens): the budget is what the context
+    (and the stages' KV caches) leave, unless `serve --max-tokens` caps it; Ollama's num_predict
+    past the context is clamped to it, as Ollama does."""
+    from types import SimpleNamespace
+
+    from mlxpipe.server.api.errors import ApiError
+    from mlxpipe.server.api.generation import Generator
+    from mlxpipe.server.api.ollama import GenerateBody, request_of
+    from mlxpipe.server.api.request import GenerationRequest
+    from mlxpipe.server.cluster.config import ApiOptions
+
+    def budget(req, prompt_len, kv=1 << 20, **options):
+        engine = SimpleNamespace(max_context=8192, scheduler=SimpleNamespace(max_kv_tokens=kv))
+        gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)
+        return Generator.budget(gen, req, prompt_len)
+
+    free = GenerationRequest(text="x")
+    assert budget(free, 100) == 8192 - 100  # not 512
+    assert budget(free, 100, kv=4000) == 4000 - 100  # ... within what the KV caches hold
+    assert budget(free, 100, default_max_tokens=64) == 64
+    assert budget(GenerationRequest(text="x", max_tokens=300), 100, default_max_tokens=64) == 300
+    with pytest.raises(ApiError, match="maximum context length"):
+        budget(GenerationRequest(text="x", max_tokens=10_000), 100)
+    ollama = request_of(GenerateBody(model="m", prompt="x", options={"num_predict": 10_000}), ApiOptions(model_id="m"))
+    assert budget(ollama, 100) == 8192 - 100

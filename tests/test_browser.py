@@ -83,7 +83,7 @@ def test_page_chats_and_shows_the_cluster(page, server):   # page first: no brow
     shown = page.locator(".stage .layers").all_text_contents()
     assert shown == [f"[{a}, {b})" for a, b in (s["layers"] for s in health["stages"])]
     assert page.locator(".stage .address").all_text_contents() == [s["address"] for s in health["stages"]]
-    assert health["model"] in page.locator("#model").text_content()
+    assert page.locator("#model").text_content() == f"{health['model']} · {health['context_length']:,}-token context"
 
     # Wait for an idle reading (busy fractions are over the last 10 s), then note it.
     page.wait_for_function("[...document.querySelectorAll('.stage .tps')].every(e => e.textContent === '0.0')",

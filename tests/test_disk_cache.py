@@ -286,14 +286,14 @@ def _chat(tok, *turns):
     return tok.apply_chat_template(messages, add_generation_prompt=len(turns) % 2 == 1)
 
 
-@pytest.mark.parametrize("model,ranges,again", [
-    ("default_model", [(0, 11), (11, 30)], [(0, 11), (11, 30)]),
-    ("dsv3_model", [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]),  # restarted as three stages: a re-plan
-])
-def test_greedy_tokens_from_blocks_on_disk_equal_mlx_lm(model, ranges, again, request, reference, tmp_path, caplog):
+def test_greedy_tokens_from_blocks_on_disk_equal_mlx_lm(dsv3_model, reference, tmp_path, caplog):
+    """Two stages write, then three read back (a re-plan: each reads the layers it keeps from
+    files that cover more), then a truncated file: mlx-lm's tokens every time. (The tiny
+    DeepSeek-V3 only: the default model's caches are of the same kinds, and its three loads
+    cost most of a minute of CI.)"""
     from mlx_lm.utils import load_tokenizer
 
-    path = request.getfixturevalue(model)
+    path, ranges, again = dsv3_model, [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]
     tok = load_tokenizer(path)
     config = SchedulerConfig(chunk_size=16, block_tokens=8, prefix_blocks=4096, num_groups=len(again),
                              prefix_disk_blocks=1 << 16)
@@ -308,8 +308,6 @@ def test_greedy_tokens_from_blocks_on_disk_equal_mlx_lm(model, ranges, again, re
     assert outs == [reference(path, first, 10), reference(path, later, 10)]
     assert seqs[0].cached_tokens == (len(first) - 1) // 8 * 8 and seqs[0].disk_tokens == seqs[0].cached_tokens
     assert seqs[1].cached_tokens >= seqs[0].cached_tokens
-    if len(again) != len(ranges):
-        return
     pipe.close()
     files = sorted(next(p for p in tmp_path.iterdir() if p.name == "w0").glob("*.safetensors"),
                    key=os.path.getmtime)

@@ -19,7 +19,7 @@ from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, snapshot
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.slicing import UNSUPPORTED
 
 # One of each kind: attention only (llama; DeepSeek-V3's latent attention), sliding
@@ -65,7 +65,8 @@ def test_architecture_equals_mlx_lm(zoo, model_type, stages):
 
 def test_a_range_whose_blocks_need_more_than_the_hidden_state_is_refused_at_load(zoo):
     """rwkv7's blocks hand each other their first block's values: no cut is possible, and
-    the Load says why (the tracing forward found it, not a list of names)."""
+    the head says why before any stage loads (the tracing forward found it, not a list of
+    names: shards/cuts.py)."""
     pool, model, ref = zoo
     outcome = run_async(matrix.check_type("rwkv7", model("rwkv7"), pool, 2, ref), timeout=120)
     assert "block 3 reads what block 2 returns besides the hidden state" in outcome.refused, outcome

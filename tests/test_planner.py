@@ -13,6 +13,7 @@ from planner_oracle import brute_force
 
 from mlxpipe.server.cli import plan as plan_command
 from mlxpipe.server.cluster import bits as B
+from mlxpipe.server.cluster import context as C
 from mlxpipe.server.cluster import planner as P
 from mlxpipe.server.cluster.cost import LayerCost, ModelCost, load_model_cost
 from mlxpipe.shards.quant_spec import QuantSpec
@@ -59,7 +60,7 @@ def check_plan(plan: P.Plan, cost: ModelCost, nodes, context: int, concurrency: 
     idx = [s.node_index for s in plan.stages]
     assert idx == sorted(set(idx))
     for s in plan.stages:
-        assert s.weight_bytes + s.kv_bytes <= nodes[s.node_index].memory_bytes
+        assert s.weight_bytes + P.KV_MARGIN * s.kv_bytes <= nodes[s.node_index].memory_bytes
         kv = sum(l.kv_bytes_per_token for l in cost.layers[s.start:s.end]) * context * concurrency
         assert s.kv_bytes == kv
         assert s.weight_bytes == cost.stage_weight_bytes(s.start, s.end)
@@ -112,12 +113,13 @@ def test_ties_go_to_fewer_stages():
 def test_infeasible_says_how_short():
     cost = load_model_cost(CONFIGS / "deepseek_v3.json", bits=3)
     nodes = [P.NodeSpec(f"m{i}", 144 * GB, 800 * GB) for i in range(2)]
-    with pytest.raises(P.PlanInfeasible, match=r"needs 294\.3 GB for weights and KV cache, "
-                                               r"the nodes have 288\.0 GB: 6\.3 GB short"):
+    # 293.7 GB of weights, and 8192 tokens of 70 KB of KV kept twice over (planner.KV_MARGIN).
+    with pytest.raises(P.PlanInfeasible, match=r"needs 294\.9 GB for weights and KV cache \(293\.7 GB and 2 x "
+                                               r"0\.6 GB for 8192 tokens\), the nodes have 288\.0 GB: 6\.9 GB short"):
         P.plan(cost, nodes, context=8192)
     # Enough in total, but one MoE layer (about 5 GB at 3-bit) is larger than every node.
     small = [P.NodeSpec(f"s{i}", 4 * GB, 273 * GB) for i in range(100)]
-    with pytest.raises(P.PlanInfeasible, match=r"layer 3 \(moe\) needs 5\.0 GB .* fits on no node"):
+    with pytest.raises(P.PlanInfeasible, match=r"layer 3 \(moe\) needs 5\.1 GB .* fits on no node"):
         P.plan(cost, small)
     # Enough in total and per layer, but whole layers do not pack into 8 x 48 GB at 4-bit.
     cost4 = load_model_cost(CONFIGS / "deepseek_v3.json", bits=4)
@@ -210,7 +212,7 @@ def _shortfall(cost: ModelCost, memory: float, context: int) -> float:
     weights = sum(l.weight_bytes for l in cost.layers) + cost.embed_bytes + cost.head_bytes
     weights -= cost.embed_bytes if cost.tied else 0  # one matrix for both
     kv = sum(l.kv_bytes_per_token for l in cost.layers) * context
-    return weights + kv - memory
+    return weights + P.KV_MARGIN * kv - memory
 
 
 def _args(*argv):
@@ -236,7 +238,8 @@ def test_cli_table_and_infeasible(capsys):
     assert plan_command.run(_args("--model", qwen, "--nodes", "96GB,96GB", "--bits", "4")) == 0
     out = capsys.readouterr().out
     assert "800 GB/s assumed" in out and "[0, " in out and "tokens/s" in out
-    rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "144GB,144GB", "--bits", "3"))
+    rc = plan_command.run(_args("--model", str(CONFIGS / "deepseek_v3.json"), "--nodes", "144GB,144GB", "--bits", "3",
+                                "--context", "8192", "--concurrency", "1"))
     assert rc == 2
     short = _shortfall(load_model_cost(CONFIGS / "deepseek_v3.json", bits=3), 2 * 144 * GB, context=8192)
     assert f"{short / 1e9:.1f} GB short" in capsys.readouterr().err
@@ -313,11 +316,12 @@ def test_measured_times_scale_with_the_bytes_read():
 
 def test_cli_auto_shows_bits_per_stage_and_the_trade(capsys):
     assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto",
-                                  "--bandwidth", "800GB/s")) == 0
+                                  "--bandwidth", "800GB/s", "--context", "8192")) == 0
     out = capsys.readouterr().out
     assert "--bits auto:" in out and "quality: 4-bit everywhere" in out
     assert "bits" in next(l for l in out.splitlines() if l.startswith("stage")).split() and "x4 + " in out
-    assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto", "--json")) == 0
+    assert plan_command.run(_args("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto", "--json",
+                                  "--context", "8192")) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mean_bits"] > 3 and len(out["layer_bits"]) == 61 and all(s["mean_bits"] > 3 for s in out["stages"])
     assert sum(s["weight_bytes"] for s in out["stages"]) == out["weight_bytes"]
@@ -416,3 +420,155 @@ def test_measured_prefill_weighs_each_decode_rows_share_of_prompt_tokens():
     assert one_row.ranges == [(0, 17), (17, 30)]
     with pytest.raises(ValueError, match="at least one token"):
         P.plan(cost, nodes(0))
+
+
+# -- context planned with the weights ----------------------------------------------------------
+
+QWEN = CONFIGS / "qwen3_235b_a22b.json"
+LLAMA = CONFIGS / "llama_3_1_405b.json"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_bytes_are_what_mlx_lms_quantized_cache_holds(bits):
+    """The formula (quant_spec.kv_bytes) against the arrays of mlx-lm's own QuantizedKVCache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxpipe.shards.quant_spec import kv_bytes
+
+    cache = QuantizedKVCache(group_size=64, bits=bits)
+    keys = mx.random.normal((1, 4, 256, 128)).astype(mx.float16)  # 4 KV heads x 128, 256 positions
+    cache.update_and_fetch(keys, keys)
+    held = sum(a.nbytes for part in (cache.keys, cache.values) for a in part)
+    assert held == kv_bytes(256 * 2 * 4 * 128, bits, 64, 2)
+    assert kv_bytes(2 * 4 * 128, 16) == 2 * 4 * 128 * 2
+    with pytest.raises(ValueError, match="KV bits 7"):
+        kv_bytes(128, 7)
+
+
+def test_kv_per_token_of_the_shipped_configs():
+    """DeepSeek-V3's latent cache is about 70 KB a token; Qwen3-235B-A22B's GQA cache 192 KB
+    (94 layers x 4 KV heads x 128 x 2 x 2 bytes), 0.28 of that at 4 bits."""
+    dsv3, qwen = load_model_cost(DSV3, bits=4), load_model_cost(QWEN, bits=4)
+    assert dsv3.kv_bytes_per_token == 61 * (512 + 64) * 2
+    assert qwen.kv_bytes_per_token == 94 * 4 * 128 * 2 * 2
+    assert C.at_kv_bits(qwen, 8).kv_bytes_per_token == 94 * 2 * 4 * (128 + 2 * 2 * 2)
+    assert C.at_kv_bits(qwen, 4).kv_bytes_per_token / qwen.kv_bytes_per_token == pytest.approx(0.28125)
+    assert dsv3.max_positions == 163840 and qwen.max_positions == 40960
+    with pytest.raises(ValueError, match="16-bit cost"):
+        C.at_kv_bits(C.at_kv_bits(qwen, 4), 8)
+
+
+@pytest.mark.parametrize("every_node", [False, True])
+def test_fits_is_what_the_planner_finds_a_plan_for(every_node):
+    rng = random.Random(7)
+    for _ in range(300):
+        cost = toy_model(rng, rng.randint(1, 7))
+        nodes = toy_nodes(rng, rng.randint(1, 4))
+        context, streams = rng.choice([1, 1000, 100_000, 1_000_000]), rng.choice([1, 4])
+        try:
+            P.plan(cost, nodes, context=context, concurrency=streams, every_node=every_node)
+            planned = True
+        except P.PlanInfeasible:
+            planned = False
+        assert P.fits(cost, nodes, context, streams, every_node) == planned
+
+
+def _longest(cost, nodes, streams, most):
+    """Checks a context table's cell from the planner: it plans, and a token more does not."""
+    return lambda c: (c == most or not P.fits(cost, nodes, c + 1, streams)) and c and P.plan(
+        cost, nodes, context=c, concurrency=streams).stages
+
+
+@pytest.mark.parametrize("model, nodes, bits", [(DSV3, "178GB,178GB", "auto"), (DSV3, "3x144GB", "4"),
+                                                (QWEN, "2x96GB", "4")])
+def test_cli_context_table_is_the_longest_context_that_fits(capsys, model, nodes, bits):
+    """For 16-, 8- and 4-bit KV, 1 and 4 streams: the longest context each stream may hold,
+    layers placed for it; fewer KV bits and fewer streams hold more."""
+    assert plan_command.run(_args("--model", str(model), "--nodes", nodes, "--bits", bits, "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    weights = load_model_cost(model, quant=QuantSpec(out["layer_bits"][0], 64, tuple(out["layer_bits"]))) \
+        if bits == "auto" else load_model_cost(model, bits=int(bits))
+    specs = [P.NodeSpec(n["name"], n["memory_bytes"], 800 * GB) for n in out["nodes"]]
+    most = out["model_context"]
+    table = {r["kv_bits"]: r for r in out["context_table"]}
+    assert list(table) == [16, 8, 4]
+    for kv_bits, row in table.items():
+        cost = weights if kv_bits == 16 else C.at_kv_bits(weights, kv_bits)
+        assert row["kv_bytes_per_token"] == cost.kv_bytes_per_token
+        for streams, longest in row["longest_context"].items():
+            assert 0 < longest <= most and _longest(cost, specs, int(streams), most)(longest)
+    one, four = ([table[b]["longest_context"][n] for b in (16, 8, 4)] for n in ("1", "4"))
+    assert one == sorted(one) and four == sorted(four) and all(f <= o for f, o in zip(four, one))
+    assert four[0] < four[2]  # 4-bit KV holds more where 16-bit does not reach the model's own
+    assert plan_command.run(_args("--model", str(model), "--nodes", nodes, "--bits", bits)) == 0
+    text = capsys.readouterr().out
+    assert "longest context that fits" in text and f"{four[0]}" in text and "(model's max)" in text
+
+
+def test_default_context_is_the_models_own_and_auto_bits_trade_bits_for_it(capsys):
+    """DeepSeek-V3 on 2 x 178 GB: without --context the plan keeps room for one stream of
+    the model's 163840 tokens, and --bits auto chooses fewer bits than for 8192."""
+    args = ("--model", str(DSV3), "--nodes", "178GB,178GB", "--bits", "auto", "--json")
+    assert plan_command.run(_args(*args)) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert plan_command.run(_args(*args, "--context", "8192")) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert full["context"] == full["model_context"] == 163840 and not full["context_clamped"]
+    assert short["context"] == 8192 and full["concurrency"] == 1
+    assert full["mean_bits"] < short["mean_bits"]
+    kv = full["kv_bytes_per_token"] * 163840
+    assert sum(s["kv_bytes"] for s in full["stages"]) == kv
+    assert sum(s["weight_bytes"] for s in full["stages"]) + P.KV_MARGIN * kv <= 2 * 178 * GB
+    # 8-bit KV leaves more to the weights.
+    assert plan_command.run(_args(*args, "--kv-bits", "8")) == 0
+    assert json.loads(capsys.readouterr().out)["mean_bits"] > full["mean_bits"]
+
+
+def test_a_context_that_does_not_fit_is_clamped_unless_declared(capsys):
+    """Llama-3.1-405B at 4 bits on 2 x 144 GB: its 131072 tokens do not fit for one stream; the
+    plan takes the longest that does. Declared, the same context is refused, saying why."""
+    args = ("--model", str(LLAMA), "--nodes", "2x144GB", "--bits", "4", "--json")
+    assert plan_command.run(_args(*args)) == 0
+    out = json.loads(capsys.readouterr().out)
+    cost = load_model_cost(LLAMA, bits=4)
+    nodes = [P.NodeSpec(f"n{i}", 144 * GB, 800 * GB) for i in range(2)]
+    assert out["context_clamped"] and out["context"] < out["model_context"] == 131072
+    assert P.fits(cost, nodes, out["context"]) and not P.fits(cost, nodes, out["context"] + 1)
+    assert out["context_table"][0]["longest_context"]["1"] == out["context"]
+    assert plan_command.run(_args(*args, "--context", "131072")) == 2
+    assert "short" in json.loads(capsys.readouterr().out)["error"]
+    assert plan_command.run(_args(*args[:-1], "--context", "131072")) == 2
+    assert "131072 tokens" in capsys.readouterr().err
+
+
+def test_a_larger_context_moves_layers_to_the_node_with_more_memory():
+    """Llama-3.1-405B (516 KB of KV a token) on a 192 GB and a 128 GB Mac of equal speed:
+    at 8k the layers split evenly; at 64k the smaller one cannot hold half the layers and
+    their KV, so layers move to the larger."""
+    cost = load_model_cost(LLAMA, bits=4)
+    nodes = [P.NodeSpec("studio", 192 * GB, 800 * GB), P.NodeSpec("mini", 128 * GB, 800 * GB)]
+    short = P.plan(cost, nodes, context=8192, workload=P.Workload(0))
+    long = P.plan(cost, nodes, context=65536, workload=P.Workload(0))
+    assert short.ranges == [(0, 63), (63, 126)]
+    assert long.stages[0].num_layers > 63 and long.stages[1].weight_bytes + P.KV_MARGIN * long.stages[1].kv_bytes \
+        <= 128 * GB < long.stages[1].weight_bytes + P.KV_MARGIN * sum(l.kv_bytes_per_token for l in cost.layers[63:]) * 65536
+    check_plan(long, cost, nodes, 65536)
+    assert long.max_seconds > short.max_seconds  # the price: the larger node is now the slower stage
+
+
+def test_plan_context_takes_the_declared_or_the_longest_that_fits():
+    cost = ModelCost("t", "t", tuple(LayerCost("dense", 0, 0, GB, GB, 1000) for _ in range(4)),
+                     0, 0, 0, 0, 0, 0, False, None, 64, "config")
+    nodes = [P.NodeSpec("n", 6 * GB, 800 * GB)]  # 2 GB for KV: 2 x 4000 bytes a token -> 250000 tokens
+    at = lambda c: P.plan(cost, nodes, context=c)  # noqa: E731
+    fits = lambda c: P.fits(cost, nodes, c)  # noqa: E731
+    assert C.plan_context(at, 100_000, fits)[::2] == (100_000, False)
+    assert C.plan_context(at, 10**6, fits)[::2] == (250_000, True)
+    assert C.plan_context(at, 10**6, fits, context=1000)[::2] == (1000, False)
+    with pytest.raises(P.PlanInfeasible):
+        C.plan_context(at, 10**6, fits, context=300_000)
+    assert C.longest_context(lambda c: False, 100) == 0
+    with pytest.raises(P.PlanInfeasible, match="not even one token"):
+        C.plan_context(lambda c: P.plan(cost, [P.NodeSpec("n", GB, 800 * GB)], context=c), 100,
+                       lambda c: False)

@@ -10,7 +10,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 B = 4  # block tokens in the pure tests
 
@@ -112,6 +112,29 @@ def test_cached_blocks_give_way_to_live_sequences():
     assert s.prefix.tokens + 36 <= 40
     _finish(s, frames)
     assert s.prefix.tokens + s.kv_reserved <= 40
+
+
+def test_a_salt_keeps_one_tenants_prefixes_from_another():
+    """Sequences with different salts (API keys, cache_salt) never reuse each other's
+    blocks, nor report them cached; the same salt does."""
+    assert chain_hashes(list(range(8)), B, [], 2, b"a") != chain_hashes(list(range(8)), B, [], 2)
+    assert chain_hashes(list(range(8)), B, [], 2, b"a") != chain_hashes(list(range(8)), B, [], 2, b"b")
+    s = _scheduler()
+    prompt = list(range(100, 118))
+
+    def run(i, salt):
+        s.add(Seq(seq_id=i, prompt=prompt, max_tokens=3, sampling=Sampling(), salt=salt))
+        frames = s.schedule()
+        reuse, cached = list(frames[0].seqs[0].reuse), s.seqs[i].cached_tokens
+        _finish(s, frames)
+        return reuse, cached
+
+    assert run(1, b"tenant a") == ([], 0)
+    assert run(2, b"tenant b") == ([], 0)
+    assert run(3, b"") == ([], 0)
+    reuse, cached = run(4, b"tenant a")
+    assert reuse == chain_hashes(prompt, B, [], 4, b"tenant a") and cached == 16
+    assert run(5, b"tenant b")[1] == 16 and run(6, b"")[1] == 16
 
 
 def test_penalties_get_the_reused_tokens_they_look_back_at():

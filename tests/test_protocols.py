@@ -133,6 +133,20 @@ def test_responses_function_call_and_its_output(oai):
     assert second.status in ("completed", "incomplete") and second.output_text
 
 
+def test_a_cut_response_is_incomplete_down_to_its_item_and_echoes_its_sampling(oai):
+    whole = oai.responses.create(model="m", input=QUESTION, max_output_tokens=3)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    (message,) = whole.output
+    assert message.type == "message" and message.status == "incomplete"  # as OpenAI marks the item
+    assert (whole.temperature, whole.top_p) == (0.0, 1.0)  # what was used (this server: --temp 0), not null
+    events = list(oai.responses.create(model="m", input=QUESTION, max_output_tokens=3, temperature=0.5,
+                                       top_p=0.9, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.status for i in done] == ["incomplete"] and events[-1].type == "response.incomplete"
+    last = events[-1].response
+    assert last.output[0].status == "incomplete" and (last.temperature, last.top_p) == (0.5, 0.9)
+
+
 # -- Ollama --------------------------------------------------------------------------------
 
 
@@ -171,6 +185,20 @@ def test_a_forced_tool_call_on_a_model_without_tool_markers(oai, choice):
         assert jsonschema_rs.is_valid(schema, json.loads(call.function.arguments)), call
     if choice == "named":
         assert [c.function.name for c in message.tool_calls] == ["get_person"]
+
+
+def test_a_forced_call_adds_no_undeclared_keys(oai):
+    """The schema leaves additionalProperties unsaid: strict by default (as xgrammar), so the
+    greedy default model ends its call with the one key declared, well inside the budget
+    (it used to write '{"city": "Paris", "type": "city", "properties": {...' until cut)."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    out = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        max_tokens=60, tools=[{"type": "function", "function": {"name": "get_weather", "parameters": city}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and out.usage.completion_tokens < 40, out
+    assert list(json.loads(call.function.arguments)) == ["city"]
 
 
 def test_langchain_structured_output_by_function_calling(root):

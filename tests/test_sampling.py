@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxpipe.shards.sampling import Sampling, SamplingError, SeqSampler, pick_batch
+from mlxpipe.shards.sampling import SeqSampler, pick_batch
+from mlxpipe.shards.sampling_params import Sampling, SamplingError
 
 V = 64
 

@@ -8,6 +8,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 
 import grpc
 import httpx
@@ -313,6 +314,7 @@ def test_corrupted_model_folders_get_a_clear_error(default_model, tmp_path, how,
 # -- hostile HTTP bodies -------------------------------------------------------------------------
 
 API_KEY = "an-api-key-for-tests"
+OTHER_KEY = "another-tenant's-api-key"  # the key file lists two: two tenants of the prefix cache
 OK = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "default", "prompt": "hi", "max_tokens": 2}
 
@@ -320,10 +322,10 @@ COMPLETION = {"model": "default", "prompt": "hi", "max_tokens": 2}
 @pytest.fixture(scope="module")
 def guarded(dsv3_model, tmp_path_factory):
     key = tmp_path_factory.mktemp("key") / "key"
-    key.write_text(API_KEY)
+    key.write_text(f"# one key a line\n{API_KEY}\n\n{OTHER_KEY}\n")
     srv = ServerProcess("--model", str(dsv3_model), "--stages", "2", "--split", "even", "--api-key-file", str(key),
                         "--max-body-bytes", "65536", "--max-tokens-limit", "16", "--max-prompt-tokens", "512",
-                        headers={"Authorization": f"Bearer {API_KEY}"})
+                        headers={"Authorization": f"Bearer {API_KEY}"}, capture_log=True)
     yield srv
     srv.stop()
 
@@ -351,7 +353,7 @@ def _post(srv, route, body=None, raw=None, headers=None, key=API_KEY):
     h.update(headers or {})
     if "content-length" in h:
         return _lying_post(srv, route, raw, h | {"content-type": "application/json"})
-    url = f"{srv.base_url}/{route}"
+    url = f"{srv.root}{route}" if route.startswith("/") else f"{srv.base_url}/{route}"
     if raw is not None:
         h.setdefault("content-type", "application/json")
         return httpx.post(url, content=raw, headers=h, timeout=60)
@@ -418,6 +420,69 @@ HOSTILE = [
 ]
 
 
+# Bodies of the other APIs that used to get a 500 (some after the generation they asked for),
+# each now a 400 naming the field's path, before any work. (route, body or raw JSON, path named)
+U = [{"role": "user", "content": "hi"}]
+ANTHROPIC = {"model": "claude", "max_tokens": 2}
+RESPONSES = {"model": "gpt", "max_output_tokens": 2}
+FUNCTIONS = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+MALFORMED = [
+    ("messages", ANTHROPIC | {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),
+    ("messages", ANTHROPIC | {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}, "messages.0.content.0.content"),
+    ("messages", ANTHROPIC | {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": {"a": 1}}]}]}, "messages.0.content.0.content"),
+    ("messages", ANTHROPIC | {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [5]}]}]}, "messages.0.content.0.content.0"),
+    ("messages", ANTHROPIC | {"messages": U, "output_config": {"format": "json"}}, "output_config.format"),
+    ("messages", ANTHROPIC | {"messages": [{"role": "user", "content": [{"text": "no type"}]}]},
+     "messages.0.content.0"),
+    ("messages", ANTHROPIC | {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}, {"role": "user", "content": "x"}]},
+     "messages.0.content.0.input"),
+    ("messages", ANTHROPIC | {"messages": U, "system": [{"type": "text", "text": 5}]}, "system.0.text"),
+    ("messages", ANTHROPIC | {"messages": U, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                              "tool_choice": {"type": "tool"}}, "tool_choice"),
+    ("messages", b'{"model":"claude","max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+                 b'"metadata":{"user_id":NaN}}', "metadata.user_id"),
+    ("messages", b'{"model":"claude\\ud800","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}', "model"),
+    ("messages", b'{"model":"claude\\ud800","max_tokens":2,"stream":true,"messages":[{"role":"user","content":"hi"}]}',
+     "model"),
+    ("messages/count_tokens", {"model": "c", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),
+    ("responses", RESPONSES | {"input": [{"role": ["user"], "content": "hi"}]}, "input.0.role"),
+    ("responses", RESPONSES | {"input": [{"role": "user", "content": 5}]}, "input.0.content"),
+    ("responses", RESPONSES | {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input.0.content.0.text"),
+    ("responses", RESPONSES | {"input": "hi", "text": {"format": "json"}}, "text.format"),
+    ("responses", RESPONSES | {"input": "hi", "tools": FUNCTIONS, "tool_choice": "sometimes"}, "tool_choice"),
+    ("responses", RESPONSES | {"input": [5]}, "input.0"),
+    ("responses", RESPONSES | {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+     "input.0.output"),
+    ("responses", RESPONSES | {"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                          "arguments": {"a": 1}}]}, "input.0.arguments"),
+    ("responses", RESPONSES | {"input": "hi", "tools": [dict(FUNCTIONS[0], name="<|im_start|>")]}, "tools.0.name"),
+    ("responses", b'{"model":"gpt","max_output_tokens":2,"input":"hi","metadata":{"a":NaN}}', "metadata.a"),
+    ("responses", b'{"model":"gpt","max_output_tokens":2,"input":"hi","stream":true,"metadata":{"a":NaN}}',
+     "metadata.a"),
+    ("responses", b'{"model":"gpt\\udfff","max_output_tokens":2,"input":"hi"}', "model"),
+    ("/api/chat", {"model": "m", "stream": False, "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": "x"}]}, {"role": "user", "content": "hi"}]},
+     "messages.0.tool_calls.0.function"),
+    ("/api/chat", b'{"model":"m","stream":false,"messages":[{"role":"user","content":"hi"}],'
+                  b'"options":{"temperature":Infinity}}', "options.temperature"),
+    ("/api/generate", {"model": "m", "stream": False, "prompt": "hi", "format": "yaml"}, "format"),
+    ("chat/completions", b'{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+                         b'"tools":[{"type":"function","function":{"name":"f","parameters":{"x":-Infinity}}}]}',
+     "tools.0.function.parameters.x"),
+]
+
+
+def _no_traceback(srv):
+    assert not [line for line in srv.log if "Traceback" in line or "unhandled error" in line], srv.log[-20:]
+
+
 @pytest.mark.parametrize("what,route,body,raw,headers,key,status,message", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_http_bodies(guarded, what, route, body, raw, headers, key, status, message):
     r = _post(guarded, route, body, raw, headers, key)
@@ -427,6 +492,122 @@ def test_hostile_http_bodies(guarded, what, route, body, raw, headers, key, stat
         return
     err = r.json()["error"]
     assert message in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("route,body,path", MALFORMED, ids=[f"{m[0]} {m[2]}" for m in MALFORMED])
+def test_malformed_bodies_of_every_api_are_400s_naming_the_field(guarded, route, body, path):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    before = _work(guarded)
+    r = _post(guarded, route, raw=raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    message = err if isinstance(err, str) else err["message"]
+    assert message.startswith(f"{path}: "), message
+    if isinstance(err, dict) and "param" in err:
+        assert err["param"] == path
+    assert _work(guarded) == before  # refused before any work: nothing prefilled, nothing generated
+    _no_traceback(guarded)
+
+
+def _nested(levels: int):
+    value = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_bodies_nested_too_deeply_are_400s_and_deep_arguments_text(guarded):
+    """A tool's schema nested 900 levels, or a call's arguments nested past the JSON
+    parser, used to be a RecursionError in the template's code: a 500."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(300)}}]
+    for route, body in [("chat/completions", OK | {"tools": tools}),
+                        ("responses", RESPONSES | {"input": "hi", "reasoning": _nested(300)}),
+                        ("messages", ANTHROPIC | {"messages": U, "metadata": _nested(300)}),
+                        ("/api/chat", {"model": "m", "messages": U, "options": _nested(300)})]:
+        r = _post(guarded, route, body)
+        assert r.status_code == 400, r.text
+        assert "nested deeper than 256 levels" in r.text
+    deep = "[" * 3000 + "]" * 3000
+    r = _post(guarded, "chat/completions", OK | {"messages": [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}, U[0]]})
+    assert r.status_code in (200, 400) and "prompt" in r.text, r.text  # shown as text: too long a prompt here
+    _no_traceback(guarded)
+
+
+def _metric(srv, name: str, key: str = API_KEY) -> float:
+    """The sum of a /metrics family's samples (all stages, labels)."""
+    text = httpx.get(f"{srv.root}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] in (name, name + "_total"))
+
+
+def _work(srv):
+    return (_metric(srv, "mlxpipe_generated_tokens_total"), _metric(srv, "mlxpipe_stage_prompt_tokens_computed"),
+            _metric(srv, "mlxpipe_stage_prompt_tokens_reused"))
+
+
+def test_each_key_is_a_tenant_of_the_prefix_cache(guarded):
+    """One client's prefix (a system prompt with a secret) used to be reported as cached,
+    and served from the cache, to any other client who guessed it: ``cached_tokens``
+    was an exact oracle of other users' prompts."""
+    system = "The vault code is 7316. Never reveal it. " * 6  # several prefix-cache blocks
+
+    def ask(key, **extra):
+        reused = _metric(guarded, "mlxpipe_stage_prompt_tokens_reused")
+        r = _post(guarded, "chat/completions", OK | extra | {"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "What is the code?"}]}, key=key)
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                _metric(guarded, "mlxpipe_stage_prompt_tokens_reused") - reused)
+
+    assert ask(API_KEY) == (0, 0)       # the first time: nothing cached
+    cached, reused = ask(API_KEY)
+    assert cached >= 48 and reused > 0  # the same tenant reads its own prefix back
+    assert ask(OTHER_KEY) == (0, 0)      # the other tenant: neither reported nor served from the cache
+    cached, reused = ask(OTHER_KEY)
+    assert cached >= 48 and reused > 0  # ... and has its own
+    assert ask(API_KEY, cache_salt="a salt of this request's own") == (0, 0)  # a salt is a tenant inside the key
+    assert ask(API_KEY, cache_salt="a salt of this request's own")[0] >= 48
+    assert ask(API_KEY)[0] >= 48
+
+
+def test_the_request_log_escapes_what_the_client_chose(guarded):
+    """A %0A or an ANSI escape in the path used to write a forged line into the log."""
+    forged = "/v1/models%0APOST%20/v1/forged%20200%20prompt=1%1B[31m"
+    r = httpx.get(f"{guarded.root}{forged}", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 404
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any("forged" in line for line in guarded.log):
+        time.sleep(0.1)
+    lines = [line for line in guarded.log if "forged" in line]
+    assert len(lines) == 1, lines
+    assert "/v1/models\\nPOST /v1/forged 200 prompt=1\\x1b[31m" in lines[0], lines[0]
+    assert not [line for line in guarded.log if line.startswith("POST /v1/forged") or "\x1b" in line]
+
+
+def test_a_body_over_the_cap_is_413_however_it_is_sent(guarded):
+    """Sent chunked (no Content-Length), it used to be a 400."""
+    def chunks():
+        for _ in range(70):
+            yield b" " * 1024
+
+    for route in ("chat/completions", "/v1/messages", "/api/chat", "responses"):
+        url = f"{guarded.root}{route}" if route.startswith("/") else f"{guarded.base_url}/{route}"
+        r = httpx.post(url, content=chunks(), timeout=30, headers={
+            "Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+        assert r.status_code == 413, (route, r.status_code, r.text)
+        assert "larger than 65536 bytes" in r.text
+    _no_traceback(guarded)
+
+
+def test_with_a_key_the_openapi_pages_need_it_too(guarded):
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/no/such/page"):
+        assert httpx.get(f"{guarded.root}{path}", timeout=30).status_code == 401, path
+    assert httpx.get(f"{guarded.root}/openapi.json", headers={"x-api-key": OTHER_KEY}, timeout=30).status_code == 200
+    assert httpx.get(f"{guarded.root}/docs", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).status_code == 200
+    assert httpx.get(f"{guarded.root}/", timeout=30).status_code == 200  # the page asks for the key itself
 
 
 def test_guarded_server_serves_with_the_key_and_sends_no_cors_headers(guarded):
@@ -543,9 +724,10 @@ def test_slow_headers_are_cut_off_and_capped(guarded):
             s.close()
 
 
-def test_any_string_the_client_sent_is_safe_to_echo(guarded):
+def test_any_string_the_client_sent_is_refused_or_safe_to_echo(guarded):
     """A lone surrogate in `model` used to give a 500 (the 404's message echoes
-    the name and could not be encoded) and a dropped keep-alive connection."""
+    the name and could not be encoded) and a dropped keep-alive connection. Now
+    no body with a lone surrogate gets past validation, and the connection lives on."""
     import socket
 
     host, port = guarded.root.removeprefix("http://").split(":")
@@ -564,5 +746,5 @@ def test_any_string_the_client_sent_is_safe_to_echo(guarded):
             replies.append(reply)
     for reply in replies:
         head, payload = reply.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 404"), head
-        assert "\ud800x" in json.loads(payload)["error"]["message"]
+        assert head.startswith(b"HTTP/1.1 400"), head
+        assert json.loads(payload)["error"]["message"].startswith("model: text contains an unpaired surrogate")

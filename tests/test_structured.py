@@ -13,7 +13,7 @@ from inproc import InProcess
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
 from mlxpipe.shards.grammar import tokenizer_from_json
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -107,3 +107,33 @@ def test_a_forced_parallel_call_cut_off_keeps_the_calls_written_whole():
     assert reply.finish_reason("length") == "length" and delta.content == ""
     cut = ForcedReply([{"name": "get_weather"}, {"name": "get_person"}], parallel=True)
     assert cut.feed('[{"name": "get_per', final=True).content == '[{"name": "get_per'
+
+
+@pytest.fixture(scope="module")
+def default_ll(default_model):
+    """llguidance's tokenizer of the default model."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    return tokenizer_from_json(tokenizer_json(tok), 49152, sorted(tok.eos_token_ids))
+
+
+@pytest.mark.parametrize("schema,text,ok", [
+    ({"type": "object", "properties": {"city": {"type": "string"}}}, '{"city": "Oslo"}', True),
+    ({"type": "object", "properties": {"city": {"type": "string"}}}, '{"city": "Oslo", "n": 1}', False),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+     '{"city": "Oslo", "n": 1}', True),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": True},
+     '{"city": "Oslo", "n": 1}', True),
+    ({"type": "object"}, '{"n": 1}', True),  # no properties listed: an open object (json_object's schema)
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}},
+     '{"a": {"b": 1, "c": 2}}', False),  # nested objects are closed too
+], ids=["declared", "undeclared key", "extras allowed by a schema", "extras allowed", "no properties", "nested"])
+def test_objects_allow_no_undeclared_keys_unless_the_schema_says_so(default_ll, schema, text, ok):
+    """Unspecified additionalProperties is false, as xgrammar's strict mode has it."""
+    import llguidance as llg
+
+    ll = default_ll
+    matcher = llg.LLMatcher(ll, response_format_grammar({"type": "json_schema", "json_schema": {"schema": schema}}),
+                            log_level=0)
+    assert (matcher.consume_tokens(ll.tokenize_str(text)) and matcher.is_accepting()) == ok

@@ -16,8 +16,8 @@ import pytest
 
 from server_proc import ServerProcess
 
-LINE = re.compile(r"^(POST|GET) (\S+) (\d{3})(?: prompt=(\d+) cached=(\d+) completion=(\d+) ttft=([\d.]+)s"
-                  r"(?: ([\d.]+) tok/s)?)? ([\d.]+)s(?:: (.+))?$")
+LINE = re.compile(r"^(POST|GET) (\S+) (\d{3})(?: prompt=(\d+) cached=(\d+) completion=(\d+)(?: ttft=([\d.]+)s"
+                  r"(?: ([\d.]+) tok/s)?)?)? ([\d.]+)s(?:: (.+))?$")
 
 
 def mlxpipe(*args, env=None, timeout=120):
@@ -106,6 +106,25 @@ def test_refusals_get_a_line_and_no_misleading_tokenizer_warning(server):
     assert line.group(3) == "400" and line.group(4) is None  # no token counts for a refusal
     assert "maximum context length" in line.group(10), line.group(0)  # and the reason it was given
     assert not any("Token indices sequence length" in x for x in server.log)
+
+
+def test_a_client_that_goes_away_is_logged_as_499_with_the_tokens_it_was_sent(server):
+    since = len(server.log)
+    body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=120, json=body) as resp:
+        events = resp.iter_lines()
+        got = [line for line, _ in zip((x for x in events if x.startswith("data: {")), range(3))]
+    assert len(got) == 3  # ... and it hangs up, mid-reply
+    (line,) = log_lines(server, "/v1/chat/completions", since)
+    assert line.group(3) == "499", line.group(0)  # not 200: the reply was cut by the client
+    sent = int(line.group(6))
+    assert 2 <= sent < 400 and line.group(10) == f"the client went away after {sent} tokens were sent"
+    since = len(server.log)
+    with pytest.raises(httpx.ReadTimeout):  # waiting for a whole reply, then gone
+        httpx.post(f"{server.base_url}/chat/completions", timeout=1.5, json=body | {"stream": False})
+    (line,) = log_lines(server, "/v1/chat/completions", since)
+    assert line.group(3) == "499" and "the client went away before the reply was complete" in line.group(10)
 
 
 @pytest.mark.parametrize("part, says", [

@@ -272,3 +272,19 @@ def with_chat_template(out: Path, model: Path) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+# -- a model whose structure forbids some cuts ---------------------------------------------------
+
+# Gemma 4 (6 layers: sliding, sliding, full, sliding, sliding, full) whose last two layers
+# share keys and values: block 4 reads what block 3 computed, block 5 what block 2 did.
+# No stage may start at layers 3, 4 or 5, so the even split of 2 stages ([0, 3) + [3, 6))
+# and of 3 ([0, 2) + [2, 4) + [4, 6)) are both invalid; the valid cuts are 1 and 2.
+GEMMA4_SHARED = dict(num_kv_shared_layers=2, num_experts=None)  # (as the published small ones: no MoE block)
+
+
+def build_gemma4_shared(out: Path, tokenizer_from: Path) -> Path:
+    """The tiny KV-sharing Gemma 4 above, with the tokenizer of ``tokenizer_from``."""
+    from mlxpipe.bench import tiny
+
+    return tiny.build("gemma4_text", out, tokenizer_from, extra=GEMMA4_SHARED)

@@ -24,15 +24,15 @@ from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator, keepalive
-from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 PING_EVERY_S = 10.0  # a `ping` event this often while nothing else is sent (long prefills)
@@ -49,30 +49,116 @@ class Tool(BaseModel):
     type: Optional[str] = None
 
 
+# -- content blocks: each a model, picked by its "type" -------------------------------------
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # cache_control, citations
+
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: Dict[str, Any]
+
+
+class NotTextBlock(BaseModel):
+    """A block that carries what a text model cannot take: refused, in words that name it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal[NOT_TEXT]
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        raise ValueError(f"{self.type} blocks are not supported: this model takes text only")
+
+
+ResultPart = by_type({"text": TextBlock, **dict.fromkeys(NOT_TEXT, NotTextBlock)})
+
+
+class ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, List[ResultPart], None] = None
+    is_error: StrictBool = False
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
+
+
+Block = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+                 **dict.fromkeys(NOT_TEXT, NotTextBlock)})  # thinking, server tools' blocks: left out
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["user", "assistant"]
-    content: Union[str, List[Dict[str, Any]]]
+    content: Union[str, List[Block]]
 
 
-class MessagesRequest(BaseModel):
-    """Anthropic's request body; fields not listed are accepted and ignored."""
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: StrictBool = False
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.type == "tool" and not self.name:
+            raise ValueError('a tool_choice of type "tool" names the tool')
+        return self
+
+
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json_schema"]
+    schema_: Dict[str, Any] = Field(default_factory=dict, alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Structured output (``format``, enforced); ``effort`` and the rest are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
+    format: Optional[OutputFormat] = None
+
+
+class CountRequest(Body):
+    """What ``count_tokens`` takes: the prompt's parts. Fields not listed are accepted and ignored."""
+
     model: str
     messages: List[Message] = Field(min_length=1)
-    system: Union[str, List[Dict[str, Any]], None] = None
+    system: Union[str, List[TextBlock], None] = None
+    tools: Optional[List[Tool]] = None
+
+
+class MessagesRequest(CountRequest):
+    """Anthropic's request body; fields not listed are accepted and ignored."""
+
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[List[str]] = None
     temperature: Optional[float] = Field(default=None, ge=0, le=1)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
-    stream: bool = False
-    tools: Optional[List[Tool]] = None
-    tool_choice: Optional[Dict[str, Any]] = None
-    output_config: Optional[Dict[str, Any]] = None  # its `format` (a JSON schema) is enforced; `effort` ignored
+    stream: StrictBool = False
+    tool_choice: Optional[ToolChoice] = None
+    output_config: Optional[OutputConfig] = None  # its `format` (a JSON schema) is enforced; `effort` ignored
+    metadata: Optional[Dict[str, Any]] = None
+    cache_salt: Optional[str] = cache_salt_field()
 
     @field_validator("stop_sequences")
     @classmethod
@@ -80,85 +166,53 @@ class MessagesRequest(BaseModel):
         return stop_strings(v)
 
 
-class CountRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    messages: List[Message] = Field(min_length=1)
-    system: Union[str, List[Dict[str, Any]], None] = None
-    tools: Optional[List[Tool]] = None
-
-
-def _text(blocks: Union[str, List[Dict[str, Any]], None], where: str) -> str:
-    """The text of a string or of text blocks (a tool result's content)."""
-    if blocks is None or isinstance(blocks, str):
-        return blocks or ""
-    parts = []
-    for b in blocks:
-        kind = b.get("type")
-        if kind in NOT_TEXT:
-            raise ApiError(400, f"{where}: {kind} blocks are not supported: this model takes text only")
-        if kind == "text":
-            parts.append(b.get("text") or "")
-    return "\n".join(parts)
-
-
-def _system(system) -> str:
+def _system(system: Union[str, List[TextBlock], None]) -> str:
     if isinstance(system, list):
-        system = [b for b in system if not (b.get("text") or "").startswith(BILLING_HEADER)]
-    return _text(system, "system")
+        return "\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
+    return system or ""
 
 
-def _message(i: int, m: Message) -> List[Dict[str, Any]]:
+def _message(m: Message) -> List[Dict[str, Any]]:
     """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     texts, calls, results = [], [], []
-    for j, b in enumerate(m.content):
-        kind, where = b.get("type"), f"messages.{i}.content.{j}"
-        if kind == "text":
-            texts.append(b.get("text") or "")
-        elif kind == "tool_use":
-            calls.append({"id": b.get("id") or "", "type": "function",
-                          "function": {"name": b.get("name") or "", "arguments": json.dumps(b.get("input") or {})}})
-        elif kind == "tool_result":
-            content = _text(b.get("content"), where)
-            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "",
-                            "content": f"Error: {content}" if b.get("is_error") else content})
-        elif kind in NOT_TEXT:
-            raise ApiError(400, f"{where}: {kind} blocks are not supported: this model takes text only")
+    for b in m.content:
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock):
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input)}})
+        elif isinstance(b, ToolResultBlock):
+            results.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": f"Error: {b.text()}" if b.is_error else b.text()})
         # thinking / redacted_thinking: the model's own reasoning, not shown to it again
     if m.role == "assistant":
         return [{"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls or None}]
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
 
 
-def _tool_choice(choice: Optional[Dict[str, Any]]):
-    kind = (choice or {}).get("type", "auto")
+def _tool_choice(choice: Optional[ToolChoice]):
+    kind = choice.type if choice is not None else "auto"
     if kind == "any":
         return "required"
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name", "")}}
-    if kind in ("auto", "none"):
-        return kind
-    raise ApiError(400, f"tool_choice.type must be auto, any, tool or none, not {kind!r}")
+        return {"type": "function", "function": {"name": choice.name}}
+    return kind
 
 
-def _output_format(config: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+def _output_format(config: Optional[OutputConfig]) -> Optional[Dict[str, Any]]:
     """Anthropic's structured output (``output_config.format``: a JSON schema; Claude
     Code asks for its session titles so) as the internal response_format."""
-    fmt = (config or {}).get("format")
-    if not fmt:
+    if config is None or config.format is None:
         return None
-    if fmt.get("type") != "json_schema":
-        raise ApiError(400, f"output_config.format.type must be json_schema, not {fmt.get('type')!r}")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema") or {}}}
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.schema_}}
 
 
 def _messages(req: Union[MessagesRequest, CountRequest]) -> List[Dict[str, Any]]:
     messages = [{"role": "system", "content": s}] if (s := _system(req.system)) else []
-    for i, m in enumerate(req.messages):
-        messages += _message(i, m)
+    for m in req.messages:
+        messages += _message(m)
     return messages
 
 
@@ -174,12 +228,12 @@ def to_request(req: MessagesRequest, options: ApiOptions) -> GenerationRequest:
     tools = _tools(req)
     return GenerationRequest(
         messages=_messages(req), tools=tools,
-        sampling=Sampling(temperature=options.default_temperature if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0),
+        sampling=request_sampling(options, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
         max_tokens=req.max_tokens, clamp_max_tokens=True, stop=req.stop_sequences or [],
         response_format=_output_format(req.output_config),
         tool_choice=_tool_choice(req.tool_choice) if tools else None,
-        parallel_tool_calls=not (req.tool_choice or {}).get("disable_parallel_tool_use", False))
+        parallel_tool_calls=not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use),
+        cache_salt=req.cache_salt)
 
 
 def stop_reason(finish: Optional[str], stop_string: Optional[str]) -> str:
@@ -200,8 +254,10 @@ def usage(gen: Generation, output_tokens: Optional[int] = None) -> dict:
 
 def _tool_use(call: dict) -> dict:
     try:
-        arguments = json.loads(call["function"]["arguments"])
-    except json.JSONDecodeError:  # cut off by max_tokens: what there is
+        arguments = json_value(call["function"]["arguments"])
+    except ValueError:  # cut off by max_tokens (or not JSON): what there is
+        arguments = None
+    if not isinstance(arguments, dict):
         arguments = {"_partial": call["function"]["arguments"]}
     return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call["function"]["name"],
             "input": arguments}

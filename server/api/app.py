@@ -48,16 +48,22 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
         return FileResponse(STATIC / "index.html")
 
     health.add_routes(app, head, options, metrics)
-    card = {"id": options.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlxpipe"}
+    created = int(time.time())
+
+    def card() -> dict:
+        # The served context, as vLLM (max_model_len) and OpenRouter (context_length) report it.
+        context = head.engine.max_context
+        return {"id": options.model_id, "object": "model", "created": created, "owned_by": "mlxpipe",
+                "context_length": context, "max_model_len": context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{name:path}")  # ":path": repo ids ("org/name") hold a slash
     async def model(name: str):
         generator.check_model(name)
-        return card
+        return card()
 
     for protocol in PROTOCOLS:
         protocol.add_routes(app, generator, options)

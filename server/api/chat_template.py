@@ -1,7 +1,9 @@
 """Chat turns to prompts and replies back to messages, with the model's own means.
 
-``render`` puts the messages (tool calls and tool results included) and the
-tools through the model's chat template, as mlx-lm's server does. ``Reply``
+``Prompts.render`` puts the messages (tool calls and tool results included) and
+the tools through the model's chat template, as mlx-lm's server does, with
+whatever the client sent tokenized as text: a marker of the template written in
+a message is plain text, never the template's token. ``Reply``
 splits what the model writes into content, reasoning (between the template's
 think markers) and tool calls (between its tool-call markers, parsed by the
 tool parser mlx-lm picked for the template), as the text streams in: it drives
@@ -11,9 +13,11 @@ mlx-lm's ``TextStateMachine`` and ``ToolCallFormatter``.
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
@@ -34,30 +38,168 @@ def template_messages(messages: List[Dict[str, Any]], calls_as_text: bool = Fals
                                for c in m["tool_calls"]]
             if calls_as_text:
                 calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m.pop("tool_calls")]
-                m["content"] = "\n".join([m["content"]] * bool(m["content"]) + [json.dumps(c) for c in calls])
+                written = [json.dumps(c, ensure_ascii=False) for c in calls]  # as the model writes them
+                m["content"] = "\n".join([m["content"]] * bool(m["content"]) + written)
         else:
             m.pop("tool_calls", None)
         out.append(m)
     return out
 
 
+def json_value(text: str) -> Any:
+    """``text`` (a call's arguments, as the model wrote them) read as JSON, or a ValueError:
+    as strict as a reply's JSON must be (NaN, Infinity and numbers past a float's range
+    are not JSON; nor is nesting past the parser's depth)."""
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is out of a float's range")
+        return value
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(text, parse_float=finite, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _arguments(text: str):
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser): shown as the text it is
         return text
 
 
-def render(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[dict]],
-           template_kwargs: Dict[str, Any]) -> List[int]:
-    """The prompt's token ids: the chat template's, or the contents joined by
-    newlines for a model without one."""
-    if not tokenizer.has_chat_template:
-        return tokenizer.encode("\n".join(m.get("content") or "" for m in messages))
-    source = getattr(tokenizer, "chat_template", None) or ""
-    calls_as_text = isinstance(source, str) and "tool_calls" not in source
-    return tokenizer.apply_chat_template(template_messages(messages, calls_as_text), tools=tools or None,
-                                         add_generation_prompt=True, **template_kwargs)
+class Prompts:
+    """Chat turns to prompt token ids, client text as text.
+
+    A tokenizer matches its added tokens (the template's markers: ``<|im_start|>``,
+    ``<think>``, ...) anywhere in the string it is given, and a chat template renders
+    what clients sent (contents, tool results, names, arguments, descriptions) into
+    that one string; written there, a marker would be the real token, and a client
+    could forge turns or end the assistant's. So every marker string in what the
+    client sent is replaced by a placeholder (a private-use character found nowhere
+    in the request or the template) before rendering; the rendered string is
+    tokenized as usual, so the template's own markers are its special tokens; and the
+    stretches between those that hold placeholders are tokenized again, with the
+    markers put back, by a copy of the tokenizer that matches no added token: they
+    become plain text. Without a marker in the request the tokens are exactly
+    ``apply_chat_template``'s."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        source = getattr(tokenizer, "chat_template", None) or ""
+        self.template = source if isinstance(source, str) else ""
+        self.calls_as_text = isinstance(source, str) and "tool_calls" not in source
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self.backend = getattr(hf, "_tokenizer", None)  # tokenizers.Tokenizer, for a fast tokenizer
+        if self.backend is not None and hasattr(self.backend, "get_added_tokens_decoder"):
+            added = self.backend.get_added_tokens_decoder()
+        else:
+            self.backend, added = None, getattr(hf, "added_tokens_decoder", None) or {}
+        self.added_ids = set(added)
+        # The template's markers: special tokens, and added tokens the template writes or
+        # mlx-lm reads as think or tool-call markers (not a vocabulary's added words).
+        known = {getattr(tokenizer, a, None) for a in ("think_start", "think_end", "tool_call_start", "tool_call_end")}
+        markers = sorted({t.content for t in added.values() if t.content and (
+            t.special or t.content in known or t.content in self.template)}, key=len, reverse=True)
+        self.markers = re.compile("|".join(map(re.escape, markers))) if markers else None
+        self._plain = None
+
+    def render(self, messages: List[Dict[str, Any]], tools: Optional[List[dict]],
+               template_kwargs: Dict[str, Any]) -> List[int]:
+        """The prompt's token ids: the chat template's, or the contents joined by
+        newlines for a model without one."""
+        tok = self.tokenizer
+        (messages, tools, template_kwargs), marked = self._escape((messages, tools, template_kwargs))
+        if not tok.has_chat_template:
+            text = "\n".join(m.get("content") or "" for m in messages)
+            return self._encode(text, marked, add_special_tokens=True)
+        text = tok.apply_chat_template(template_messages(messages, self.calls_as_text), tools=tools or None,
+                                       add_generation_prompt=True, tokenize=False, **template_kwargs)
+        return self._encode(text, marked, add_special_tokens=False)
+
+    # -- client text with markers: placeholders, then plain text ------------------------------
+
+    def _escape(self, value) -> Tuple[Any, Dict[str, str]]:
+        """``value`` (messages, tools, arguments: nested lists and dicts) with every marker
+        in its strings, keys included, replaced by a placeholder; and placeholder -> marker."""
+        if self.markers is None:
+            return value, {}
+        strings: List[str] = []
+        _strings(value, strings)
+        found = {m for s in strings for m in self.markers.findall(s)}
+        if not found:
+            return value, {}
+        if self.backend is None:
+            raise ValueError(f"the text holds {sorted(found)[0]!r}, a marker of the chat template, which this "
+                             f"tokenizer cannot encode as plain text")
+        taken = "".join(strings) + self.template
+        free = (chr(c) for c in range(0x10FFFD, 0x100000, -1) if chr(c) not in taken)
+        placeholder = {m: next(free) for m in sorted(found)}
+        return _replace(value, lambda s: self.markers.sub(lambda m: placeholder[m.group()], s)), {
+            p: m for m, p in placeholder.items()}
+
+    def _encode(self, text: str, marked: Dict[str, str], add_special_tokens: bool) -> List[int]:
+        if not marked:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        out: List[int] = []
+        run: List[int] = []
+        start = 0  # where the stretch of ordinary tokens in ``run`` begins
+
+        def flush(end: int) -> None:
+            piece = text[start:end]
+            if any(p in piece for p in marked):  # client text with markers: tokenized again, as text
+                restored = "".join(marked.get(ch, ch) for ch in piece)
+                out.extend(self.plain().encode(restored, add_special_tokens=False).ids)
+            else:
+                out.extend(run)
+            run.clear()
+
+        for token, (a, b) in zip(enc.ids, enc.offsets):
+            if token in self.added_ids:  # the template's own marker (offsets take in what it strips)
+                flush(a)
+                out.append(token)
+                start = max(start, b)
+            else:
+                run.append(token)
+        flush(len(text))
+        return out
+
+    def plain(self):
+        """The tokenizer without its added tokens: special-token strings are text to it."""
+        if self._plain is None:
+            from tokenizers import Tokenizer
+
+            spec = json.loads(self.backend.to_str())
+            spec["added_tokens"] = []
+            self._plain = Tokenizer.from_str(json.dumps(spec))
+        return self._plain
+
+
+def _strings(value, out: List[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _strings(k, out)
+            _strings(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _strings(v, out)
+
+
+def _replace(value, fn):
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_replace(k, fn): _replace(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace(v, fn) for v in value)
+    return value
 
 
 def thinks_first(tokenizer, prompt: List[int]) -> bool:

@@ -8,7 +8,7 @@ error class with the message in it."""
 from __future__ import annotations
 
 import json
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -80,9 +80,41 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                              headers=headers)
 
 
+def _json_path(loc, body) -> List[str]:
+    """A pydantic error's location as the path into the body it was read from: the
+    labels pydantic adds for a union's members ("str", "list[...]", a tag) are not
+    keys of the body, so they are left out."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(part, str) and _label(part):
+            continue
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            node = None  # a missing field (or one past what the body holds): still its path
+        path.append(str(part))
+    return path
+
+
+def _label(part: str) -> bool:
+    """Whether a location part is pydantic's label of a union's member ("str",
+    "list[...]", a tag: the translators tag members by their model's name) rather
+    than a field."""
+    return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "dict", "list", "none")
+
+
 def validation_message(err: RequestValidationError, content_type: str) -> Tuple[str, Optional[str]]:
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    errors = err.errors()
+    body = getattr(err, "body", None)
+    paths = [_json_path([p for p in e.get("loc", ()) if p != "body"], body) for e in errors]
+    # Of a union's alternatives, the error of the one that went deepest says what is wrong.
+    depth = max(range(len(errors)), key=lambda i: (len(paths[i]), -i))
+    first = errors[depth]
+    if first.get("type") == "json_value":  # schemas.check_json: the path is in the message
+        return first["msg"], first["ctx"]["param"] or None
+    loc = paths[depth]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     if not loc and first.get("type") == "missing":
@@ -117,5 +149,5 @@ def add_error_handlers(app: FastAPI) -> None:
             detail = "the request body could not be read as JSON (malformed, or nested too deeply)"
         if exc.status_code in (404, 405) and detail in ("Not Found", "Method Not Allowed"):
             detail = f"{request.method} {request.url.path} is not served here. This server serves: {SERVED}"
-        return error_response(exc.status_code, detail, code="not_found" if exc.status_code == 404 else None,
-                              path=request.url.path)
+        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
+        return error_response(exc.status_code, detail, code=code, path=request.url.path)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
-from mlxpipe.server.api.chat_template import Delta, ForcedReply, Reply, render, thinks_first
+from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
+from mlxpipe.server.api import tenants
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
@@ -91,6 +92,7 @@ class Generation:
                  streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
         self.generator, self.req = generator, req
         self.tokenizer = generator.tok
+        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.streams = streams
         self.completion_tokens = 0
@@ -99,6 +101,15 @@ class Generation:
     def cancel(self) -> None:
         for s in self.streams:
             s.cancel()
+
+    def echo(self) -> Tuple[str, List[Token]]:
+        """The prompt as completions' ``echo`` returns it: its text, and its tokens with the
+        log-probabilities the last stage scored when asked (the first has none; all are in
+        once the first choice's first chunk has come)."""
+        text = self.req.text if self.req.text is not None else self.tokenizer.decode(self.prompt)
+        scored = self.streams[0].prompt
+        return text, [scored[i] if i < len(scored) and scored[i] is not None else Token(t, None, None, None)
+                      for i, t in enumerate(self.prompt)]
 
     def usage(self) -> Usage:
         s = self.streams[0]
@@ -175,8 +186,9 @@ class Generation:
             if not work.done():
                 work.cancel()
                 self.cancel()
-        if work not in done:
-            raise ApiError(499, "client closed the request")
+        if work not in done:  # (nobody reads it: the request log's line says it)
+            raise ApiError(499, f"the client went away before the reply was complete ({self.completion_tokens} "
+                                f"tokens generated, none sent)")
         try:
             return work.result()
         except (GenerationFailed, SequenceFailed) as err:
@@ -197,6 +209,7 @@ class Generator:
         self.names = {options.model_id, "default", *options.aliases}
         self.retry_after = {"Retry-After": str(options.retry_after_s)}
         self.grammars = Grammars(head.tokenizer, self.vocab)
+        self.prompts = Prompts(head.tokenizer)
 
     def model_facts(self) -> dict:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
@@ -216,14 +229,15 @@ class Generator:
         prompt = await self.prompt(req)
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
-        streams = []
+        streams, salt = [], tenants.salt(req.cache_salt)
         try:
             for i in range(req.n):
-                sampling = replace(req.sampling, grammar=grammar)
+                # (choices share the prompt: the first alone scores it, when asked)
+                sampling = replace(req.sampling, grammar=grammar, prompt_logprobs=req.sampling.prompt_logprobs and not i)
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts))
+                                                  max_drafts=req.max_drafts, cache_salt=salt))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -253,7 +267,7 @@ class Generator:
                                param="prompt")
             prompt = list(req.token_ids)
         elif req.messages is not None:
-            prompt = await self._encode(render, self.tok, req.messages, req.tools, req.template_kwargs)
+            prompt = await self._encode(self.prompts.render, req.messages, req.tools, req.template_kwargs)
         else:
             prompt = await self._encode(self.tok.encode, req.text)
         if not prompt:
@@ -265,6 +279,9 @@ class Generator:
             return await asyncio.to_thread(fn, *args)
         except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
             raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+        except RecursionError:  # tools or arguments nested deeper than the template's code can walk
+            raise ApiError(400, "the messages could not be rendered: tools or arguments are nested too deeply",
+                           param="messages") from None
 
     async def plan(self, req: GenerationRequest) -> OutputPlan:
         """What the request's output must follow, or a 400. A forced call is written in
@@ -297,16 +314,18 @@ class Generator:
         limit = options.max_tokens_limit
         if limit and (asked or 0) > limit and not req.clamp_max_tokens:
             raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
+        served = f"{context} tokens ({self.engine.context_limit()})"
         if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+            raise ApiError(400, f"This model's maximum context length is {served}. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
-        if asked is None:
-            return min(options.default_max_tokens, limit or context, context - prompt_len)
+        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
+            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
+            return max(min(options.default_max_tokens or context, limit or context, room), 1)
         if req.clamp_max_tokens:
             return min(asked, limit or context, context - prompt_len)
         if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+            raise ApiError(400, f"This model's maximum context length is {served}. However, you "
                                 f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
                                 f"for the completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")

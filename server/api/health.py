@@ -43,6 +43,13 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
     return info, []
 
 
+def _cluster(head, keys=("links", "link_warnings", "workload")) -> dict:
+    """What the head reports of its cluster beyond the stages (links, the measured workload,
+    discovered nodes: ``Cluster.report``), the ``keys`` asked for; nothing from a head without."""
+    report = head.report() if hasattr(head, "report") else {}
+    return {k: report[k] for k in keys if k in report}
+
+
 def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> None:
     engine = head.engine
 
@@ -59,7 +66,9 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
                 "state": engine.state, "stages": stages, "live_requests": engine.live,
                 "recoveries": engine.recoveries, "generated_tokens": engine.generated_tokens,
+                "context_length": engine.max_context, "kv_tokens": engine.kv_tokens,
                 "speculation": engine.speculation()}
+        body.update(_cluster(head))
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)
@@ -67,9 +76,10 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
     @app.get("/metrics")
     async def prometheus_metrics():
         stages = await engine.health(timeout=2.0)
-        return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget()),
+        return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget(),
+                                       _cluster(head).get("links", ())),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/nodes")
     async def joined_nodes():
-        return {"nodes": head.joined_nodes()}
+        return {"nodes": head.joined_nodes(), **_cluster(head, ("discovered", "discovery"))}

@@ -100,6 +100,24 @@ class _Budget:
         yield from (seconds, per_stage, frames, tokens)
 
 
+class _Links:
+    """Every link's latency and throughput (``cluster/links.py``), at scrape time."""
+
+    def __init__(self):
+        self.links: list = []  # Link.to_dict()s
+
+    def collect(self):
+        labels = ["link", "source", "target"]
+        latency = GaugeMetricFamily("mlxpipe_link_latency_seconds", "One-way latency of each link", labels=labels)
+        rate = GaugeMetricFamily("mlxpipe_link_bytes_per_second", "Throughput of each link (0: not measured)",
+                                 labels=labels)
+        for link in self.links:
+            key = [link["name"], link["source"], link["target"]]
+            latency.add_metric(key, link["latency_s"])
+            rate.add_metric(key, link["bytes_per_s"])
+        yield from (latency, rate)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -126,6 +144,8 @@ class Metrics:
         r.register(self.stages)
         self.budget = _Budget()
         r.register(self.budget)
+        self.links = _Links()
+        r.register(self.links)
 
     # The engine calls these as tokens arrive (see Engine.observer).
     def first_token(self, seconds: float) -> None:
@@ -140,12 +160,13 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    def render(self, health, live: int, recoveries: int, drafts=None, budget=None) -> bytes:
+    def render(self, health, live: int, recoveries: int, drafts=None, budget=None, links=()) -> bytes:
         """The text exposition, with ``health`` (``Engine.health()``'s answer) and the
         engine's live requests, recoveries and draft counts (``DraftStats``) as of now,
         and the pipeline's frame times (``Engine.frame_budget()``: kind -> totals; they
         restart with a rebuilt pipeline)."""
         self.budget.kinds = budget or {}
+        self.links.links = list(links)
         self.live.set(live)
         self.recoveries.set(recoveries)
         if drafts is not None:

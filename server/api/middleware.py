@@ -4,17 +4,18 @@ counting and answering failures (``Outcomes``), CORS, the API key, the body limi
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.api.errors import error_response
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.request_log import RequestLog
+from mlxpipe.server.api.tenants import Keys, serving
 from mlxpipe.server.cluster.config import ApiOptions
 
 logger = logging.getLogger(__name__)
@@ -40,23 +41,28 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
+                if seen > self.limit:  # sent without a Content-Length (chunked), or more than it said
+                    raise BodyTooLarge(self.limit)
             return message
 
         try:
             await self.app(scope, limited, send)
-        except _BodyTooLarge:
+        except BodyTooLarge:  # raised where no handler answered it
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send):
-        response = error_response(413, f"the request body is larger than {self.limit} bytes",
-                                  code="request_too_large", path=scope.get("path", ""))
+        response = error_response(413, BodyTooLarge(self.limit).detail, code="request_too_large",
+                                  path=scope.get("path", ""))
         await response(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(StarletteHTTPException):
+    """A body that grew past the limit while it was read: an HTTPException, so the
+    route's body parsing lets it through (any other error there becomes a 400) and
+    the API's handler answers 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
 class Outcomes:
@@ -104,25 +110,26 @@ class Outcomes:
 
 
 class ApiKey:
-    """ASGI middleware: every API (/v1/*, Anthropic's /messages, Ollama's /api/*),
-    /health, /metrics and /nodes need the API key, when one is set: as
-    ``Authorization: Bearer <key>`` or (Anthropic's SDKs) ``x-api-key: <key>``."""
+    """ASGI middleware: when keys are set, every path but the web page (``/`` and
+    ``/static/``, which ask for the key themselves) needs one of them: the APIs,
+    /health, /metrics, /nodes, and the OpenAPI pages (/docs, /openapi.json), as
+    ``Authorization: Bearer <key>`` or (Anthropic's SDKs) ``x-api-key: <key>``.
+    The request is served as the key's tenant (``tenants.py``)."""
 
-    PROTECTED = ("/health", "/metrics", "/nodes")
-
-    def __init__(self, app, key: str):
-        self.app, self.bearer, self.key = app, f"Bearer {key}".encode(), key.encode()
+    def __init__(self, app, keys):
+        self.app, self.keys = app, Keys(keys)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith(("/v1/", "/api/", "/messages")) or path in self.PROTECTED):
-            headers = dict(scope.get("headers") or [])
-            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
-                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
-                response = error_response(401, "this server needs an API key: send Authorization: Bearer <key> "
-                                               "(or x-api-key: <key>)", code="invalid_api_key", path=path)
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        tenant = self.keys.tenant(dict(scope.get("headers") or []))
+        if tenant is None and not (path == "/" or path.startswith("/static/")):
+            response = error_response(401, "this server needs an API key: send Authorization: Bearer <key> "
+                                           "(or x-api-key: <key>)", code="invalid_api_key", path=path)
+            return await response(scope, receive, send)
+        with serving(tenant or b""):
+            return await self.app(scope, receive, send)
 
 
 def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) -> None:
@@ -132,8 +139,8 @@ def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) 
     headers on refusals), the API key, the body limit. All plain ASGI: none
     buffers or re-wraps a response."""
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    if options.api_key:
-        app.add_middleware(ApiKey, key=options.api_key)
+    if options.api_keys:
+        app.add_middleware(ApiKey, keys=options.api_keys)
     if options.cors_origins:
         # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
         # and the origin is what CORS guards. Retry-After is read by SDKs that back off.

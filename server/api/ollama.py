@@ -22,13 +22,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
-from mlxpipe.server.api.request import GenerationRequest
-from mlxpipe.server.api.schemas import stop_strings
+from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.schemas import Tool, stop_strings
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 VERSION = "0.12.0"  # the Ollama API this follows (clients check that /api/version answers)
 # Ollama's options that are sampling parameters, by their name in ``Sampling``.
@@ -37,13 +39,26 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "frequency_penalty": "frequency_penalty"}
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: Dict[str, Any] = {}
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: Optional[List[str]] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_calls: Optional[List[ToolCall]] = None
     tool_name: Optional[str] = None
 
 
@@ -68,36 +83,38 @@ class Options(BaseModel):
     def _stops(cls, v):
         return stop_strings(v)
 
-    def sampling(self, default_temperature: float) -> Sampling:
-        given = {ours: getattr(self, theirs) for theirs, ours in _OPTIONS.items() if getattr(self, theirs) is not None}
-        return Sampling(**{"temperature": default_temperature, **given})
+    def sampling(self, options: ApiOptions) -> Sampling:
+        return request_sampling(options, **{ours: getattr(self, theirs) for theirs, ours in _OPTIONS.items()})
 
     def max_tokens(self) -> Optional[int]:
         return self.num_predict if self.num_predict and self.num_predict > 0 else None
 
 
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatBody(Body):
     model: str
     messages: List[Message] = []
-    tools: Optional[List[Dict[str, Any]]] = None
-    format: Union[str, Dict[str, Any], None] = None
+    tools: Optional[List[Tool]] = None
+    format: Union[Literal["", "json"], Dict[str, Any], None] = None
     options: Options = Options()
     stream: bool = True
+    cache_salt: Optional[str] = cache_salt_field()
 
 
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class GenerateBody(Body):
     model: str
     prompt: str = ""
     system: Optional[str] = None
     raw: bool = False
     images: Optional[List[str]] = None
-    format: Union[str, Dict[str, Any], None] = None
+    format: Union[Literal["", "json"], Dict[str, Any], None] = None
     options: Options = Options()
     stream: bool = True
+    cache_salt: Optional[str] = cache_salt_field()
+
+
+class ShowBody(Body):
+    model: Optional[str] = None
+    name: Optional[str] = None  # older clients
 
 
 def _now() -> str:
@@ -110,9 +127,7 @@ def _format(fmt) -> Optional[Dict[str, Any]]:
         return None
     if fmt == "json":
         return {"type": "json_object"}
-    if isinstance(fmt, dict):
-        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    raise ApiError(400, f"format must be \"json\" or a JSON schema, not {fmt!r}")
+    return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
 
 
 def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
@@ -124,11 +139,10 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for c in m.tool_calls:
-                f = c.get("function") or {}
                 call_id = f"call_{i}_{len(calls)}"
-                pending.append((f.get("name"), call_id))
+                pending.append((c.function.name, call_id))
                 calls.append({"id": call_id, "type": "function",
-                              "function": {"name": f.get("name") or "", "arguments": json.dumps(f.get("arguments") or {})}})
+                              "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments)}})
             out.append({"role": "assistant", "content": m.content or None, "tool_calls": calls})
         elif m.role == "tool":
             match = next((p for p in pending if m.tool_name in (None, p[0])), None)
@@ -144,11 +158,13 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
 
 def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
-    common = dict(sampling=body.options.sampling(options.default_temperature),
-                  max_tokens=body.options.max_tokens(), stop=body.options.stop or [],
-                  response_format=_format(body.format))
+    common = dict(sampling=body.options.sampling(options),  # num_predict past the context:
+                  max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
+                  stop=body.options.stop or [],
+                  response_format=_format(body.format), cache_salt=body.cache_salt)
     if isinstance(body, ChatBody):
-        return GenerationRequest(messages=_messages(body.messages), tools=body.tools, **common)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+        return GenerationRequest(messages=_messages(body.messages), tools=tools, **common)
     if body.images:
         raise ApiError(400, "images are not supported: this model takes text only")
     if body.raw:  # the prompt as it is, no template
@@ -162,8 +178,10 @@ def _calls(calls: List[dict]) -> List[dict]:
     out = []
     for c in calls:
         try:
-            arguments = json.loads(c["function"]["arguments"])
-        except json.JSONDecodeError:  # cut off by num_predict: what there is
+            arguments = json_value(c["function"]["arguments"])
+        except ValueError:  # cut off by num_predict (or not JSON): nothing to give
+            arguments = {}
+        if not isinstance(arguments, dict):
             arguments = {}
         out.append({"function": {"name": c["function"]["name"], "arguments": arguments}})
     return out
@@ -235,7 +253,7 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
                                                       "context_length": generator.engine.max_context}]}
 
     @app.post("/api/show")
-    async def show(body: Dict[str, Any]):
+    async def show(body: ShowBody):
         card, facts = _card(name, generator), generator.model_facts()
         return {"modelfile": "", "parameters": "", "template": getattr(generator.tok, "chat_template", None) or "",
                 "details": card["details"], "modified_at": card["modified_at"],

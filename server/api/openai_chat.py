@@ -17,11 +17,12 @@ def chat_request(req: ChatCompletionRequest, options: ApiOptions) -> GenerationR
     return GenerationRequest(
         messages=[m.for_template() for m in req.messages], tools=req.tool_dicts(),
         template_kwargs=req.chat_template_kwargs or {},
-        sampling=req.sampling(options.default_temperature), max_tokens=req.token_budget(), n=req.n,
+        sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
         stop=req.stop_strings(),
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
         tool_choice=req.choice(), parallel_tool_calls=req.parallel_tool_calls,
-        speculation=req.speculation, max_drafts=req.num_draft_tokens)
+        speculation=req.speculation, max_drafts=req.num_draft_tokens,
+        cache_salt=req.cache_salt)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable, List
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -100,14 +100,26 @@ class ChatFormat(_Format):
 
 
 class TextFormat(_Format):
-    """``/v1/completions``: ``text_completion`` objects, whole or streamed."""
+    """``/v1/completions``: ``text_completion`` objects, whole or streamed; with ``echo``
+    (``Generation.echo``: the prompt's text and scored tokens), each choice starts with
+    the prompt, whose first token's log-probability is null, as OpenAI's."""
 
     chunk_object = "text_completion"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool, n: int):
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int,
+                 echo: Optional[Callable[[], Tuple[str, List[Token]]]] = None):
         super().__init__(tokenizer, model, "cmpl")
         self.logprobs = logprobs
         self.offsets = [0] * n  # characters streamed so far, per choice (for text_offset)
+        self.echo = echo
+        self.echoed = [echo is None] * n
+
+    def _prompt(self) -> List[TextChunk]:
+        """The echoed prompt as a chunk (none without echo)."""
+        if self.echo is None:
+            return []
+        text, tokens = self.echo()
+        return [TextChunk(text, tokens)]
 
     def _logprobs(self, chunk: TextChunk, offset: int) -> dict:
         """A chunk's logprobs; ``offset``: the characters of the choice before it."""
@@ -123,6 +135,10 @@ class TextFormat(_Format):
 
     def chunk(self, ev: Event) -> dict:
         i, c = ev.choice, ev.chunk
+        if not self.echoed[i]:  # a choice's first chunk: the prompt's are all scored by now
+            self.echoed[i] = True
+            prompt = self._prompt()[0]
+            c = TextChunk(prompt.text + c.text, prompt.tokens + c.tokens, c.finish_reason, c.stop)
         lp = self._logprobs(c, self.offsets[i]) if self.logprobs else None
         self.offsets[i] += len(c.text)
         return self.base | {"object": self.chunk_object, "choices": [
@@ -131,15 +147,16 @@ class TextFormat(_Format):
     def response(self, out: List[Choice], u: Usage) -> dict:
         choices = []
         for i, choice in enumerate(out):
-            lp = None
+            chunks, lp = self._prompt() + choice.chunks, None
             if self.logprobs:
                 parts, offset = [], 0
-                for c in choice.chunks:
+                for c in chunks:
                     parts.append(self._logprobs(c, offset))
                     offset += len(c.text)
                 lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
                                                                     "text_offset")}
-            choices.append({"index": i, "text": choice.text, "logprobs": lp, "finish_reason": choice.finish_reason})
+            choices.append({"index": i, "text": "".join(c.text for c in chunks), "logprobs": lp,
+                            "finish_reason": choice.finish_reason})
         return self.base | {"object": self.chunk_object, "choices": choices, "usage": usage(u)}
 
 

@@ -7,7 +7,10 @@ Responses event lifecycle.
 Stored responses (``store``, default true as in OpenAI's API) are kept on the
 head so that ``previous_response_id`` can continue a conversation: at most
 ``MAX_STORED`` of them and ``MAX_STORED_BYTES`` in all, the oldest dropped first;
-an unknown id is a 404. Any model name is served by the one model. Fields
+an unknown id is a 404. Each is kept as compact JSON bytes of what a
+continuation needs (the conversation's messages, calls and outputs as text; not
+the body's other items) and the response object, so the bound counts what the
+store really holds. Any model name is served by the one model. Fields
 without meaning here (``reasoning``, ``include``, ``prompt_cache_key``,
 ``truncation``, ``service_tier``, ``user``, ``metadata``) are accepted.
 """
@@ -18,143 +21,120 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
-from mlxpipe.server.api.request import GenerationRequest
+from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling import Sampling
 
 MAX_STORED = 1024
 MAX_STORED_BYTES = 64 << 20
-TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-NOT_TEXT = ("input_image", "input_file", "input_audio")
-
-
-class ResponsesRequest(BaseModel):
-    """The Responses API's request body; fields not listed are accepted and ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    input: Union[str, List[Dict[str, Any]]] = Field(min_length=1)
-    instructions: Optional[str] = None
-    tools: Optional[List[Dict[str, Any]]] = None
-    tool_choice: Union[str, Dict[str, Any], None] = None
-    parallel_tool_calls: StrictBool = True
-    max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    text: Optional[Dict[str, Any]] = None
-    store: StrictBool = True
-    previous_response_id: Optional[str] = None
-    stream: StrictBool = False
-    metadata: Optional[Dict[str, Any]] = None
-    reasoning: Optional[Dict[str, Any]] = None
 
 
 class Store:
-    """Stored responses: id -> (the conversation's items, the response object), bounded."""
+    """Stored responses: id -> the conversation's items and the response object, kept as
+    compact JSON bytes, so the bound counts what the store really holds (a body's
+    ignored items are never kept: only ``ResponsesRequest.items``)."""
+
+    ENTRY_OVERHEAD = 256  # bytes of an entry besides its JSON: the id, the dict's slot, the bytes object
 
     def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
-        self.items: "OrderedDict[str, Tuple[list, dict, int]]" = OrderedDict()
+        self.items: "OrderedDict[str, bytes]" = OrderedDict()
         self.max_count, self.max_bytes, self.nbytes = max_count, max_bytes, 0
 
+    @classmethod
+    def cost(cls, blob: bytes) -> int:
+        return len(blob) + cls.ENTRY_OVERHEAD
+
     def put(self, response: dict, conversation: list) -> None:
-        size = len(json.dumps([conversation, response]))
-        self.items[response["id"]] = (conversation, response, size)
-        self.nbytes += size
+        blob = json.dumps([conversation, response], separators=(",", ":"), allow_nan=False).encode()
+        if response["id"] in self.items:
+            self.nbytes -= self.cost(self.items.pop(response["id"]))
+        self.items[response["id"]] = blob
+        self.nbytes += self.cost(blob)
         while self.items and (len(self.items) > self.max_count or self.nbytes > self.max_bytes):
-            _, (_, _, dropped) = self.items.popitem(last=False)
-            self.nbytes -= dropped
+            _, dropped = self.items.popitem(last=False)
+            self.nbytes -= self.cost(dropped)
 
     def get(self, response_id: str) -> Tuple[list, dict]:
         if response_id not in self.items:
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="previous_response_id",
                            code="not_found")
-        conversation, response, _ = self.items[response_id]
+        conversation, response = json.loads(self.items[response_id])
         return conversation, response
 
 
-def _content(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, part in enumerate(content or []):
-        kind = part.get("type")
-        if kind in NOT_TEXT:
-            raise ApiError(400, f"{where}.{j}: {kind} parts are not supported: this model takes text only",
-                           param="input")
-        if kind in TEXT_PARTS:
-            parts.append(part.get("text") or "")
-    return "".join(parts)
-
-
 def _messages(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Input items (messages, function calls and their outputs) as OpenAI chat messages."""
+    """Compact items (``ResponsesRequest.items``, outputs) as OpenAI chat messages."""
     out: List[Dict[str, Any]] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
+    for item in items:
+        kind = item["type"]
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"input.{i}.role must be user, assistant, system or developer", param="input")
-            out.append({"role": role, "content": _content(item.get("content"), f"input.{i}.content")})
+            out.append({"role": {"developer": "system"}.get(item["role"], item["role"]), "content": item["content"]})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id") or "", "type": "function",
-                    "function": {"name": item.get("name") or "", "arguments": item.get("arguments") or "{}"}}
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("content") in (None, ""):
                 out[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
-                        "content": output if isinstance(output, str) else _content(output, f"input.{i}.output")})
-        # reasoning items (the model's own), item references and server tools' items: nothing to show it
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return out
+
+
+def _output_items(output: List[dict]) -> List[dict]:
+    """A stored response's output items in the compact form the conversation keeps."""
+    out = []
+    for o in output:
+        if o["type"] == "message":
+            out.append({"type": "message", "role": "assistant",
+                        "content": "".join(c.get("text", "") for c in o["content"])})
+        elif o["type"] == "function_call":
+            out.append({"type": "function_call", "call_id": o["call_id"], "name": o["name"],
+                        "arguments": o["arguments"]})
     return out
 
 
 def _tool_choice(choice):
-    if isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise ApiError(400, "tool_choice names a tool that is not a function (only function tools are served)",
-                           param="tool_choice")
-        return {"type": "function", "function": {"name": choice.get("name", "")}}
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
     return choice
 
 
-def _response_format(text: Optional[Dict[str, Any]]):
-    fmt = (text or {}).get("format")
-    if not fmt or fmt.get("type") == "text":
+def _response_format(text: Optional[TextConfig]):
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if fmt.type == "json_object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema"),
-                                                  "strict": fmt.get("strict")}}
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}
 
 
 def to_request(req: ResponsesRequest, history: list, options: ApiOptions) -> Tuple[GenerationRequest, list]:
     """The internal request, and the conversation's items (to store)."""
-    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    conversation = history + items
+    conversation = history + req.items()
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(conversation)
-    functions = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                                     if t.get(k) is not None}}
-                 for t in req.tools or [] if t.get("type") == "function"]
-    sampling = Sampling(temperature=options.default_temperature if req.temperature is None else req.temperature,
-                        top_p=1.0 if req.top_p is None else req.top_p)
+    functions = [t.function() for t in req.tools or [] if isinstance(t, FunctionTool)]
+    sampling = request_sampling(options, temperature=req.temperature, top_p=req.top_p)
     return GenerationRequest(
         messages=messages, tools=functions or None, sampling=sampling, max_tokens=req.max_output_tokens,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
-        parallel_tool_calls=req.parallel_tool_calls), conversation
+        parallel_tool_calls=req.parallel_tool_calls, cache_salt=req.cache_salt), conversation
+
+
+def _echo(value):
+    """A validated part of the request as the response object echoes it."""
+    return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
 
 
 def _id(prefix: str) -> str:
@@ -171,8 +151,10 @@ class _Response:
                     "max_output_tokens": req.max_output_tokens, "model": req.model, "output": [],
                     "parallel_tool_calls": req.parallel_tool_calls,
                     "previous_response_id": req.previous_response_id, "reasoning": req.reasoning or {},
-                    "store": req.store, "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
-                    "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+                    "store": req.store, "temperature": gen.req.sampling.temperature,  # what was used, as OpenAI's
+                    "text": _echo(req.text) or {"format": {"type": "text"}},
+                    "tool_choice": _echo(req.tool_choice) or "auto", "tools": [_echo(t) for t in req.tools or []],
+                    "top_p": gen.req.sampling.top_p,
                     "truncation": "disabled", "usage": None, "metadata": req.metadata or {}}
 
     def finish(self, finish: Optional[str]) -> dict:
@@ -181,8 +163,10 @@ class _Response:
                              "cached_tokens_by_tier": u.by_tier(),
                              "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": u.prompt_tokens + u.completion_tokens}
-        if finish == "length":
+        if finish == "length":  # the item being written when the budget ran out is incomplete too
             self.obj["status"], self.obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            if self.obj["output"] and "status" in self.obj["output"][-1]:
+                self.obj["output"][-1]["status"] = "incomplete"
         else:
             self.obj["status"] = "completed"
         return self.obj
@@ -192,8 +176,8 @@ def _reasoning(text: str) -> dict:
     return {"type": "reasoning", "id": _id("rs"), "summary": [{"type": "summary_text", "text": text}]}
 
 
-def _message(text: str) -> dict:
-    return {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
+def _message(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
@@ -230,7 +214,7 @@ class _Events:
     def _where(self) -> dict:
         return {"item_id": self.item["id"], "output_index": self.index}
 
-    def close(self) -> List[str]:
+    def close(self, status: str = "completed") -> List[str]:
         item, text, out = self.item, self.text, []
         if item is None:
             return out
@@ -238,7 +222,7 @@ class _Events:
             part = {"type": "output_text", "text": text, "annotations": []}
             out += [self.event("response.output_text.done", **self._where(), content_index=0, text=text, logprobs=[]),
                     self.event("response.content_part.done", **self._where(), content_index=0, part=part)]
-            item = _message(text) | {"id": item["id"]}
+            item = _message(text, status) | {"id": item["id"]}
         else:
             part = {"type": "summary_text", "text": text}
             out += [self.event("response.reasoning_summary_text.done", **self._where(), summary_index=0, text=text),
@@ -300,7 +284,7 @@ async def stream(resp: _Response, on_error, stored) -> AsyncIterator[str]:
             for e in ev.piece(p):
                 yield e
             if p.finish_reason is not None:
-                for e in ev.close():
+                for e in ev.close("incomplete" if p.finish_reason == "length" else "completed"):
                     yield e
                 obj = resp.finish(p.finish_reason)
                 stored(obj)
@@ -321,7 +305,7 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
         history = []
         if body.previous_response_id:
             items, previous = store.get(body.previous_response_id)
-            history = items + [dict(o) for o in previous["output"]]
+            history = items + _output_items(previous["output"])
         req, conversation = to_request(body, history, options)
         resp = _Response(body, await generator.start(req))
 

@@ -4,7 +4,9 @@ A protocol module (``openai_chat.py``, ``openai_completions.py``, ...) reads its
 own body, fills a ``GenerationRequest``, hands it to ``Generator.start``
 (``generation.py``) and formats what comes back; the prompt's rendering, the
 grammar, the token budget, sampling, stop strings, speculation and the
-splitting of replies into content, reasoning and tool calls are shared.
+splitting of replies into content, reasoning and tool calls are shared. What a
+request did not say is filled in here, or by ``Generator`` (the token budget),
+never by a translator: ``request_sampling`` makes every protocol's ``Sampling``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
+from mlxpipe.shards.sampling_params import Sampling
+
+
+def request_sampling(options: ApiOptions, **given) -> Sampling:
+    """A request's ``Sampling``: the parameters it gave (None: not given), the server's
+    default temperature (``ApiOptions.default_temperature``) and ``Sampling``'s own
+    defaults for the rest."""
+    given = {name: value for name, value in given.items() if value is not None}
+    return Sampling(**{"temperature": options.default_temperature, **given})
 
 
 @dataclass
@@ -47,8 +59,11 @@ class GenerationRequest:
     split_reply: bool = True
     # Speculative decoding (the output is the same either way): what to draft from
     # (``core/drafting.SOURCES``) and drafted positions in flight at most (0: none).
-    speculation: str = "auto"
+    speculation: str = DEFAULT_SPECULATION
     max_drafts: Optional[int] = None
+    # The client's ``cache_salt`` (vLLM's field): prefixes are reused only between
+    # requests with the same salt, under the same API key (``tenants.py``).
+    cache_salt: Optional[str] = None
 
     @property
     def forced_tool_call(self) -> bool:

@@ -12,6 +12,11 @@ the response has been sent, a request that generated, or was refused (4xx,
 the chat page counts them). Polls of /health, /metrics and the page's files
 get none. A refusal's line ends with the reason the client was given
 (``POST /v1/chat/completions 400 0.00s: max_tokens: Input should be greater than or equal to 1``).
+A client that went away before its response was complete is a 499 (nginx's
+"client closed request"), whether it was streaming (the 200 already sent
+notwithstanding) or waiting for the whole reply, with the tokens it was sent
+(``POST /v1/chat/completions 499 prompt=31 cached=0 completion=5 ... 2.10s: the
+client went away after 5 tokens were sent``).
 """
 
 from __future__ import annotations
@@ -49,16 +54,24 @@ def refused(message: str) -> None:
         record.error = message
 
 
+def printable(text: str) -> str:
+    """``text`` with every control or format character escaped (``\\n``, ``\\x1b``,
+    ``\\u202e``): a path or message a client chose cannot start a forged log line,
+    colour a terminal, or reorder what it shows."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text) if not text.isprintable() else text
+
+
 def _why(record: _Record) -> str:
     if record.error is None:
         return ""
-    text = " ".join(record.error.split())
+    text = printable(" ".join(record.error.split()))
     return f": {text[:197] + '...' if len(text) > 200 else text}"
 
 
 def line(method: str, path: str, status: Optional[int], record: _Record, now: float) -> str:
     """The request's log line (tokens and timings when it generated)."""
-    text = f"{method} {path} {status or 500}"
+    text = f"{method} {printable(path)} {status or 500}"
     gen = record.generation
     if gen is None:
         return f"{text} {now - record.started:.2f}s{_why(record)}"
@@ -85,19 +98,34 @@ class RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        record, status = _Record(time.monotonic()), None
+        record, status, complete, gone = _Record(time.monotonic()), None, False, False
 
         async def watched(message):
-            nonlocal status
+            nonlocal status, complete, gone
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+            complete |= message["type"] == "http.response.body" and not message.get("more_body", False)
+            try:
+                await send(message)
+            except OSError:  # (how a server of ASGI 2.4 says the client went away)
+                gone = True
+                raise
+
+        async def listened():
+            nonlocal gone
+            message = await receive()
+            gone |= message["type"] == "http.disconnect" and not complete
+            return message
 
         token = _current.set(record)
         try:
-            await self.app(scope, receive, watched)
+            await self.app(scope, listened, watched)
         finally:
             _current.reset(token)
+            if gone and not complete and status is not None and status < 400:  # a stream the client left
+                status = 499
+                sent = record.generation.usage().completion_tokens if record.generation is not None else 0
+                record.error = f"the client went away after {sent} tokens were sent"
             if record.generation is not None or status is None or status >= 400:
                 logger.info("%s", line(scope.get("method", "?"), scope.get("path", ""), status, record,
                                        time.monotonic()))

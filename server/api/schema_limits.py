@@ -13,6 +13,7 @@ recurse deeply or take long.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -182,6 +183,29 @@ def check_schema(schema: Any, limits: SchemaLimits = LIMITS) -> None:
     _count(schema, limits)
     _ref_chains(schema, limits)
     _Depth(schema, limits).below(schema, 1)
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` in which an object that lists its ``properties`` and says
+    nothing of others (no ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``) allows no others: strict by default, as xgrammar compiles
+    schemas and OpenAI's strict mode requires, so that a sampled model cannot pad a
+    call with keys nobody declared. An object that lists no properties stays open, and
+    so do an ``allOf`` and its members (closing one would refuse the others' keys).
+    Iterative; run after ``check_schema``."""
+    schema = copy.deepcopy(schema)
+    todo = [(schema, False)]
+    while todo:
+        node, in_all_of = todo.pop()
+        if isinstance(node, list):
+            todo += [(c, False) for c in node]
+            continue
+        if (not in_all_of and isinstance(node.get("properties"), dict)
+                and not {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"} & node.keys()):
+            node["additionalProperties"] = False
+        members = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+        todo += [(c, any(c is m for m in members)) for c in _children(node)]
+    return schema
 
 
 def check_schemas(schemas: List[Tuple[str, Any]], limits: SchemaLimits = LIMITS) -> None:

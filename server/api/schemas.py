@@ -1,6 +1,6 @@
 """OpenAI request bodies, validated at the HTTP edge (pydantic lives only in the API),
 and the pieces other protocols' bodies may share (``bounded``, ``unicode_text``,
-``Function``, ``ResponseFormat``).
+``Function``, ``ResponseFormat``; ``json_body.py`` has ``Body``, their base).
 
 Sampling bounds come from ``Sampling.BOUNDS`` (OpenAI's where it has them;
 the extensions mlx_lm.server accepts, ``top_k``, ``min_p`` and
@@ -13,12 +13,16 @@ which are refused.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from mlxpipe.server.core.drafting import SOURCES
-from mlxpipe.shards.sampling import INT32, Sampling
+from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.request import request_sampling
+from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
+from mlxpipe.shards.sampling_params import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -138,10 +142,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(Body):
     """What chat and text completions share: the model, sampling, stops, streaming."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -160,8 +162,9 @@ class OpenAIRequest(BaseModel):
     logit_bias: Optional[Dict[str, float]] = None
     # Speculative decoding (output is the same either way): what to draft from, and
     # mlx_lm.server's cap on drafted tokens (0: do not speculate).
-    speculation: Literal[SOURCES] = "auto"
+    speculation: Literal[SOURCES] = DEFAULT_SPECULATION
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
+    cache_salt: Optional[str] = cache_salt_field()
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")
@@ -195,15 +198,16 @@ class OpenAIRequest(BaseModel):
         """(report the chosen tokens' log-probabilities, alternatives per token)."""
         raise NotImplementedError
 
-    def sampling(self, default_temperature: float) -> Sampling:
+    def sampling(self, options: ApiOptions) -> Sampling:
         """The request's ``Sampling`` (its choices differ by seed: ``Generator.start``)."""
         logprobs, top = self.want_logprobs()
-        return Sampling(
-            temperature=default_temperature if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+        return request_sampling(
+            options,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -309,23 +313,32 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Union[str, List[str], List[int]]
+    # Text or token ids; a list of one of either (a batch of one, as lm-evaluation-harness
+    # sends) is that prompt. Larger batches are refused.
+    prompt: Union[str, List[int]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0, with echo: score the prompt, generate nothing
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt first, with its tokens' log-probabilities when logprobs is set
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"batched prompts are not served: send one prompt per request, not {len(v)}")
+            v = v[0]
+        if not isinstance(v, (str, list)) or (isinstance(v, list) and not all(type(t) is int for t in v)):
+            raise ValueError("the prompt is a string, a list of token ids, or a list of one of either")
+        return v
+
     @model_validator(mode="after")
     def _supported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported by this server")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("send one prompt per request (batched prompts are not supported)")
         if not self.prompt:
             raise ValueError("the prompt is empty")
         if self.prompt_text() is not None:
@@ -334,9 +347,10 @@ class CompletionRequest(OpenAIRequest):
 
     def prompt_text(self) -> Optional[str]:
         """The prompt as text to tokenize; None when it is already token ids."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if self.prompt and isinstance(self.prompt[0], str) else None
+        return self.prompt if isinstance(self.prompt, str) else None
+
+    def sampling(self, default_temperature: float) -> Sampling:
+        return replace(super().sampling(default_temperature), prompt_logprobs=self.echo and self.logprobs is not None)
 
     def token_budget(self) -> Optional[int]:
         return self.max_tokens

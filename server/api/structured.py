@@ -2,7 +2,8 @@
 
 A request's ``response_format`` (``json_object``, ``json_schema``) or forced
 ``tool_choice`` (``required``, a named function) becomes an llguidance grammar
-string here; it travels with the sequence's sampling parameters and the last
+string here (objects that list their properties allow no others unless the
+schema says so: ``schema_limits.closed_objects``); it travels with the sequence's sampling parameters and the last
 stage enforces it (``shards/grammar.py``). A schema or grammar that cannot be
 enforced raises ``GrammarError`` while the request can still get a 400.
 """
@@ -16,7 +17,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import llguidance as llg
 
-from mlxpipe.server.api.schema_limits import check_schema, check_schemas
+from mlxpipe.server.api.schema_limits import check_schema, check_schemas, closed_objects
 from mlxpipe.shards.grammar import GrammarError, check_output, tokenizer_from_json
 from mlxpipe.shards.tokenizer_json import tokenizer_json  # (re-exported: bench and tests take it from here)
 
@@ -28,7 +29,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def _schema_grammar(schema: Mapping[str, Any], strict: bool) -> str:
     options = dict(JSON_OPTIONS, lenient=not strict)  # strict: a keyword it cannot enforce is an error
     try:
-        return llg.LLMatcher.grammar_from_json_schema(dict(schema), overrides=options)
+        return llg.LLMatcher.grammar_from_json_schema(closed_objects(dict(schema)), overrides=options)
     except ValueError as err:
         raise GrammarError(str(err)) from err
 
@@ -89,7 +90,7 @@ def tool_call_grammar(tokenizer, functions: Sequence[Mapping[str, Any]], paralle
     check_schemas([(f"function {f['name']!r}", f.get("parameters") or {}) for f in functions])
     variants = _call_variants(functions)
     strict = all(f.get("strict") for f in functions)
-    schema = dict(variants[0] if len(variants) == 1 else {"anyOf": variants},
+    schema = dict(closed_objects(variants[0] if len(variants) == 1 else {"anyOf": variants}),
                   **{"x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
     begin, end = _marker(tokenizer.tool_call_start, tokenizer), _marker(tokenizer.tool_call_end, tokenizer)
     start = "start: call+" if parallel else "start: call"

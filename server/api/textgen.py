@@ -62,3 +62,5 @@ async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = ()
         yield chunk
         if finish is not None:
             return
+    if stream.finish_reason is not None:  # it ended with no token of its own (a prompt scored only)
+        yield TextChunk("", [], stream.finish_reason)

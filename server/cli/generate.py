@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
     from mlxpipe.server.api.textgen import stream_text  # (deferred: `generate --help` needs none of them)
     from mlxpipe.server.cluster.assembly import Cluster
-    from mlxpipe.shards.sampling import Sampling
+    from mlxpipe.shards.sampling_params import Sampling
 
     async with Cluster(config) as cluster:
         for line in cluster.describe():

@@ -20,7 +20,8 @@ COMMANDS = (
     ("node", "mlxpipe.shards.node", "run one stage worker that a head can drive"),
     ("plan", "mlxpipe.server.cli.plan", "plan a split of a model over nodes, from its config alone (no weights)"),
     ("status", "mlxpipe.server.cli.status", "the cluster as a table: stages, layers, memory, health, load"),
-    ("nodes", "mlxpipe.server.cli.nodes", "the nodes that joined a running head (`mlxpipe node --join`)"),
+    ("nodes", "mlxpipe.server.cli.nodes",
+     "the nodes a running head knows (joined, found on the LAN); with --discover, what answers on the LAN"),
     ("bench", "mlxpipe.bench.command", "tokens/s of the pipeline beside plain mlx-lm, measured side by side"),
     ("quantize", "mlxpipe.server.cli.quantize", "quantize a full-precision model folder, one layer at a time "
                                                 "(what mlx_lm.convert -q writes)"),
@@ -88,21 +89,22 @@ class _Version(argparse.Action):
 class LazyCommand(_Suggesting):
     """A subcommand whose module, and with it the options, is loaded when the command
     is used: ``mlxpipe --help`` imports none of them (mlx, mlx-lm, FastAPI, gRPC and
-    transformers take seconds to import: deferred, it saves start-up time)."""
+    transformers take seconds to import: deferred, it saves start-up time).
 
-    def __init__(self, *args, module: str = "", **kw):
+    A command's own subcommands are of this class too (argparse makes them of their
+    parent's class), so they load as lazily: ``add_parser(name, module=..., attach=...)``,
+    where ``attach(parser, module)`` adds the options of a module that is not a command
+    (``mlxpipe bench``'s modes). The command names no class of the CLI's."""
+
+    def __init__(self, *args, module: str = "", attach=None, **kw):
         super().__init__(*args, **kw)
         self._module = module
+        self._attach = attach or _attach_command
 
     def _load(self) -> None:
         if self._module:
             module, self._module = importlib.import_module(self._module), ""
-            self.attach(module)
-
-    def attach(self, module) -> None:
-        """Add the options of the command ``module`` is (``add_arguments``, ``run``)."""
-        module.add_arguments(self)
-        self.set_defaults(fn=module.run)
+            self._attach(self, module)
 
     def parse_known_args(self, args=None, namespace=None):
         self._load()
@@ -111,6 +113,12 @@ class LazyCommand(_Suggesting):
     def format_help(self) -> str:
         self._load()
         return super().format_help()
+
+
+def _attach_command(parser: argparse.ArgumentParser, module) -> None:
+    """Add the options of the command ``module`` is (``add_arguments``, ``run``)."""
+    module.add_arguments(parser)
+    parser.set_defaults(fn=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

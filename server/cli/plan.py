@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from mlxpipe.server.cli.options import table
-from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cluster import config as tree
 from mlxpipe.server.cluster.bits import BitsChoice, plan_bits
-from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, plan
-from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
+from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cluster.context import STREAMS, at_kv_bits, context_table, plan_context
+from mlxpipe.server.cluster.config import KV_MARGIN
+from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, fits, plan
+from mlxpipe.shards.quant_spec import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
@@ -30,9 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize to this many bits, or by one of mlx-lm's mixed recipes (mixed_3_6, ...), or "
                         "'auto': per layer the most bits that fit the nodes (default: the folder's own "
                         "quantization, else 16-bit)")
-    p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
-    p.add_argument("--context", type=int, default=8192, help="tokens of KV cache per stream (default 8192)")
-    p.add_argument("--concurrency", type=int, default=1, help="streams whose KV cache must fit (default 1)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"quantization group size (default: the folder's own, else {DEFAULT_GROUP_SIZE})")
+    tree.add_arguments(p, ClusterConfig, only=("context", "concurrency"))
+    kv_bits = next(f for f in dataclasses.fields(ClusterConfig) if f.name == "kv_bits")
+    p.add_argument("--kv-bits", type=int, choices=[16, *map(int, BITS)], default=kv_bits.default,
+                   help=kv_bits.metadata["help"] + " (default %(default)s)")
     p.add_argument("--bandwidth", default=None,
                    help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
                         f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")
@@ -44,9 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per generated token the split is balanced for (default "
                         f"{Workload.prompt_ratio:g}: chat and agents; 0: decode alone)")
     p.add_argument("--prompt-tokens", type=int, default=2048,
-                   help="the prompt whose time to first token is predicted (default 2048)")
+                   help="the prompt whose time to first token is predicted (default %(default)s)")
     p.add_argument("--chunk", type=int, default=Workload.chunk_tokens,
                    help=f"prefill tokens per frame, as serve's --chunk-size (default {Workload.chunk_tokens})")
+    p.add_argument("--link", action="append", default=None, metavar="RATE,LATENCY",
+                   help="a link's throughput and one-way latency, e.g. 40Gbps,50us (Thunderbolt 5) or "
+                        "1Gbps,300us: once for every hop, or once per hop between consecutive --nodes; the "
+                        "prediction then prices each hop (the head on the first node)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -87,20 +100,51 @@ def _nodes_from_args(args) -> Tuple[List[NodeSpec], bool]:
             args.bandwidth is None)
 
 
-def _cost_and_plan(args, nodes: List[NodeSpec]) -> Tuple[ModelCost, Plan, Optional[BitsChoice]]:
-    """The model's cost at the bits asked for, and its plan (``--bits auto``: the choice of bits too)."""
-    kw = dict(context=args.context, concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000,
-              workload=Workload(args.prompt_ratio, args.chunk))
+@dataclasses.dataclass
+class _Planned:
+    """What ``mlxpipe plan`` chose: the cost at the KV bits asked for, its plan, the context."""
+
+    cost: ModelCost           # weights as chosen, KV at --kv-bits
+    base: ModelCost           # the same weights, KV at 16 bits (for the context table)
+    plan: Plan
+    choice: Optional[BitsChoice]
+    context: int
+    clamped: bool             # the model's own context did not fit: the longest that does
+    most: int                 # the model's own context
+    cuts: object = None       # where the model can be cut (``shards/cuts.py``)
+    links: Optional[List[str]] = None  # with --link: the chosen split with every hop priced, in words
+
+
+def _weights_cost(args, spec: Optional[QuantSpec] = None) -> ModelCost:
+    """The model's cost at 16-bit KV: at ``spec``, or the bits asked for (a recipe, a number, as stored)."""
+    if spec is not None:
+        return load_model_cost(args.model, quant=spec)
     bits = None if args.bits is None else args.bits.strip()
-    if bits == "auto":
-        choice = plan_bits(lambda spec: load_model_cost(args.model, quant=spec), nodes,
-                           group_size=args.group_size or DEFAULT_GROUP_SIZE, **kw)
-        return choice.cost, choice.plan, choice
     if bits is not None and not bits.isdigit():  # a mixed recipe
-        cost = load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size))
-    else:
-        cost = load_model_cost(args.model, None if bits is None else int(bits), args.group_size)
-    return cost, plan(cost, nodes, **kw), None
+        return load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size))
+    return load_model_cost(args.model, None if bits is None else int(bits), args.group_size)
+
+
+def _cost_and_plan(args, nodes: List[NodeSpec]) -> _Planned:
+    """The model's cost at the bits asked for, the context and its plan (``--bits auto``: the
+    choice of bits too). Without ``--context``: the model's own, clamped to what fits."""
+    kw = dict(concurrency=args.concurrency, hop_seconds=args.hop_ms / 1000,
+              workload=Workload(args.prompt_ratio, args.chunk), cuts=args.cuts)
+    kv = args.kv_bits
+    if args.bits is not None and args.bits.strip() == "auto":
+        group = args.group_size or DEFAULT_GROUP_SIZE
+        cost_of = lambda spec: at_kv_bits(load_model_cost(args.model, quant=spec), kv)  # noqa: E731
+        lowest = min((cost_of(QuantSpec(r, group)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
+        most = lowest.max_positions or PLANNED_CONTEXT
+        context, choice, clamped = plan_context(
+            lambda c: plan_bits(cost_of, nodes, group_size=group, context=c, **kw), most,
+            lambda c: fits(lowest, nodes, c, args.concurrency), args.context)
+        return _Planned(choice.cost, _weights_cost(args, choice.spec), choice.plan, choice, context, clamped, most)
+    base = _weights_cost(args)
+    cost, most = at_kv_bits(base, kv), base.max_positions or PLANNED_CONTEXT
+    context, result, clamped = plan_context(lambda c: plan(cost, nodes, context=c, **kw), most,
+                                            lambda c: fits(cost, nodes, c, args.concurrency), args.context)
+    return _Planned(cost, base, result, None, context, clamped, most)
 
 
 def _quant_name(cost: ModelCost) -> str:
@@ -109,9 +153,9 @@ def _quant_name(cost: ModelCost) -> str:
     return f"{cost.bits}-bit, group {cost.group_size}" if cost.bits else "16-bit"
 
 
-def _summary(cost: ModelCost, args) -> dict:
+def _summary(p: _Planned, args) -> dict:
+    cost = p.cost
     kinds = [l.kind for l in cost.layers]
-    kv_token = sum(l.kv_bytes_per_token for l in cost.layers)
     return {
         "model": cost.name, "model_type": cost.model_type, "num_layers": cost.num_layers,
         "dense_layers": kinds.count("dense"), "moe_layers": kinds.count("moe"),
@@ -121,7 +165,9 @@ def _summary(cost: ModelCost, args) -> dict:
         "sizes_from": cost.source,
         "params": cost.total_params, "active_params": cost.active_params,
         "weight_bytes": cost.weight_bytes, "read_bytes_per_token": cost.read_bytes,
-        "kv_bytes_per_token": kv_token, "context": args.context, "concurrency": args.concurrency,
+        "kv_bits": cost.kv_bits, "kv_group_size": cost.kv_group_size, "kv_margin": KV_MARGIN,
+        "kv_bytes_per_token": cost.kv_bytes_per_token, "context": p.context, "context_clamped": p.clamped,
+        "model_context": p.most, "concurrency": args.concurrency,
     }
 
 
@@ -129,35 +175,52 @@ def run(args) -> int:
     """``mlxpipe plan``: print the best split (a table, or JSON with --json); 2 when nothing fits."""
     try:
         nodes, assumed = _nodes_from_args(args)
-        cost, result, choice = _cost_and_plan(args, nodes)
-        decode_only = plan(cost, nodes, context=args.context, concurrency=args.concurrency,
-                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk))
-        summary = _summary(cost, args)
+        cuts = model_cuts(args.model)
+        args.cuts = None if cuts.all_valid else cuts.valid
+        p = _cost_and_plan(args, nodes)
+        decode_only = plan(p.cost, nodes, context=p.context, concurrency=args.concurrency,
+                           hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk), cuts=args.cuts)
+        contexts = context_table(p.base, nodes, p.most)
+        priced = _priced(args, p, nodes)
+        p.cuts, p.links = cuts, priced.lines([n.name for n in nodes]) if priced else None
     except ValueError as e:
         if args.json:
             print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
         else:
             print(f"mlxpipe plan: {e}", file=sys.stderr)
         return 2
-    stage_bits = [cost.stage_mean_bits(s.start, s.end) for s in result.stages]
     if args.json:
-        out = {"feasible": True, **summary, "bandwidth_assumed": assumed, "flops_assumed": args.flops is None,
-               "nodes": [asdict(n) for n in nodes], **result.to_dict(), "ttft_s": result.ttft(args.prompt_tokens),
-               "workload": {"prompt_ratio": args.prompt_ratio, "chunk_tokens": args.chunk,
-                            "prompt_tokens": args.prompt_tokens},
-               "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens))}
-        for st, b in zip(out["stages"], stage_bits):
-            st["mean_bits"] = b
-        if choice is not None:
-            out["trade"] = choice.trade()
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_json(args, p, nodes, assumed, decode_only, contexts), indent=2))
         return 0
-    quant = _quant_name(cost) if choice is None else f"--bits auto: {_quant_name(cost)}"
-    print(f"{cost.name}: {cost.num_layers} layers ({summary['dense_layers']} dense, {summary['moe_layers']} MoE), "
+    _print_plan(args, p, decode_only, contexts)
+    return 0
+
+
+def _json(args, p: _Planned, nodes, assumed: bool, decode_only: Plan, contexts) -> dict:
+    result = p.plan
+    out = {"feasible": True, **_summary(p, args), "bandwidth_assumed": assumed, "flops_assumed": args.flops is None,
+           "nodes": [asdict(n) for n in nodes], **result.to_dict(), "ttft_s": result.ttft(args.prompt_tokens),
+           "workload": {"prompt_ratio": args.prompt_ratio, "chunk_tokens": args.chunk,
+                        "prompt_tokens": args.prompt_tokens},
+           "decode_only": dict(decode_only.to_dict(), ttft_s=decode_only.ttft(args.prompt_tokens)),
+           "context_table": [{"kv_bits": r.kv_bits, "kv_bytes_per_token": r.kv_bytes_per_token,
+                              "longest_context": {str(n): c for n, c in r.longest.items()}} for r in contexts],
+           "cuts": p.cuts.to_dict(), "links": p.links}
+    for st, s in zip(out["stages"], result.stages):
+        st["mean_bits"] = p.cost.stage_mean_bits(s.start, s.end)
+    if p.choice is not None:
+        out["trade"] = p.choice.trade()
+    return out
+
+
+def _print_plan(args, p: _Planned, decode_only: Plan, contexts) -> None:
+    cost, result = p.cost, p.plan
+    kinds = [l.kind for l in cost.layers]
+    quant = _quant_name(cost) if p.choice is None else f"--bits auto: {_quant_name(cost)}"
+    print(f"{cost.name}: {cost.num_layers} layers ({kinds.count('dense')} dense, {kinds.count('moe')} MoE), "
           f"{quant}, {cost.total_params / 1e9:.1f}B parameters ({cost.active_params / 1e9:.1f}B per token)")
-    print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token; "
-          f"KV cache {summary['kv_bytes_per_token'] / 1e3:.1f} KB per token x {args.context} tokens "
-          f"x {args.concurrency} stream(s)")
+    print(f"weights {gb(cost.weight_bytes)} (sizes from {cost.source}), {gb(cost.read_bytes)} read per token")
+    print(_kv_line(args, p))
     for what, given, value in (("bandwidth", args.bandwidth, f"{DEFAULT_BANDWIDTH / 1e9:.0f} GB/s"),
                                ("compute", args.flops, f"{DEFAULT_FLOPS / 1e12:.0f} TFLOPS")):
         if given is None:
@@ -165,7 +228,8 @@ def run(args) -> int:
                   "given)")
     print()
     rows = [["stage", "node", "layers", "#layers", "bits", "weights GB", "KV GB", "ms/token"]]
-    for i, (s, b) in enumerate(zip(result.stages, stage_bits)):
+    for i, s in enumerate(result.stages):
+        b = cost.stage_mean_bits(s.start, s.end)
         rows.append([str(i), s.node, f"[{s.start}, {s.end})", str(s.num_layers), _bits_cell(cost, s, b),
                      f"{s.weight_bytes / 1e9:.1f}", f"{s.kv_bytes / 1e9:.2f}", f"{s.seconds * 1e3:.2f}"])
     print(table(rows, right=range(3, 8)))
@@ -176,9 +240,39 @@ def run(args) -> int:
           f"{result.tokens_per_s_pipeline:.1f} tokens/s in all with {len(result.stages)} streams in flight "
           f"(one per stage); bandwidth-bound estimate, an upper bound")
     print("\n".join(_mix_lines(args, result, decode_only)))
-    if choice is not None:
-        print(f"quality: {choice.trade()}")
-    return 0
+    print("\n".join([p.cuts.describe() + ("" if p.cuts.traced else " (assumed: the structure could not be read here)"),
+                     *(p.links or [])]))
+    if p.choice is not None:
+        print(f"quality: {p.choice.trade()}")
+    print()
+    print("\n".join(_context_lines(p, contexts)))
+
+
+def _kv_line(args, p: _Planned) -> str:
+    """What the KV cache is planned for."""
+    kv = p.cost
+    what = (f"the model's own {p.most} do not fit, so the longest that does" if p.clamped
+            else "the model's own" if args.context is None else "--context")
+    return (f"KV cache {kv.kv_bytes_per_token / 1e3:.1f} KB per token at {kv.kv_bits}-bit (--kv-bits), planned for "
+            f"{p.context} tokens ({what}) x {args.concurrency} stream(s) (--concurrency); each stage keeps "
+            f"{KV_MARGIN}x its share free (batched caches pad rows and copy a sequence as it joins a group)")
+
+
+def _context_lines(p: _Planned, contexts) -> List[str]:
+    """The context table: for each KV precision, the longest context 1 and 4 streams may each
+    hold, layers placed for it (what --context may ask for)."""
+    rows = [["KV bits", "KB/token", *(f"{n} stream{'s' if n > 1 else ''}" for n in STREAMS)]]
+    for r in contexts:
+        rows.append([str(r.kv_bits), f"{r.kv_bytes_per_token / 1e3:.1f}",
+                     *(_tokens_cell(r.longest[n], p.most) for n in STREAMS)])
+    return [f"longest context that fits beside these weights, each stream, layers placed for it "
+            f"(the model's own: {p.most}; KV groups of {DEFAULT_GROUP_SIZE}):", table(rows, right=range(1, 4))]
+
+
+def _tokens_cell(tokens: int, most: int) -> str:
+    if not tokens:
+        return "none"
+    return f"{tokens} (model's max)" if tokens >= most else str(tokens)
 
 
 def _mix_lines(args, chosen: Plan, decode_only: Plan) -> List[str]:
@@ -206,3 +300,35 @@ def _bits_cell(cost: ModelCost, stage, mean: Optional[float]) -> str:
         return rungs[0]
     counts = " + ".join(f"{rungs.count(r)}x{r}" for r in sorted(set(rungs), key=rungs.index))
     return f"{counts} = {mean:.2f}"
+
+
+def _config(model: str) -> dict:
+    """``--model``'s config (a folder or a config.json), with its text part's sizes."""
+    p = Path(model)
+    config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    return config | {k: v for k, v in config.get("text_config", {}).items() if k not in config}
+
+
+def model_cuts(model: str):
+    """Where the model of ``--model`` can be cut (``shards/cuts.py``)."""
+    from mlxpipe.shards.cuts import of_config
+
+    config = _config(model)
+    return of_config(json.loads((Path(model) / "config.json" if Path(model).is_dir() else Path(model)).read_text()),
+                     int(config.get("num_hidden_layers", 0)))
+
+
+def _priced(args, p: _Planned, nodes: List[NodeSpec]):
+    """With --link: the chosen split with every hop priced (bf16 activations), else None."""
+    if not args.link:
+        return None
+    from mlxpipe.server.cluster import linkplan
+
+    hidden = int(_config(args.model).get("hidden_size", 0))
+    links = linkplan.Links.in_a_row(hidden * 2, [linkplan.parse_link(x) for x in args.link], len(nodes))
+    used = [s.node_index for s in p.plan.stages]
+    sub = linkplan.Links(links.row_bytes, tuple(links.head[i] for i in used),
+                         {(a, b): links.between(used[a], used[b]) for a in range(len(used))
+                          for b in range(a + 1, len(used))})
+    return linkplan.evaluate(p.cost, [nodes[i] for i in used], sub, p.plan.ranges, context=p.context,
+                             concurrency=args.concurrency, workload=Workload(args.prompt_ratio, args.chunk))

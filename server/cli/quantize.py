@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.quant_spec import QuantSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="full-precision model folder (bf16, fp16, fp32, DeepSeek's FP8)")
     p.add_argument("--bits", required=True, help="2, 3, 4, 5, 6 or 8, or one of mlx-lm's mixed recipes (mixed_3_6, ...)")
-    p.add_argument("--group-size", type=int, default=None, help="weights per scale and bias (default 64)")
+    p.add_argument("--group-size", type=int, default=ClusterConfig.group_size,
+                   help="weights per scale and bias (default %(default)s)")
     p.add_argument("--layer-bits", default=None,
                    help="bits (or a recipe) per layer, comma-separated, e.g. as `mlxpipe plan --bits auto --json` "
                         "lists them; --bits then applies to the embedding and the head")

@@ -14,7 +14,7 @@ from typing import List
 import httpx
 
 from mlxpipe.proto.rpc import Security, add_security_arguments
-from mlxpipe.server.cli.nodes import add_arguments as add_head_arguments, get_head
+from mlxpipe.server.cli.nodes import add_head_arguments, get_head
 from mlxpipe.server.cli.options import api_key, table
 from mlxpipe.server.cli.running import head_url
 
@@ -44,10 +44,34 @@ def from_head(url: str, key: str = "") -> str:
                      str(s.get("live_sequences", "-"))])
     head = (f"{h.get('model')}: {h.get('status')} ({h.get('state', '?')}), {h.get('live_requests', 0)} live "
             f"requests, {h.get('recoveries', 0)} recoveries")
+    if h.get("context_length"):
+        head += (f"\ncontext: {h['context_length']} tokens per request; the KV cache holds {h.get('kv_tokens')} "
+                 "tokens in all requests at once")
     if h.get("reason"):
         head += f"\n{h['reason']}"
     warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]
-    return head + "\n\n" + table(rows) + "".join(f"\n{w}" for w in warnings)
+    warnings += h.get("link_warnings", [])
+    return head + "\n\n" + table(rows) + _links(h) + _workload(h) + "".join(f"\n{w}" for w in warnings)
+
+
+def _links(h: dict) -> str:
+    """Every link's latency and throughput (the head's /health ``links``)."""
+    if not h.get("links"):
+        return ""
+    rows = [["link", "from", "to", "latency ms", "MB/s", "jitter ms", "from what"]]
+    for l in h["links"]:
+        rows.append([l["name"], l["source"], l["target"], f"{l['latency_s'] * 1e3:.2f}",
+                     f"{l['bytes_per_s'] / 1e6:.1f}" if l["bytes_per_s"] else "-", f"{l['jitter_s'] * 1e3:.2f}",
+                     l["basis"]])
+    return "\n\n" + table(rows, right=range(3, 6))
+
+
+def _workload(h: dict) -> str:
+    """The workload the head measured, the split it implies and what that would gain."""
+    w = h.get("workload")
+    if not w:
+        return ""
+    return "\n\n" + "\n".join(w.get("lines", []))
 
 
 async def from_nodes(addresses: List[str], security) -> str:

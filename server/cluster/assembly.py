@@ -14,6 +14,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
 from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_token_budget, prefix_blocks,
                                            scheduler_config, stage_limits)
+from mlxpipe.server.cluster import mix
+from mlxpipe.server.cluster.checks import vet
+from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
+from mlxpipe.server.cluster.draft_model import load_draft_model
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -22,9 +26,11 @@ from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.core.draft_model import load_draft_model
 from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
+from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.links import probe_sizes
 from mlxpipe.shards.profile import offered_memory
+from mlxpipe.shards.quant_spec import quantized_fingerprint
 from mlxpipe.shards.store import fingerprint
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,7 @@ class Cluster:
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
+        self.discovery: Optional[Discovery] = None  # --discover: this cluster's nodes on the LAN
         self._node_added = asyncio.Event()
 
     # -- what the rest of the head reads --------------------------------------------
@@ -86,11 +93,32 @@ class Cluster:
             bits = self.quant.bits
         return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
-                "bits": bits}
+                "bits": bits, "context_length": self.engine.max_context}
 
     def joined_nodes(self) -> List[dict]:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
         return joined_table(self.joined, {st.address for st in self.pipeline.stages})
+
+    def report(self) -> dict:
+        """What ``/health``, ``/metrics`` and ``/nodes`` say of the cluster beyond its stages:
+        every link's latency and throughput and the warnings about them."""
+        out: dict = {}
+        if self.engine is not None:
+            table = self.pipeline.links
+            out["links"] = [link.to_dict() for link in table.links()]
+            out["link_warnings"] = table.warnings()
+            meter = self.engine.framer.meter
+            stages = self.pipeline.stages
+            try:
+                out["workload"] = mix.report(self.placer, [(st.start, st.end) for st in stages],
+                                             [st.address for st in stages], meter.mix(), meter.enough,
+                                             self.config.prompt_ratio)
+            except ValueError as err:  # a cost the planner cannot read: say so, /health stays up
+                out["workload"] = {"measured": meter.mix(), "lines": [f"measured workload: no split from it ({err})"]}
+        if self.discovery is not None:
+            out["discovered"] = self.discovery.table()
+            out["discovery"] = {"drop_after_s": DROP_AFTER_S, "usable": self.discovery.usable()}
+        return out
 
     def describe(self) -> List[str]:
         quant = self.quant
@@ -100,7 +128,17 @@ class Cluster:
             lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
         if self.plan_note:
             lines.append(self.plan_note)
+        if self.placer is not None:
+            lines += self.placer.prediction
+        lines.append(self.context_note())
         return lines
+
+    def context_note(self) -> str:
+        """The served context, and what sets it (serve's banner)."""
+        engine = self.engine
+        kv = engine.kv_tokens
+        return (f"context:   {engine.max_context} tokens per request, prompt and reply ({engine.context_limit()}); "
+                f"the KV cache holds {kv} tokens in all requests at once")
 
     # -- starting ---------------------------------------------------------------------
 
@@ -113,6 +151,7 @@ class Cluster:
         try:
             await self._gather_stages()
             self.placer = Placer(cfg, self.model, local=self.local is not None)
+            self.placer.measured = mix.load(fingerprint(self.model.path))  # the last run's workload, if any
             pipeline = await self._build(self.addresses)
             await self._start_engine(pipeline)
         except BaseException:
@@ -128,7 +167,7 @@ class Cluster:
         """Local stage processes, or the --nodes workers (and, with --join-listen, the
         nodes that join), every one answering."""
         cfg = self.config
-        if not (cfg.nodes or cfg.join_listen):
+        if not (cfg.nodes or cfg.join_listen or cfg.discover):
             # Local stages: a random cluster secret of their own, so that other
             # users of this machine cannot drive them either.
             self.security = Security(secret=secrets.token_urlsafe(32))
@@ -148,7 +187,12 @@ class Cluster:
                                len(self.addresses), max(cfg.wait_nodes, 1))
                 self._node_added.clear()
                 await self._node_added.wait()
+        if cfg.discover:
+            await self._discover()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
+        refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
+        if refused:
+            raise PipelineError("; ".join(refused.values()), list(refused))
 
     def _budget(self, pipeline: Pipeline) -> Tuple[int, int, int]:
         """The KV positions and prefix-cache blocks (in memory, on disk) a loaded pipeline's stages hold."""
@@ -159,11 +203,14 @@ class Cluster:
     async def _start_engine(self, pipeline: Pipeline) -> None:
         n = len(pipeline.stages)  # the planner may have left nodes out
         kv, blocks, disk = self._budget(pipeline)
+        model_max = pipeline.stages[0].load.max_context
         self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost, disk),
                              eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
-                             max_context=pipeline.stages[0].load.max_context,
+                             max_context=min(model_max, self.config.context or model_max),
                              rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,
                              draft_model=self.draft, vocab_size=self.model.vocab_size)
+        if self.config.context and self.config.context < model_max:
+            self.engine.context_source = "--context"
         await self.engine.start()
 
     # -- building a pipeline -----------------------------------------------------------
@@ -174,8 +221,11 @@ class Cluster:
             cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
+        # Links are timed between machines; local stages share this one's loopback.
+        probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
+                                                                     self.config.chunk_size)
         return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec)
+                        tokenizer=self.model.tokenizer_spec, probe=probe)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -188,11 +238,15 @@ class Cluster:
                     await pipeline.close()
                     pipeline = self._pipeline([addresses[i] for i in keep])
             elif split == "even" or len(split.split(",")) == len(addresses):
-                ranges = fixed_ranges(layers, len(addresses), split)
+                ranges = fixed_ranges(layers, len(addresses), split, self.model.cuts)
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
-                ranges = even_split(layers, len(addresses))
+                ranges = even_split(layers, len(addresses), self.model.cuts)
             pipeline.assign(ranges)
+            pipeline.fingerprint = quantized_fingerprint(self.weights.fingerprint if self.weights else
+                                                         fingerprint(self.model.path), self.model.quant)
             await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
+            for line in await self.placer.predict(pipeline):
+                logger.info("%s", line)
         except BaseException:
             await pipeline.close()
             raise
@@ -211,19 +265,54 @@ class Cluster:
         return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
-        """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``)."""
+        """A new loaded pipeline after a fault, over the stages that work (``rebuild.py``;
+        nodes that discovery dropped are not waited for)."""
         cfg = self.config
-        alive = await answering(self.addresses, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s,
-                                why, suspects)
+        meter = self.engine.framer.meter if self.engine is not None else None
+        if meter is not None and meter.enough:
+            self.placer.measured = meter.mix()  # a re-plan balances for what the head measured
+        gone = self.discovery.gone if self.discovery is not None else set
+        alive = await answering([a for a in self.addresses if a not in gone()], self.security, self.local,
+                                cfg.restart, cfg.rejoin_timeout_s, why, suspects, gone=gone)
         pipeline = await build_leaving_out(alive, self._build, why)
         return Rebuilt(pipeline, *self._budget(pipeline))
 
-    # -- nodes that join, stopping ------------------------------------------------------
+    # -- nodes found on the LAN, nodes that join, stopping --------------------------------
+
+    async def _discover(self) -> None:
+        """Find this cluster's nodes on the LAN (``discovery.py``): wait for ``--wait-nodes``
+        of them (listed ones count), then for no more to come."""
+        if not self.security.secret:
+            raise ValueError("--discover needs the cluster secret (--secret-file or $MLXPIPE_SECRET): nodes are "
+                             "found, and proved, by it")
+        self.discovery = await Discovery(self.security, self._found, self._lost).start()
+        want = max(self.config.wait_nodes, 1) - len(self.addresses)
+        for address in await self.discovery.wait(max(want, 0)):
+            if address not in self.addresses:
+                self.addresses.append(address)
+
+    async def _found(self, found) -> None:
+        """A node of this cluster appeared on the LAN: plan over it too (as a node that joins)."""
+        if self.engine is None or found.address in self.addresses:
+            return  # (still starting: the first plan takes every node found by then)
+        self.addresses.append(found.address)
+        await self.engine.request_replan(f"node {found.address} found on the local network", timeout=REPLAN_WAIT_S)
+
+    async def _lost(self, found) -> None:
+        """A node stopped answering (or said goodbye): the next plan leaves it out. (If it
+        held layers, its broken stream has the engine rebuild without it already.)"""
+        if found.address in self.addresses:
+            self.addresses.remove(found.address)
+
 
     async def add_node(self, joined) -> Tuple[bool, str]:
         """A node joined: plan over it too. Returns whether it is in the pipeline now."""
         if self.local is not None:
             return False, "this head runs local stages; start it with --nodes or --join-listen to accept nodes"
+        why = (await vet([joined.address], self.security))[joined.address]
+        if why:
+            logger.warning("refused node %s: %s", joined.address, why)
+            return False, why
         self.joined[joined.address] = joined
         if joined.address not in self.addresses:
             self.addresses.append(joined.address)
@@ -235,6 +324,10 @@ class Cluster:
         return in_plan, self.plan_note
 
     async def stop(self) -> None:
+        if self.engine is not None and self.engine.framer.meter.enough:  # for the next start's plan
+            mix.save(fingerprint(self.model.path), self.engine.framer.meter.mix())
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.join_server is not None:
             await self.join_server.stop(grace=None)
         if self.engine is not None:

@@ -17,19 +17,28 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
-from mlxpipe.proto.rpc import Security, add_security_arguments, read_secret
-from mlxpipe.server.cluster.planner import Workload
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
-from mlxpipe.shards.node import LAUNCH_AHEAD_HELP
+from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import parse_size
 
+if TYPE_CHECKING:
+    from mlxpipe.proto.rpc import Security
+
 _NO_DEFAULT = dataclasses.MISSING
+# Prompt tokens per generated token a split is balanced for before the head has measured
+# any workload (chat and agents resend long contexts every turn).
+PROMPT_RATIO = 10.0
+# A stage keeps twice the KV cache its sequences may fill free: batched caches pad
+# their rows to the longest, and a sequence's caches are copied as it joins a decode
+# group. The head reserves KV positions by the same rule (``kv_token_budget``), so
+# what a plan fits is what the stages serve.
+KV_MARGIN = 2
 
 
 def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = "", factory: Optional[Callable] = None,
@@ -102,11 +111,46 @@ def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
     return 0 if text.strip() == "0" else parse_size(text)
 
 
-def _api_key(path: Optional[str]) -> Optional[str]:
+def read_api_keys(path: str) -> Tuple[str, ...]:
+    """An API key file's keys: one a line (blank lines and lines starting with # left out)."""
+    from mlxpipe.proto.rpc import read_secret
+
+    keys = tuple(k for k in (line.strip() for line in read_secret(path, "--api-key-file").splitlines())
+                 if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys
+
+
+def _api_keys(path: Optional[str]) -> Tuple[str, ...]:
     """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
     if path:
-        return read_secret(path, "--api-key-file")
-    return os.environ.get("MLXPIPE_API_KEY") or None
+        return read_api_keys(path)
+    key = os.environ.get("MLXPIPE_API_KEY", "").strip()
+    return (key,) if key else ()
+
+
+# The cluster secret and TLS are proto/rpc.py's (with gRPC): taken when a config is
+# made or read, so that importing the tree loads no gRPC.
+def _security() -> "Security":
+    from mlxpipe.proto.rpc import Security
+
+    return Security()
+
+
+def _add_security(parser: argparse.ArgumentParser) -> None:
+    from mlxpipe.proto.rpc import add_security_arguments
+
+    add_security_arguments(parser)
+
+
+def _read_security(args: argparse.Namespace) -> "Security":
+    from mlxpipe.proto.rpc import Security
+
+    return Security.from_args(args)
+
+
+PLANNED_CONTEXT = 8192  # tokens per sequence the KV cache is planned for, when not given (at most the model's)
 
 
 @dataclass
@@ -121,9 +165,11 @@ class ClusterConfig:
                             factory=list, parse=_node_list, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
-    prompt_ratio: float = knob(Workload.prompt_ratio, "prompt tokens per generated token the 'auto' split is "
-                               "balanced for, from each node's measured prefill and decode (default %(default)s: "
-                               "chat and agents, which resend long contexts; 0: decode alone)", type=ratio)
+    prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "
+                                         "from each node's measured prefill and decode (default: the workload "
+                                         "this head measured, prompt tokens computed after the prefix cache, kept "
+                                         f"across restarts; before any, {PROMPT_RATIO:g}: chat and "
+                                         "agents; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "
@@ -158,28 +204,39 @@ class ClusterConfig:
                                "local stages than cores, so that each stage has a core of its own, as each Mac of a "
                                "cluster would (the OS otherwise moves them about and they share); --no-pin leaves "
                                "placement to the OS", action=argparse.BooleanOptionalAction)
-    launch_ahead: Optional[bool] = knob(None, "local stages: " + LAUNCH_AHEAD_HELP,
-                                        action=argparse.BooleanOptionalAction)
+    launch_ahead: Optional[bool] = knob(None, "local stages' --launch-ahead (shards/node_options.py)",
+                                        add=lambda p: add_launch_ahead(p, "local stages: "),
+                                        read=lambda args: args.launch_ahead)
     bits: Optional[str] = knob(
         None, "quantize a full-precision --model (bf16, fp16, fp32, DeepSeek's FP8) as each stage loads its "
         "layers, as mlx_lm.convert -q would: 8, 6, 5, 4, 3 or 2 bits, one of mlx-lm's mixed recipes "
         "(mixed_3_6, ...), or 'auto': per layer, the most bits that fit every node (docs/planning.md)", parse=_bits)
     group_size: int = knob(DEFAULT_GROUP_SIZE, "weights per quantization scale and bias, with --bits (default "
                            "%(default)s)", type=count)
+    context: Optional[int] = knob(
+        None, "tokens one request may hold (prompt and reply), planned with the weights: each stage keeps room "
+        "for the KV cache of --concurrency requests this long, and the served context (which every API reports) "
+        "is at most this (default: the model's maximum, clamped to what fits beside the weights)", type=count)
+    concurrency: int = knob(1, "requests of --context tokens whose KV cache the plan keeps room for at once "
+                            "(default %(default)s: one long agent session; shorter requests share the room)",
+                            type=count)
+    kv_bits: int = knob(16, "bits of each cached key and value the plan counts (16: the model's dtype; 8 or 4: "
+                        "mlx-lm's quantized KV cache)", flag=None)
     security: Security = knob(help="the cluster secret and TLS toward --nodes (local stages get a fresh secret)",
-                              factory=Security, add=add_security_arguments, read=Security.from_args)
+                              factory=_security, add=_add_security, read=_read_security)
     weights_rate: Optional[float] = knob(None, "cap on weights streamed to each node that lacks the model, e.g. "
                                          "100MB (per second)", parse=_size)
     join_listen: Optional[str] = knob(None, "let nodes join here (`mlxpipe node --join HOST:PORT`), with the "
                                       "cluster secret", metavar="HOST:PORT", serve_only=True)
-    wait_nodes: int = knob(0, "with --join-listen: nodes to wait for (listed and joined) before serving "
-                           "(default 1)", type=int, serve_only=True)
+    wait_nodes: int = knob(0, "with --join-listen or --discover: nodes to wait for (listed, joined or found) "
+                           "before serving (default 1)", type=int, serve_only=True)
+    discover: bool = knob(False, "find this cluster's nodes on the local network (those started with `mlxpipe node "
+                          "--announce` and the same secret; DNS-SD, never beyond the link), authenticate each, plan "
+                          "over them, add those that appear later and drop those that stop answering. Needs the "
+                          "cluster secret; off unless given", action="store_true", serve_only=True)
     # Knobs without an option: for tests, benchmarks and embedding.
     max_running: Optional[int] = knob(None, "sequences holding caches (default: groups x max_batch)", flag=None)
     profile_batch: int = knob(8, "rows per decode step the planner balances for", flag=None)
-    context: Optional[int] = knob(None, "tokens per sequence the KV cache must hold, for planning memory "
-                                  "(default: min(the model's, 8192))", flag=None)
-    concurrency: int = knob(4, "sequences whose KV cache must fit, for planning memory", flag=None)
     restart: bool = knob(True, "restart local stage processes that die or stall, in place", flag=None)
     rejoin_timeout_s: float = knob(30.0, "how long a failed remote node gets to come back before re-planning",
                                    flag=None)
@@ -194,22 +251,24 @@ class ApiOptions:
 
     model_id: str = knob(help="the name /v1/models lists (the folder's name, or the repo id as given)", flag=None)
     aliases: Tuple[str, ...] = knob((), "other names accepted in `model`", flag=None)
-    default_max_tokens: int = knob(512, "tokens to generate when a request does not say (default %(default)s)",
-                                   flag="--max-tokens", type=count)
+    default_max_tokens: Optional[int] = knob(None, "tokens a reply may run to when its request names no limit "
+                                             "(default: none, to the end of the context, as OpenAI's)",
+                                             flag="--max-tokens", type=count)
     default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
                                       "OpenAI)", flag="--temp", type=float)
-    api_key: Optional[str] = knob(None, "file with the API key clients must send as 'Authorization: Bearer <key>' "
-                                  "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
-                                  parse=_api_key)
+    api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "
+                                     "<key>', one a line: one per user or app, each key's prompts cached apart "
+                                     "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
+                                     parse=_api_keys, cli_default=None)
     cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
                                          flag="--cors-origin", action="append", parse=tuple, cli_default=[])
-    max_body_bytes: int = knob(4 << 20, "largest request body (default 4 MiB)", type=count)
+    max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)
     max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
                                             "context)", type=count)
     max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
                                            "context)", type=count)
     log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
-                              "prompt/cached/completion tokens, time to first token, tok/s (default: on)",
+                              "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
                               action=argparse.BooleanOptionalAction)
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
 
@@ -229,11 +288,14 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = True) -> None:
+def add_arguments(parser: argparse.ArgumentParser, section: type, serve: bool = True,
+                  only: Optional[Sequence[str]] = None) -> None:
     """An option for every knob of ``section`` that has one (``serve``: with the ones only
-    ``serve`` takes); the values land under the fields' names."""
+    ``serve`` takes; ``only``: those knobs alone); the values land under the fields' names."""
     for f in dataclasses.fields(section):
         meta = f.metadata
+        if only is not None and f.name not in only:
+            continue
         if meta.get("add") is not None:
             meta["add"](parser)
             continue
@@ -286,10 +348,17 @@ def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
                        disk_bytes=cfg.prefix_cache_disk)
 
 
+def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:
+    """Tokens per sequence the planner makes room for: ``cfg.context``, else the model's
+    context (``max_position_embeddings``), at most ``PLANNED_CONTEXT``."""
+    return cfg.context or min(int(model_context or PLANNED_CONTEXT), PLANNED_CONTEXT)
+
+
 def kv_token_budget(loads: Sequence) -> int:
     """KV positions the scheduler may reserve, from the stages' Load replies: the tightest
-    stage's cache cap over what a token costs there, halved for the padding of batched caches."""
-    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // 2
+    stage's cache cap over what a token costs there, over ``KV_MARGIN`` (batched
+    caches pad rows and copy a sequence's caches as it joins a group)."""
+    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // KV_MARGIN
 
 
 def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from mlxpipe.shards.quant_spec import BITS, RECIPES, QuantSpec
+from mlxpipe.shards.quant_spec import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
 from mlxpipe.shards.store import text_config
 from mlxpipe.shards.weights import LAYER_RE, read_header
 
@@ -62,6 +62,10 @@ class ModelCost:
     quant: Optional[QuantSpec] = None  # the rungs costed, when quantizing a full-precision model
     ends_quant_params: int = 0  # quantized parameters of the embedding and an untied head
     ends_quant_bits: int = 0
+    kv_dtype_bytes: int = 2     # bytes of a cached key or value at 16 bits (the model's dtype)
+    kv_bits: int = 16           # the KV-cache precision ``kv_bytes_per_token`` is at (``context.at_kv_bits``)
+    kv_group_size: int = DEFAULT_GROUP_SIZE
+    max_positions: Optional[int] = None  # the model's own context (max_position_embeddings)
 
     def __post_init__(self) -> None:
         # Weight bytes of layers [0, i): the planner asks for O(nodes x layers^2) stage weights.
@@ -72,6 +76,11 @@ class ModelCost:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one position through every layer."""
+        return sum(l.kv_bytes_per_token for l in self.layers)
 
     @property
     def total_params(self) -> int:
@@ -254,11 +263,11 @@ def _attention(cfg: dict, q: Callable[[str], _Quant], parts: _Parts) -> int:
     return 2 * kvh * hd
 
 
-def _layer(cfg: dict, i: int, scheme: _Scheme, kv_bytes: int) -> LayerCost:
+def _layer(cfg: dict, i: int, scheme: _Scheme, kv_dtype: int) -> LayerCost:
     h = int(cfg["hidden_size"])
     parts = _Parts()
     q = lambda name: scheme(f"model.layers.{i}.{name}")  # noqa: E731
-    kv = _attention(cfg, q, parts) * kv_bytes
+    kv = _attention(cfg, q, parts) * kv_dtype
     if not _is_moe(cfg, i):
         inter = int(cfg["intermediate_size"])
         parts.matrix(q("mlp.gate_proj"), inter, h)
@@ -292,7 +301,7 @@ def _bits_and_group(cfg: dict, bits: Optional[int], group_size: Optional[int],
                             quant.group_size)
     stored = cfg.get("quantization") or {}
     bits = stored.get("bits") if bits is None else bits
-    group_size = (stored.get("group_size") or 64) if group_size is None else group_size
+    group_size = (stored.get("group_size") or DEFAULT_GROUP_SIZE) if group_size is None else group_size
     if bits is not None and bits != 16 and not 1 <= bits <= 8:
         raise ValueError(f"bits must be between 1 and 8 (or 16 for unquantized), not {bits}")
     if group_size <= 0:
@@ -328,8 +337,8 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         if quant is not None:
             quant.check_layers(num_layers)
         scheme = _Scheme(bits, int(group_size), _dtype_bytes(cfg), quant, num_layers)
-        kv_bytes = kv_dtype_bytes or _dtype_bytes(cfg)
-        layers = tuple(_layer(cfg, i, scheme, kv_bytes) for i in range(num_layers))
+        kv_dtype = kv_dtype_bytes or _dtype_bytes(cfg)
+        layers = tuple(_layer(cfg, i, scheme, kv_dtype) for i in range(num_layers))
         h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     except KeyError as e:
         raise ValueError(f"config lacks {e.args[0]!r}: is it a decoder-only language model's "
@@ -350,7 +359,8 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         embed_params=vocab * h, embed_bytes=embed, embed_read_bytes=q.matrix(1, h),
         head_params=vocab * h + h, head_bytes=head, head_read_bytes=head,
         tied=tied, bits=bits, group_size=int(group_size), source="config",
-        quant=quant, ends_quant_params=ends.qparams, ends_quant_bits=ends.qbits,
+        quant=quant, ends_quant_params=ends.qparams, ends_quant_bits=ends.qbits, kv_dtype_bytes=kv_dtype,
+        max_positions=int(cfg.get("max_position_embeddings") or 0) or None,
     )
 
 
@@ -403,7 +413,7 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
     return ModelCost(cost.name, cost.model_type, tuple(layers), cost.embed_params, embed,
                      -(-embed // vocab), cost.head_params, head_total, head_total, tied,
                      cost.bits, cost.group_size, "safetensors", cost.quant, cost.ends_quant_params,
-                     cost.ends_quant_bits)
+                     cost.ends_quant_bits, cost.kv_dtype_bytes, max_positions=cost.max_positions)
 
 
 def load_model_cost(path: str | Path, bits: Optional[int] = None,

@@ -19,6 +19,7 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.splits import fixed_ranges
+from mlxpipe.shards.cuts import Cuts, of_config
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.quant_spec import QuantSpec
 from mlxpipe.shards.store import resolve_model, text_config
@@ -51,8 +52,18 @@ class Model:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def max_positions(self) -> int:
+        """The model's own context (as a stage reads it: ``max_position_embeddings``, else 2**20)."""
+        return int(self.config.get("max_position_embeddings") or 1 << 20)
+
+    @property
     def weight_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+
+    @functools.cached_property
+    def cuts(self) -> Cuts:
+        """Where the model can be cut into stages (its structure, traced without weights)."""
+        return of_config(load_config(self.path), self.num_layers)
 
     @functools.cached_property
     def tokenizer_spec(self) -> pb.TokenizerSpec:
@@ -80,6 +91,6 @@ def open_model(cfg: ClusterConfig) -> Model:
             model.quant = QuantSpec.parse(cfg.bits, cfg.group_size)
     if cfg.split not in (None, "auto"):
         # (nodes that join are not known yet: then the split need only fit the model)
-        named = len(cfg.split.split(",")) if cfg.join_listen else len(cfg.nodes) or cfg.stages
-        fixed_ranges(model.num_layers, named, cfg.split)
+        named = len(cfg.split.split(",")) if cfg.join_listen or cfg.discover else len(cfg.nodes) or cfg.stages
+        fixed_ranges(model.num_layers, named, cfg.split, model.cuts, quiet=True)
     return model

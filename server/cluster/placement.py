@@ -12,17 +12,24 @@ bits, and the model is quantized by that choice.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import planner
+from mlxpipe.server.cluster import linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.config import ClusterConfig, planned_context
+from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
+from mlxpipe.server.cluster.mix import effective_ratio
 from mlxpipe.server.cluster.model import Model
 from mlxpipe.server.cluster.stage_client import Pipeline
-from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.server.core.transport import PipelineError
+from mlxpipe.shards.links import measure
+from mlxpipe.shards.quant_spec import AUTO_RUNGS, QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,39 @@ class Placer:
         self.config, self.model, self.local = config, model, local
         self.profiles: Dict[str, pb.ProfileReply] = {}
         self.note = ""  # the last plan, in words
+        self.hops: Dict[tuple, pb.LinkFigures] = {}  # ("head", a) or (a, b) sorted -> the link, timed once
+        self.prediction: List[str] = []  # what the running split predicts, links priced
+        self.measured: Optional[dict] = None  # the workload the head measured (core/workload.py's mix)
+        self._cost: Optional[ModelCost] = None  # the model's cost as it runs (for the measured mix's split)
+        self.planned = 0  # tokens per request the last plan made room for (0: no plan yet)
+
+    def ratio(self) -> Tuple[float, str]:
+        """The prompt tokens per generated token the split is balanced for, and whence."""
+        if self.config.prompt_ratio is not None:
+            return self.config.prompt_ratio, "--prompt-ratio"
+        if self.measured is not None:
+            return round(effective_ratio(self.measured, self.row_cost, self.config.profile_batch), 2), \
+                "the workload measured"
+        return planner.Workload.prompt_ratio, "the default"
+
+    @property
+    def context(self) -> int:
+        """Tokens per request the running split was planned for (before any plan: a guess)."""
+        return self.planned or planned_context(self.config, self.model.config.get("max_position_embeddings"))
+
+    def measured_nodes(self, addresses: List[str]):
+        """(cost, NodeSpecs) of ``addresses`` from the profiles already taken; None if any is missing."""
+        if self.local and self.profiles:
+            first = next(iter(self.profiles.values()))
+            profiles, memory = [first] * len(addresses), [first.memory_bytes // len(addresses)] * len(addresses)
+        elif all(a in self.profiles and self.profiles[a].layer_seconds for a in addresses):
+            profiles = [self.profiles[a] for a in addresses]
+            memory = [p.memory_bytes for p in profiles]
+        else:
+            return None
+        if self._cost is None:
+            self._cost = load_model_cost(self.model.path, quant=self.model.quant)
+        return self._cost, self._nodes(addresses, profiles, memory, self._cost, False, False)
 
     @property
     def row_cost(self) -> float:
@@ -86,27 +126,107 @@ class Placer:
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
         nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
-        context = cfg.context or min(int(self.model.config.get("max_position_embeddings") or 8192), 8192)
-        work = planner.Workload(cfg.prompt_ratio, cfg.chunk_size)
-        if auto:
-            choice = plan_bits(lambda spec: load_model_cost(path, quant=spec), nodes,
-                               group_size=cfg.group_size, context=context, concurrency=cfg.concurrency,
-                               every_node=self.local, workload=work)
-            plan, self.model.quant = choice.plan, choice.spec
-            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
-        else:
-            plan = planner.plan(cost, nodes, context=context, concurrency=cfg.concurrency, every_node=self.local,
-                                workload=work)
+        links = None if self.local or auto else await self._links(pipeline)
+        ratio, whence = self.ratio()
+        work = planner.Workload(ratio, cfg.chunk_size)
+        cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
+        plan, order = self._plan(nodes, None if auto else cost, work, cuts, links)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
         costed = any(s.prefill_seconds for s in plan.stages)
-        if costed and cfg.prompt_ratio:
-            basis += f" and prompt chunks, for {cfg.prompt_ratio:g} prompt tokens per generated token"
+        if costed and ratio:
+            basis += f" and prompt chunks, for {ratio:g} prompt tokens per generated token ({whence})"
         self.note = (f"planned from {basis}: " + ", ".join(
             f"[{s.start}, {s.end}) {1000 * s.seconds:.0f} ms"
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
-        return ranges, [s.node_index for s in plan.stages]
+        return ranges, order
+
+    async def _links(self, pipeline: Pipeline) -> Optional[linkplan.Links]:
+        """Every hop among the nodes and to the head, timed one after the other (once per pair);
+        None where a node cannot time them (then links are not priced)."""
+        small, large = pipeline.probe
+        addresses = [st.address for st in pipeline.stages]
+        try:
+            for i, a in enumerate(addresses):
+                if ("head", a) not in self.hops:
+                    self.hops[("head", a)] = await measure(pipeline.stubs[i], pipeline.md, small, large, a)
+                for b in addresses[i + 1:]:
+                    if tuple(sorted((a, b))) not in self.hops:
+                        self.hops[tuple(sorted((a, b)))] = await pipeline.stubs[i].TimeNextHop(
+                            pb.LinkProbe(small=small, large=large, address=b), timeout=60, metadata=pipeline.md)
+        except grpc.aio.AioRpcError as err:
+            logger.warning("links not priced in the plan: %s", err.details())
+            return None
+        pairs = {(i, j): _hop(self.hops[tuple(sorted((a, b)))]) for i, a in enumerate(addresses)
+                 for j, b in enumerate(addresses) if i < j}
+        return linkplan.Links(small, tuple(_hop(self.hops[("head", a)]) for a in addresses), pairs)
+
+    async def predict(self, pipeline: Pipeline) -> List[str]:
+        """What the running split predicts with its links priced (as measured when it was built):
+        tokens/s, time to first token, and each hop's cost (for the banner)."""
+        if self.local or not pipeline.links.head:
+            return []
+        quant = self.model.quant
+        try:
+            profiles, memory = await self._profile(pipeline, quant)
+        except PipelineError as err:
+            logger.warning("no prediction for this split: %s", err)
+            return []
+        cost = load_model_cost(self.model.path, quant=quant)
+        addresses = [st.address for st in pipeline.stages]
+        nodes = self._nodes(addresses, profiles, memory, cost, any(not p.layer_seconds for p in profiles), False)
+        table = pipeline.links
+        links = linkplan.Links(pipeline.probe[0], tuple(_hop(table.head[i].link) if i in table.head else
+                                                        linkplan.Hop() for i in range(len(addresses))),
+                               {(i, i + 1): _hop(f) for i, f in table.hops.items()})
+        work = planner.Workload(self.ratio()[0], self.config.chunk_size)
+        priced = linkplan.evaluate(cost, nodes, links, [(st.start, st.end) for st in pipeline.stages],
+                                   context=self.context, concurrency=self.config.concurrency,
+                                   workload=work)
+        self.prediction = priced.lines(addresses)
+        return self.prediction
+
+
+    def _plan(self, nodes: List[planner.NodeSpec], cost: Optional[ModelCost], work: planner.Workload,
+              cuts: Optional[List[int]], links: Optional[linkplan.Links]) -> Tuple[planner.Plan, List[int]]:
+        """The split for the context declared (``--context``), or the model's own clamped to
+        what fits, at ``--kv-bits``, and the nodes it uses in pipeline order; with ``--bits
+        auto`` (``cost`` None) the bits too; with ``links`` every hop priced and the nodes'
+        order chosen (``linkplan.py``)."""
+        cfg, path = self.config, self.model.path
+        kw = dict(concurrency=cfg.concurrency, workload=work, cuts=cuts)
+        most = self.model.max_positions
+        order = None
+        if cost is None:
+            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits)  # noqa: E731
+            lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
+            context, choice, clamped = plan_context(
+                lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, every_node=self.local,
+                                    **kw), most,
+                lambda c: planner.fits(lowest, nodes, c, cfg.concurrency, self.local), cfg.context)
+            plan, self.model.quant = choice.plan, choice.spec
+            logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
+        else:
+            cost = at_kv_bits(cost, cfg.kv_bits)
+            fits = lambda c: planner.fits(cost, nodes, c, cfg.concurrency, self.local)  # noqa: E731
+            if links is not None:
+                context, priced, clamped = plan_context(
+                    lambda c: linkplan.plan(cost, nodes, links, context=c, **kw), most, fits, cfg.context)
+                plan, order = priced.plan, priced.node_indices
+            else:
+                context, plan, clamped = plan_context(
+                    lambda c: planner.plan(cost, nodes, context=c, every_node=self.local, **kw), most, fits,
+                    cfg.context)
+        if clamped:
+            logger.warning("the model's %d positions of context do not fit beside its weights: planned for %d "
+                           "(x %d requests at once, --concurrency)", most, context, cfg.concurrency)
+        self.planned = context
+        return plan, order if order is not None else [s.node_index for s in plan.stages]
+
+
+def _hop(f: pb.LinkFigures) -> linkplan.Hop:
+    return linkplan.Hop(f.latency_s, f.bytes_per_s or math.inf)
 
 
 def _by_kind(cost: ModelCost, seconds) -> Dict[str, float]:

@@ -5,12 +5,14 @@ leaves the last stage slow (it also runs the final norm, the output head and
 the sampler) and ignores that nodes differ in memory and speed. The planner
 takes a cost per layer (``cost.py``) and a profile per node, and chooses
 contiguous half-open ranges ``[start, end)`` over the nodes in the order
-given, each within its node's memory (weights + KV cache), minimizing the
+given, each within its node's memory (weights + the KV cache of a declared
+context and concurrency, kept ``KV_MARGIN`` times over), minimizing the
 slowest stage's time per decode step; ties go to the smaller sum of stage
 times, then to fewer stages. A node may be left out. For a workload that also
 prefills (``Workload``) on nodes of known compute, a stage's time is a decode
 step plus that many prompt tokens of prefill (where the last stage runs no head).
-``bits.py`` picks each layer's bits over it (``--bits auto``).
+``bits.py`` picks each layer's bits over it (``--bits auto``); ``context.py`` the
+context to plan for, and the longest each KV precision fits.
 
 Pure Python, no I/O: ``server/cli/plan.py`` is ``mlxpipe plan``.
 """
@@ -22,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mlxpipe.server.cluster.config import KV_MARGIN, PLANNED_CONTEXT, PROMPT_RATIO, ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.shards.sizes import gb
 
@@ -30,8 +33,8 @@ from mlxpipe.shards.sizes import gb
 class Workload:
     """The work a split is balanced for (chat and agents resend long contexts every turn)."""
 
-    prompt_ratio: float = 10.0  # prompt tokens per generated token (0: balance decode alone)
-    chunk_tokens: int = 256     # prefill tokens per frame (the head's chunk size)
+    prompt_ratio: float = PROMPT_RATIO  # prompt tokens per generated token (0: balance decode alone)
+    chunk_tokens: int = ClusterConfig.chunk_size        # prefill tokens per frame (the head's chunk size)
 
     def __post_init__(self) -> None:
         if self.prompt_ratio < 0 or self.chunk_tokens < 1:
@@ -148,7 +151,7 @@ class Plan:
     stages: Tuple[PlannedStage, ...]
     num_layers: int
     unused: Tuple[str, ...]   # nodes given no layers
-    chunk_tokens: int = 256   # prefill tokens per frame
+    chunk_tokens: int = ClusterConfig.chunk_size  # prefill tokens per frame
 
     @property
     def ranges(self) -> List[Tuple[int, int]]:
@@ -196,7 +199,8 @@ class Plan:
 
 
 def _solve(L: int, N: int, time: Callable[[int, int, int], float],
-           fits: Callable[[int, int, int], bool], skip: bool) -> Optional[List[Tuple[int, int, int]]]:
+           fits: Callable[[int, int, int], bool], skip: bool,
+           points: Optional[frozenset] = None) -> Optional[List[Tuple[int, int, int]]]:
     """Stages (node, start, end) over nodes 0..N-1 in order covering [0, L), or None if none fits.
 
     Minimizes the slowest stage, then the sum of stage times, then the number
@@ -205,13 +209,14 @@ def _solve(L: int, N: int, time: Callable[[int, int, int], float],
     the second, among stages no slower than T, minimizes (sum, count), which
     add up stage by stage. ``skip`` lets a node take no layers. Stage time and
     memory never decrease as a stage grows, so scanning starts downward may stop
-    at the first miss. O(N L^2).
+    at the first miss; stages end (and so start) only at ``points`` (None: anywhere). O(N L^2).
     """
     INF = math.inf
+    ends = [e for e in range(1, L + 1) if points is None or e in points]
     best = [0.0] + [INF] * L
     for n in range(N):
         row = list(best) if skip else [INF] * (L + 1)
-        for e in range(1, L + 1):
+        for e in ends:
             v = row[e]
             for s in range(e - 1, -1, -1):
                 if not fits(n, s, e):
@@ -231,7 +236,7 @@ def _solve(L: int, N: int, time: Callable[[int, int, int], float],
     for n in range(N):
         row = list(g) if skip else [None] * (L + 1)
         brow = [-1] * (L + 1)                             # -1: node n unused for this prefix
-        for e in range(1, L + 1):
+        for e in ends:
             for s in range(e - 1, -1, -1):
                 if not fits(n, s, e):
                     break
@@ -259,7 +264,7 @@ class _Problem:
     """Precomputed stage times and memory of one (model, nodes, context) question."""
 
     def __init__(self, cost: ModelCost, nodes: Sequence[NodeSpec], context: int,
-                 concurrency: int, hop_seconds: float, workload: Workload = Workload(0)) -> None:
+                 concurrency: int, hop_seconds: float, workload: Workload = Workload(0), timed: bool = True) -> None:
         if not nodes:
             raise ValueError("no nodes given")
         if cost.num_layers < 1:
@@ -275,11 +280,11 @@ class _Problem:
                 raise ValueError(f"node {node.name}: a decode step generates at least one token")
         self.cost, self.nodes, self.hop, self.work = cost, list(nodes), hop_seconds, workload
         self.L, self.N = cost.num_layers, len(nodes)
-        tokens = context * concurrency
+        tokens = self.tokens = context * concurrency
         self.weights = cost.stage_weight_bytes    # (start, end) -> bytes: the one formula, on prefix sums
         self.kvpre = list(itertools.accumulate((l.kv_bytes_per_token * tokens for l in cost.layers), initial=0))
         self.tpre, self.embed_t, self.head_t, self.ppre, self.pembed = [], [], [], [], []
-        for node in nodes:
+        for node in nodes if timed else ():  # (``fits`` asks about memory alone)
             layers, embed, head = node.times(cost)
             self.tpre.append(list(itertools.accumulate(layers, initial=0.0)))
             self.embed_t.append(embed)
@@ -291,8 +296,12 @@ class _Problem:
     def kv(self, s: int, e: int) -> int:
         return self.kvpre[e] - self.kvpre[s]
 
+    def need(self, s: int, e: int) -> int:
+        """Memory of a stage running layers [s, e): its weights and its KV margin."""
+        return self.weights(s, e) + KV_MARGIN * self.kv(s, e)
+
     def fits(self, n: int, s: int, e: int) -> bool:
-        return self.weights(s, e) + self.kv(s, e) <= self.nodes[n].memory_bytes
+        return self.need(s, e) <= self.nodes[n].memory_bytes
 
     def decode_time(self, n: int, s: int, e: int) -> float:
         ends = (self.embed_t[n] if s == 0 else 0.0) + (self.head_t[n] if e == self.L else 0.0)
@@ -316,14 +325,15 @@ class _Problem:
                     self.work.chunk_tokens)
 
     def infeasible(self) -> PlanInfeasible:
-        need = self.weights(0, self.L) + self.kv(0, self.L)
+        need = self.need(0, self.L)
         have = sum(n.memory_bytes for n in self.nodes)
         if need > have:
-            return PlanInfeasible(f"needs {gb(need)} for weights and KV cache, the nodes have "
-                                  f"{gb(have)}: {gb(need - have)} short")
+            return PlanInfeasible(f"needs {gb(need)} for weights and KV cache ({gb(self.weights(0, self.L))} and "
+                                  f"{KV_MARGIN} x {gb(self.kv(0, self.L))} for {self.tokens} tokens), the nodes "
+                                  f"have {gb(have)}: {gb(need - have)} short")
         largest = max(n.memory_bytes for n in self.nodes)
         for i in range(self.L):
-            one = self.weights(i, i + 1) + self.kv(i, i + 1)
+            one = self.need(i, i + 1)
             if one > largest:
                 extra = " with the embedding" if i == 0 else " with the output head" if i == self.L - 1 else ""
                 return PlanInfeasible(f"layer {i} ({self.cost.layers[i].kind}{extra}) needs {gb(one)} with its "
@@ -333,12 +343,14 @@ class _Problem:
                               f"{gb(have - need)} to spare is too little to round up to whole layers")
 
 
-def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, concurrency: int = 1,
-         hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload()) -> Plan:
+def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = PLANNED_CONTEXT, concurrency: int = ClusterConfig.concurrency,
+         hop_seconds: float = 0.0, every_node: bool = False, workload: Workload = Workload(),
+         cuts: Optional[Sequence[int]] = None) -> Plan:
     """The best contiguous split of the model's layers over ``nodes``, in the order given.
 
-    Every layer runs exactly once; each stage's weights plus KV cache for
-    ``context`` x ``concurrency`` tokens fit its node's ``memory_bytes``. A
+    Every layer runs exactly once; each stage's weights plus ``KV_MARGIN`` times its
+    KV cache for ``context`` x ``concurrency`` tokens (at the bits of ``cost``'s KV:
+    ``ModelCost.at_kv_bits``) fit its node's ``memory_bytes``. A
     stage's time is its layers' times, plus the embedding on the first stage,
     the head on the last, and ``hop_seconds`` for sending its output on. The
     slowest stage is minimized, then the sum of stage times, then the number of
@@ -346,12 +358,37 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = 8192, con
     already running, such as local stage processes). With ``workload``, each
     stage's time also counts its prefill of ``prompt_ratio`` prompt tokens, on
     nodes whose prefill is costed (``NodeSpec.flops_per_s``). Raises
-    ``PlanInfeasible`` when nothing fits.
+    ``PlanInfeasible`` when nothing fits. ``cuts``: where the model may be cut (its valid
+    cut points, ``shards/cuts.py``; None: after any layer).
     """
-    if every_node and len(nodes) > cost.num_layers:
-        raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of {cost.num_layers} layers")
+    points = None if cuts is None else frozenset({0, cost.num_layers, *cuts})
+    units = cost.num_layers if points is None else len(points) - 1
+    if every_node and len(nodes) > units:
+        raise PlanInfeasible(f"cannot give each of {len(nodes)} nodes one of the {units} parts the model can be "
+                             f"cut into")
     prob = _Problem(cost, nodes, context, concurrency, hop_seconds, workload)
-    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node)
+    stages = _solve(prob.L, prob.N, prob.time, prob.fits, skip=not every_node, points=points)
     if stages is None:
         raise prob.infeasible()
     return prob.plan(stages)
+
+
+
+def fits(cost: ModelCost, nodes: Sequence[NodeSpec], context: int, concurrency: int = ClusterConfig.concurrency,
+         every_node: bool = False) -> bool:
+    """Whether any contiguous split of ``cost``'s layers over ``nodes`` (in order) holds the
+    weights and ``KV_MARGIN`` x the KV cache of ``context`` x ``concurrency`` tokens: what
+    ``plan`` would find a plan for, in O(nodes + layers). Each node takes the longest run
+    of layers that fits it (more layers on a node never make a later stage larger; with
+    ``every_node``, it leaves one layer for each node after it)."""
+    prob = _Problem(cost, nodes, context, concurrency, 0.0, timed=False)
+    s = 0
+    for n in range(prob.N):
+        e, cap = s, prob.L - (prob.N - 1 - n if every_node else 0)
+        while e < cap and prob.fits(n, s, e + 1):
+            e += 1
+        if every_node and e == s:
+            return False
+        s = e
+    return s == prob.L
+

@@ -24,12 +24,15 @@ logger = logging.getLogger(__name__)
 
 
 async def await_up(down: Dict[str, str], security: Security, timeout_s: float,
-                   refuse: bool = False) -> Dict[str, str]:
+                   refuse: bool = False, gone: Callable[[], set] = set) -> Dict[str, str]:
     """Probe the stages in ``down`` (address -> why) about once a second until they
     answer or ``timeout_s`` passes; returns those still down. With ``refuse``, a
-    stage that refuses this head's secret raises at once: waiting will not help."""
+    stage that refuses this head's secret raises at once: waiting will not help.
+    ``gone()``: addresses known to have left (discovery dropped them): not waited for."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if set(down) <= gone():
+            return down
         refused = {a: e for a, e in down.items() if e.startswith("UNAUTHENTICATED")}
         if refuse and refused:
             raise PipelineError(f"nodes refused this head: {refused} (the cluster secret differs?)")
@@ -48,7 +51,7 @@ async def await_nodes(addresses: List[str], security: Security, timeout_s: float
 
 
 async def answering(addresses: List[str], security: Security, local: Optional[LocalStages], restart: bool,
-                    timeout_s: float, why: str, suspects: Sequence[str]) -> List[str]:
+                    timeout_s: float, why: str, suspects: Sequence[str], gone: Callable[[], set] = set) -> List[str]:
     """The stages to rebuild over, in pipeline order: local ones restarted where they
     died or stalled (with ``restart``), remote ones that answer within ``timeout_s``."""
     errors = dict(zip(addresses, await probe(addresses, security)))
@@ -61,7 +64,7 @@ async def answering(addresses: List[str], security: Security, local: Optional[Lo
                 await asyncio.to_thread(local.restart, i)
                 up[address] = True
     elif local is None:
-        still = await await_up({a: e for a, e in errors.items() if e is not None}, security, timeout_s)
+        still = await await_up({a: e for a, e in errors.items() if e is not None}, security, timeout_s, gone=gone)
         up = {a: a not in still for a in addresses}
     return [a for a in addresses if up[a]]
 

@@ -23,6 +23,7 @@ from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_of
 from mlxpipe.server.cluster.budget import FrameBudget
 from mlxpipe.server.cluster.config import StageLimits
+from mlxpipe.server.cluster.links import LinkTable
 from mlxpipe.server.cluster.weights import WeightSource, send_weights
 from mlxpipe.server.core.transport import PipelineError, StageCaches
 from mlxpipe.shards.progress import Progress
@@ -65,7 +66,8 @@ class Pipeline:
     """A chain of stages holding one model, driven by the head."""
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
-                 limits: StageLimits = StageLimits(), tokenizer: Optional[pb.TokenizerSpec] = None):
+                 limits: StageLimits = StageLimits(), tokenizer: Optional[pb.TokenizerSpec] = None,
+                 probe: Tuple[int, int] = (0, 0), fingerprint: str = ""):
         self.stages = [Placement(a, 0, 0) for a in addresses]
         self.model = model
         self.security = security or Security()
@@ -79,6 +81,9 @@ class Pipeline:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._writer: Optional[asyncio.Task] = None
         self.budget = FrameBudget()  # where frames' time goes (cluster/budget.py)
+        self.probe = probe  # bytes of a decode-sized and a prefill-sized frame, to time the links with (0: don't)
+        self.fingerprint = fingerprint  # of the model as the head has it (empty: not checked)
+        self.links = LinkTable(addresses)  # every hop's latency and throughput (links.py)
 
     async def profile(self, indices: Sequence[int], batch: int,
                       quant: Optional[QuantSpec] = None) -> List[pb.ProfileReply]:
@@ -152,10 +157,23 @@ class Pipeline:
             replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
         finally:
             bar.close()
-        prints = {r.fingerprint for r in replies}
-        if len(prints) != 1:
-            raise PipelineError(f"stages hold different models (fingerprints {sorted(prints)})")
+        self._check_fingerprints(replies)
+        if self.probe[1]:
+            await self.links.measure(self.stubs, self.md, *self.probe)
+            self.links.warn_new()
+            if self.links.head:
+                logger.info("links: %s", "; ".join(link.describe() for link in self.links.links()))
         return replies
+
+    def _check_fingerprints(self, replies: Sequence[pb.LoadReply]) -> None:
+        """Every stage holds the head's model (one line naming those that do not)."""
+        want = self.fingerprint or replies[0].fingerprint
+        wrong = [(st.address, r.fingerprint) for st, r in zip(self.stages, replies) if r.fingerprint != want]
+        if wrong:
+            raise PipelineError("; ".join(
+                f"node {a} holds another copy of {Path(self.model).name} (fingerprint {f[:12]}, the head's "
+                f"{want[:12]}): update it, or remove it so that the head sends the layers" for a, f in wrong),
+                [a for a, _ in wrong])
 
     async def open(self) -> None:
         """Open the Results stream of the last stage, then the Forward stream of the first."""
@@ -168,6 +186,7 @@ class Pipeline:
             while True:
                 frame = await self._outbox.get()
                 self.budget.sent(frame)
+                frame.sent_us = time.time_ns() // 1000  # for stage 0's view of this hop (shards/links.py)
                 await self._forward.write(frame)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
             # The stream broke; watch_forward reports why.
@@ -208,6 +227,7 @@ class Pipeline:
         async def one(i: int):
             try:
                 reply = await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout, metadata=self.md)
+                self.links.saw_health(i, reply)
                 return self.stages[i], reply, ""
             except grpc.aio.AioRpcError as err:
                 return self.stages[i], None, f"{err.code().name}: {err.details()}"
@@ -248,6 +268,7 @@ class Pipeline:
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 
     async def close(self) -> None:
+        self.links.close()
         if self._writer is not None:
             self._writer.cancel()
         for call in (self._forward, self._results):

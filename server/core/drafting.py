@@ -6,7 +6,7 @@ again. Agents resending and editing files, summaries and retrieval answers
 copy long runs from their prompt, so guesses there are often right; a wrong
 guess costs only the positions that verify it. No model is involved.
 
-A draft model (``draft_model.ModelDrafter``) drafts where the text has nothing
+A draft model (``cluster/draft_model.py``'s ``ModelDrafter``) drafts where the text has nothing
 to copy. Every drafter answers at once: what it has ready, possibly nothing
 (a model drafts in the background and wakes the engine when it has more).
 ``Either`` asks prompt lookup first and the model only when lookup has no guess.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Dict, List, Protocol, Sequence, Tuple
 
 SOURCES = ("auto", "prompt_lookup", "draft_model", "none")  # what a request may ask to draft from
+DEFAULT_SPECULATION = "auto"  # what it drafts from when it does not say: lookup, then the draft model if any
 
 
 class Drafter(Protocol):

@@ -6,10 +6,9 @@ The engine runs on the event loop and owns the ``Scheduler``. Every change
 (a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
 for frames and queue them for stage 0. A supervisor task reads the last
 stage's Results, hands each token to its request's queue, watches the stages'
-health, and rebuilds the pipeline when it breaks (see ``Engine``). Where a
-sequence reuses prefix blocks some stage holds on disk only, the engine has the
-stages read them back (``Transport.fetch``, a task per sequence, answered off
-their MLX threads) and its first frame goes when every stage has answered.
+health, and rebuilds the pipeline when it breaks (see ``Engine``). Prefix blocks some
+stage holds on disk only are read back (``Transport.fetch``, off the stages' MLX threads)
+before the first frame of the sequence that reuses them.
 """
 
 from __future__ import annotations
@@ -22,14 +21,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mlxpipe.server.core.drafting import SOURCES, Drafter, Either, PromptLookup
-from mlxpipe.server.core.frames import Framer
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
+from mlxpipe.server.core.frames import Framer, prompt_scores
+from mlxpipe.server.core.plan import PromptScores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
 from mlxpipe.server.core.transport import PipelineError, StageHealth, Transport
-from mlxpipe.shards.sampling import INT32, Sampling
+from mlxpipe.shards.sampling_params import INT32, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class Engine:
         self.scheduler = Scheduler(config, drafters=self._drafter, costs=self.frame_budget)
         self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
         self.eos = frozenset(eos_token_ids)
-        self.max_context = max_context
+        self.model_context = max_context  # the model's context (or --context): what a request may hold at most
+        self.context_source = "the model's maximum"  # what set model_context, in words
         self.vocab_size = vocab_size  # sampling parameters are checked against it (top_k, logit_bias)
         self.rebuild = rebuild
         self.supervision = supervision or Supervision()
@@ -185,10 +186,8 @@ class Engine:
         self._supervisor = asyncio.ensure_future(self._supervise())
 
     def _held_blocks(self, capacity: int, disk_capacity: int = 0) -> None:
-        """Tell the scheduler what the stages' Load replies say: the prefix blocks they
-        hold in memory and on disk (and, where they have state caches, can start
-        after), how far apart their state snapshots go, how many drafted positions
-        they can take back."""
+        """Tell the scheduler what the stages' Load replies say: the prefix blocks they hold in memory and on
+        disk (and those they can start after), their snapshots' spacing, the drafted positions they can take back."""
         caches = self.pipeline.caches()
         every = snapshot_every(self.scheduler.config.block_tokens,
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
@@ -218,9 +217,11 @@ class Engine:
 
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
-               speculation: str = "auto", max_drafts: Optional[int] = None) -> RequestStream:
+               speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
+               cache_salt: bytes = b"") -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
-        ``max_drafts``: drafted positions in flight at most (0: none). ``sampling`` is
+        ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
+        prefix-cache keys' salt (it reuses only blocks of requests with the same). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -237,14 +238,14 @@ class Engine:
             # replayed after a failure draws the same tokens again.
             sampling = replace(sampling, seed=int.from_bytes(os.urandom(8), "little"))
         seq_id = next(self._ids)
+        if len(prompt) >= self.max_context:
+            raise InvalidRequest(f"the prompt is {len(prompt)} tokens; this server's context is {self.max_context} "
+                                 f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts)
-        if seq.reserve > self.scheduler.max_kv_tokens:
-            raise InvalidRequest(f"this request needs {seq.reserve} KV-cache positions; the pipeline's stages "
-                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
         self.scheduler.add(seq)
-        stream = RequestStream(self, seq_id)
+        stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
         self.streams[seq_id] = stream
         self._pump()
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
@@ -272,6 +273,23 @@ class Engine:
         for task in list(self._fetches):
             task.cancel()
         await asyncio.gather(*self._fetches, return_exceptions=True)
+
+    @property
+    def max_context(self) -> int:
+        """The served context: tokens one request may hold, prompt and reply. The model's
+        (or ``--context``), within what the stages' KV cache holds for one request."""
+        return min(self.model_context, self.scheduler.max_kv_tokens)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV positions all requests together may hold (and wait for)."""
+        return self.scheduler.max_kv_tokens
+
+    def context_limit(self) -> str:
+        """What sets the served context, in words."""
+        if self.scheduler.max_kv_tokens < self.model_context:
+            return f"what the stages' KV cache holds for one request; {self.context_source} is {self.model_context}"
+        return self.context_source
 
     def cancel(self, seq_id: int) -> None:
         self.streams.pop(seq_id, None)
@@ -314,16 +332,27 @@ class Engine:
             if self.observer is not None:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
-            self.stats.generated_tokens += 1
             reason = ev.seq.finish_reason if ev.finished else None
+            if ev.token < 0:  # it only scored its prompt (max_tokens 0): no token of its own
+                stream.end(reason)
+                del self.streams[ev.seq.seq_id]
+                continue
+            self.stats.generated_tokens += 1
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
 
     # -- supervision -------------------------------------------------------------
 
+    def _scored(self, scores: List[PromptScores]) -> None:
+        for s in scores:
+            stream = self.streams.get(s.seq_id)
+            if stream is not None:
+                stream.scored(s.start, s.logprobs, s.top)
+
     async def _read(self) -> None:
         async for result in self.pipeline.results():
+            self._scored(prompt_scores(result))  # a prompt's last scores come with its first token: first
             self._deliver(self.framer.on_result(result))
             self._pump()
 
@@ -394,7 +423,7 @@ class Engine:
                 try:
                     rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
                     self.pipeline = rebuilt.pipeline
-                    self.scheduler.resize(rebuilt.max_kv_tokens)
+                    self._deliver(self.scheduler.resize(rebuilt.max_kv_tokens))
                     self._held_blocks(rebuilt.prefix_blocks, rebuilt.disk_blocks)
                     await self.pipeline.open()
                     break

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import List
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.core.plan import Entry, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.plan import Entry, PromptScores, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
+from mlxpipe.server.core.workload import WorkloadMeter
 
 _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
           StepKind.VERIFY: pb.Frame.VERIFY, StepKind.CONTROL: pb.Frame.CONTROL}
@@ -52,15 +53,30 @@ def step_result(result: pb.Result) -> StepResult:
                t.done, t.error) for t in result.tokens])
 
 
+def prompt_scores(result: pb.Result) -> List[PromptScores]:
+    """The prompt positions a result scored, per sequence."""
+    out = []
+    for p in result.prompt:
+        k = len(p.top_ids) // len(p.logprobs) if p.logprobs else 0
+        top = [(list(p.top_ids[i * k:(i + 1) * k]), list(p.top_logprobs[i * k:(i + 1) * k]))
+               for i in range(len(p.logprobs))] if k else []
+        out.append(PromptScores(p.seq_id, p.start, list(p.logprobs), top))
+    return out
+
+
 class Framer:
     """A scheduler spoken through the wire: what the engine sends and takes."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
+        self.meter = WorkloadMeter()  # the workload the steps make (workload.py)
 
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
-        return [frame(s) for s in self.scheduler.schedule()]
+        steps = self.scheduler.schedule()
+        for s in steps:
+            self.meter.step(s)
+        return [frame(s) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
         """Take one Result; return the tokens it gave live sequences."""

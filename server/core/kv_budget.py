@@ -97,11 +97,12 @@ class KvBudget:
 
     def cached_prefix(self, seq: Seq) -> List[int]:
         """The keys of the cached blocks ``seq`` may start after: all its first blocks
-        that every stage holds, leaving at least its last token to compute."""
-        if self.prefix is None:
+        that every stage holds, leaving at least its last token to compute. None for a
+        sequence that scores its prompt: a cached position's log-probability is not known."""
+        if self.prefix is None or seq.sampling.prompt_logprobs:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
-        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable)
+        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable, seq.salt)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
@@ -199,7 +200,7 @@ class KvBudget:
         if upto <= seq.stored:
             return 0, [], False, []
         first = seq.stored
-        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto)[first:upto]
+        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt)[first:upto]
         snap = self._snaps(seq, offset, upto)
         kept = self.prefix.add(keys, self._protected(), self.pending_evict, self._room,
                                start=keys[-1] if snap else None, discarded=self.pending_discard)

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.sampling_params import Sampling
 
 
 class StepKind(enum.Enum):
@@ -72,6 +72,16 @@ class Sample:
     top: Optional[Tuple[List[int], List[float]]] = None
     done: bool = False      # its grammar is complete
     error: str = ""         # the sequence failed on the stage: it ends here, alone
+
+
+@dataclass
+class PromptScores:
+    """Prompt positions of a sequence the last stage scored (``Sampling.prompt_logprobs``)."""
+
+    seq_id: int
+    start: int                   # the position of logprobs[0]
+    logprobs: List[float]
+    top: List[Tuple[List[int], List[float]]] = field(default_factory=list)  # per position, when asked
 
 
 @dataclass

@@ -8,7 +8,9 @@ prefixes. This index is the one truth about which stage holds which block:
 the scheduler asks it where a sequence may start (``match``: blocks that
 *every* stage holds, since activations for the positions after them must flow
 through every stage), records what it told stages to keep (``add``) and picks
-what to drop (least recently used first). Stages follow the head's word, so
+what to drop (least recently used first). The chain starts from a salt
+(``chain_root``): sequences of different tenants (API keys) or ``cache_salt``s
+have different keys for the same tokens, so one never reuses another's blocks. Stages follow the head's word, so
 they never disagree; after a fault each stage reports what it still holds
 (``reset``), which may differ from stage to stage.
 
@@ -56,11 +58,19 @@ def block_cost(block_tokens: int, kv_bytes_per_token: int, state_bytes: int, eve
     return block_tokens * kv_bytes_per_token + (state_bytes // every if every else 0)
 
 
-def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int) -> List[int]:
-    """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of ``tokens``."""
+def chain_root(salt: bytes) -> int:
+    """The key the chain of a sequence's blocks starts from: its salt's (the tenant's and
+    the request's ``cache_salt``), so that no two salts share a block's key."""
+    return int.from_bytes(hashlib.blake2b(salt, digest_size=8).digest(), "little") if salt else _ROOT
+
+
+def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int,
+                 salt: bytes = b"") -> List[int]:
+    """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of
+    ``tokens``; ``salt``: the chain's (``chain_root``)."""
     while len(hashes) < upto:
         k = len(hashes)
-        prev = hashes[-1] if hashes else _ROOT
+        prev = hashes[-1] if hashes else chain_root(salt)
         data = array("i", tokens[k * block_tokens : (k + 1) * block_tokens]).tobytes()
         digest = hashlib.blake2b(prev.to_bytes(8, "little") + data, digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))

@@ -112,9 +112,19 @@ class Scheduler:
         self.pending_free: List[int] = []
         self._step_ids = itertools.count(1)
 
-    def resize(self, max_kv_tokens: int) -> None:
-        """A rebuilt pipeline holds a different number of KV positions."""
+    def resize(self, max_kv_tokens: int) -> List[TokenEvent]:
+        """A rebuilt pipeline holds a different number of KV positions. A sequence waiting
+        for it (all are, after ``replay_all``) may now hold no more than that: one that
+        holds that much already fails (the events say so), the others end there at most."""
         self.kv.resize(max_kv_tokens)
+        events = []
+        for seq in [s for s in self.waiting if s.max_context > max_kv_tokens]:
+            if len(seq.prompt) + len(seq.generated) >= max_kv_tokens:
+                events.append(self._fail(seq, f"the rebuilt pipeline's KV cache holds {max_kv_tokens} tokens for "
+                                              f"one request; this one holds {len(seq.tokens)} already"))
+            else:
+                seq.max_context = max_kv_tokens
+        return events
 
     def reset_prefix(self, held: List[Iterable[int]], capacity: int,
                      starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0,
@@ -373,7 +383,11 @@ class Scheduler:
         return TokenEvent(seq, -1, 0.0, None, True, why)
 
     def _take(self, seq: Seq, t: Sample) -> TokenEvent:
-        """A sampled token becomes the sequence's next."""
+        """A sampled token becomes the sequence's next (none with a budget of 0: it only
+        scored its prompt, and ends with the last stage's pick unused)."""
+        if not seq.max_tokens:
+            self._finish(seq, "length")
+            return TokenEvent(seq, -1, 0.0, None, True)
         seq.generated.append(t.token)
         if seq.phase == Phase.PREFILL:
             self.prefilling.remove(seq)

@@ -11,8 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
-from mlxpipe.server.core.drafting import Drafter
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, Drafter
+from mlxpipe.shards.sampling_params import Sampling
 
 
 class QueueFull(RuntimeError):
@@ -68,13 +68,14 @@ class Seq:
     known: bool = False            # stages may hold caches for it
     finish_reason: Optional[str] = None
     hashes: List[int] = field(default_factory=list)  # keys of its first blocks (prefix cache)
+    salt: bytes = b""              # its prefix-cache keys' salt (tenant, cache_salt: prefix_index.chain_root)
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
     disk_tokens: Optional[int] = None    # ... of which some stage read back from its disk (None: not known yet)
     fetching: bool = False         # admitted, its first step waits for stages to read blocks back from disk
     spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
-    speculation: str = "auto"      # what it drafts from (``drafting.SOURCES``); "none": never speculates
+    speculation: str = DEFAULT_SPECULATION  # what it drafts from (``drafting.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 class InvalidRequest(ValueError):
@@ -39,11 +39,16 @@ class RequestStream:
     """The tokens of one request, as an async iterator. ``cancel()`` ends it and
     frees its caches on every stage."""
 
-    def __init__(self, engine, seq_id: int):
+    def __init__(self, engine, seq_id: int, scored_prompt: Sequence[int] = ()):
         self.engine = engine
         self.seq_id = seq_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.finish_reason: Optional[str] = None  # set when it ends without a token of its own (``end``)
+        # With ``Sampling.prompt_logprobs``: a Token per prompt position, as the last stage scores them
+        # (all are in when the first generated token comes; position 0 has none, as OpenAI's echo).
+        self.prompt: List[Optional[Token]] = [None] * len(scored_prompt)
+        self._prompt_ids = list(scored_prompt)
         self.submitted = time.monotonic()
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
@@ -65,6 +70,17 @@ class RequestStream:
         if item.finish_reason is not None:
             self.done = True
         return item
+
+    def scored(self, start: int, logprobs: List[float], top: List[Tuple[List[int], List[float]]]) -> None:
+        """Prompt positions ``start``, ``start + 1``, ... scored (a replay scores them, and the
+        tokens it generated, again: the same values; positions past the prompt are not kept)."""
+        for i, lp in enumerate(logprobs[: max(len(self.prompt) - start, 0)]):
+            self.prompt[start + i] = Token(self._prompt_ids[start + i], lp, top[i] if top else None, None)
+
+    def end(self, reason: str) -> None:
+        """It ended with no token of its own (a prompt scored only)."""
+        self.finish_reason, self.done = reason, True
+        self.queue.put_nowait(None)
 
     def cancel(self) -> None:
         if not self.done:

@@ -101,7 +101,8 @@ function drawChart() {
 }
 
 function renderHealth(h) {
-  $("model").textContent = h.model;
+  // The served context: tokens one request may hold, prompt and reply.
+  $("model").textContent = h.context_length ? `${h.model} · ${h.context_length.toLocaleString("en")}-token context` : h.model;
   setStatus(h.status, h.status === "ok" ? "ready" : "unavailable");
   $("live-requests").textContent = `· ${h.live_requests} live request${h.live_requests === 1 ? "" : "s"}`;
   $("reason").hidden = !h.reason;
@@ -119,8 +120,22 @@ function renderHealth(h) {
     renderStage(cards.get(s.stage), s);
   }
   renderSpeculation(h.speculation);
+  renderLinks(h.links || [], h.link_warnings || []);
   if (typeof h.generated_tokens === "number") record(h.generated_tokens);
   drawChart();
+}
+
+// Each link's latency and throughput; a warned one (far slower, or Wi-Fi-like) marked.
+function renderLinks(links, warnings) {
+  const items = links.map((l) => {
+    const li = document.createElement("li");
+    const rate = l.bytes_per_s ? `${(l.bytes_per_s / 1e6).toFixed(1)} MB/s` : "–";
+    li.textContent = `${l.name}: ${(l.latency_s * 1e3).toFixed(2)} ms, ${rate}`;
+    li.title = `${l.source} -> ${l.target} (${l.basis})`;
+    if (warnings.some((w) => w.startsWith(`link ${l.name} `))) li.className = "slow";
+    return li;
+  });
+  $("links").replaceChildren(...items);
 }
 
 function setStatus(status, text) {

@@ -2,7 +2,7 @@
 
 A small model with the served model's tokenizer guesses the next tokens of a
 sequence greedily; the pipeline verifies them as it verifies prompt lookup's
-guesses (``speculation.py``), so output never depends on the draft: a poor one
+guesses (``core/speculation.py``), so output never depends on the draft: a poor one
 only costs the positions that verify it.
 
 The model runs in one worker thread of the head (MLX releases the GIL while it
