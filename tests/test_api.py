@@ -406,9 +406,14 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     from mlxpipe.server.api.ollama import GenerateBody, request_of
     from mlxpipe.server.api.request import GenerationRequest
     from mlxpipe.server.cluster.config import ApiOptions
+    from mlxpipe.server.core.engine import Engine
 
     def budget(req, prompt_len, kv=1 << 20, **options):
-        engine = SimpleNamespace(max_context=8192, scheduler=SimpleNamespace(max_kv_tokens=kv))
+        # The engine's own properties over a fake scheduler: what the KV caches hold bounds the context.
+        engine = SimpleNamespace(model_context=8192, context_source="the model's maximum",
+                                 scheduler=SimpleNamespace(max_kv_tokens=kv))
+        engine.max_context = Engine.max_context.fget(engine)
+        engine.context_limit = lambda: Engine.context_limit(engine)
         gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)
         return Generator.budget(gen, req, prompt_len)
 

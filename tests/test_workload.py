@@ -15,6 +15,7 @@ from mlxpipe.server.core.plan import Entry, Opening, Step, StepKind
 from mlxpipe.server.core.streams import collect
 from mlxpipe.server.core.workload import WorkloadMeter
 from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.store import fingerprint
 
 
 def test_the_meter_counts_computed_prompt_tokens_rows_and_verified_positions_and_forgets_slowly():
@@ -54,6 +55,8 @@ def test_status_shows_the_measured_mix_its_split_and_a_restart_plans_with_it(dsv
             report = cluster.report()["workload"]
             return report, cluster.plan_note
 
+    # Other tests of the session served this model too: the first start must find no workload saved.
+    mix._file(fingerprint(dsv3_model)).unlink(missing_ok=True)
     report, note = run_async(serve_some())
     measured = report["measured"]
     assert measured["decode_rows"] >= 256 and report["enough"], report

@@ -170,10 +170,10 @@ class Placer:
         quant = self.model.quant
         try:
             profiles, memory = await self._profile(pipeline, quant)
-        except PipelineError as err:
+            cost = load_model_cost(self.model.path, quant=quant)
+        except (PipelineError, ValueError) as err:  # a stage that cannot time it, a config the cost model cannot read
             logger.warning("no prediction for this split: %s", err)
             return []
-        cost = load_model_cost(self.model.path, quant=quant)
         addresses = [st.address for st in pipeline.stages]
         nodes = self._nodes(addresses, profiles, memory, cost, any(not p.layer_seconds for p in profiles), False)
         table = pipeline.links
