@@ -24,6 +24,8 @@ MODES = (
                "chat prompt, speculation on and off"),
     ("load", "concurrent HTTP clients: mlxpipe serve vs mlx_lm.server"),
     ("prefill", "time to first token of a long prompt: chunked prefill vs not"),
+    ("fairness", "a short request's time to first token while long prompts prefill: mlxpipe serve vs "
+                 "mlx_lm.server"),
     ("balance", "per-stage step time under load: planner split vs even split"),
     ("chat", "multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"),
     ("quality", "perplexity of a model at full precision and quantized at several bits"),

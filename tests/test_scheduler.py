@@ -167,7 +167,7 @@ def test_config_must_fit_running_sequences_in_groups():
         Scheduler(SchedulerConfig(num_groups=2, max_batch=4, max_running=9))
 
 
-def test_no_starvation_prefill_in_arrival_order_and_groups_alternate():
+def test_short_prompts_prefill_first_and_groups_alternate():
     s = Scheduler(SchedulerConfig(num_groups=2, chunk_size=4, max_prefill_inflight=1))
     s.add(seq(1, prompt_len=13))  # a long prompt first
     for i in range(2, 5):
@@ -181,8 +181,8 @@ def test_no_starvation_prefill_in_arrival_order_and_groups_alternate():
             elif f.kind == pb.Frame.DECODE:
                 steps[f.group] += 1
             s.on_result(result(f))
-    # Every prompt prefilled, in the order it arrived (chunks of the first back to back).
-    assert [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k] == [1, 2, 3, 4]
+    # Every prompt prefilled: the short ones first, in the order they arrived, then the long one.
+    assert [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k] == [2, 3, 4, 1]
     # Both groups decode; neither waits for the other to finish.
     assert steps[0] > 0 and steps[1] > 0
 

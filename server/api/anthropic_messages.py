@@ -264,7 +264,7 @@ def _tool_use(call: dict) -> dict:
 
 
 async def whole_message(gen: Generation, request: Request, model: str, msg_id: str) -> dict:
-    choice = (await gen.until_done(request.is_disconnected))[0]
+    choice = (await gen.until_done(request))[0]
     d, stop = choice.delta, choice.chunks[-1].stop if choice.chunks else None
     blocks = [_tool_use(c) for c in d.tool_calls]
     content = ([{"type": "thinking", "thinking": d.reasoning, "signature": ""}] if d.reasoning else [])

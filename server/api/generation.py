@@ -172,13 +172,16 @@ class Generation:
                 choices.append(Choice(cs, reply.feed(text, True), reply.finish_reason(finish)))
         return choices
 
-    async def until_done(self, disconnected: Callable) -> List[Choice]:
-        """``collect()``, cancelled if ``disconnected()`` (awaited) turns true first."""
-        async def watch():
-            while not await disconnected():
-                await asyncio.sleep(0.25)
+    async def until_done(self, request) -> List[Choice]:
+        """``collect()``, cancelled the moment the client goes away: ``request`` is the
+        route's (Starlette) request, its body read, so its next ASGI message is the
+        disconnect (as a ``StreamingResponse`` listens for it). Polling
+        ``is_disconnected`` instead let a prefill run on between polls."""
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
 
-        work, watcher = asyncio.ensure_future(self.collect()), asyncio.ensure_future(watch())
+        work, watcher = asyncio.ensure_future(self.collect()), asyncio.ensure_future(gone())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -221,7 +221,7 @@ async def _lines(gen: Generation, model: str, key: str, started: float, on_error
 
 
 async def _whole(gen: Generation, request: Request, model: str, key: str, started: float) -> Dict[str, Any]:
-    choice = (await gen.until_done(request.is_disconnected))[0]
+    choice = (await gen.until_done(request))[0]
     return {"model": model, "created_at": _now(),
             key: _message(choice.delta) if key == "message" else choice.delta.content,
             **_done(gen, choice.finish_reason, started)}

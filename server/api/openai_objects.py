@@ -188,5 +188,5 @@ async def respond(request: Request, gen: Generation, fmt: _Format, stream: bool,
         return StreamingResponse(events(gen, fmt, include_usage, lambda e: gen.generator.error(gen.req, e).body()),
                                  media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    out = await gen.until_done(request.is_disconnected)
+    out = await gen.until_done(request)
     return fmt.response(out, gen.usage())

@@ -187,7 +187,7 @@ def _call(c: dict) -> dict:
 
 
 async def whole(resp: _Response, request: Request) -> dict:
-    choice = (await resp.gen.until_done(request.is_disconnected))[0]
+    choice = (await resp.gen.until_done(request))[0]
     d = choice.delta
     calls = [_call(c) for c in d.tool_calls]
     resp.obj["output"] = ([_reasoning(d.reasoning)] if d.reasoning else []) + (

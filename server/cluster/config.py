@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
-from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
 from mlxpipe.shards.node_options import add_launch_ahead
 from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
@@ -172,9 +172,10 @@ class ClusterConfig:
                                          "agents; 0: decode alone)", type=ratio)
     chunk_size: int = knob(SchedulerConfig.chunk_size, "prefill tokens per pipeline frame, at most (default "
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
-    max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage while other "
-                            "requests decode (default %(default)s; chunks shrink to fit, at the measured cost of a "
-                            "prompt token; 0: chunks of --chunk-size regardless)", type=seconds)
+    max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage, so that "
+                            "requests that decode or arrive meanwhile wait no longer (default %(default)s; chunks "
+                            "shrink to fit, at the measured cost of a prompt token; 0: chunks of --chunk-size "
+                            "regardless)", type=seconds)
     groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
     max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",
                           type=count)

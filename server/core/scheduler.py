@@ -13,8 +13,11 @@ Rules:
   0 works on chunk k+1. A short prefill (a new turn after a cached prefix) is
   cut into about two chunks per stage (never under ``min_chunk``) so that every
   stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
-  ``generate_step`` does it. At most ``max_prefill_inflight`` prefill steps
-  are in flight, in arrival order (no starvation).
+  ``generate_step`` does it.
+- Prefill is fair (``_next_prefill``): a free prefill slot goes to the prompt with the fewest
+  tokens left (round-robin would make a short one wait a chunk of each long one, and every
+  long one finish late); the oldest gets one in every ``max_overtaken`` + 1 at least. A chunk
+  holds a stage at most ``max_stall`` s (``_chunk``): newcomers wait for the chunks in flight.
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
   at most one step in flight; while stage i runs group g, stage i+1 runs group
   g-1. A sequence whose first token arrives joins the smallest group at that
@@ -48,35 +51,11 @@ from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.server.core.kv_budget import Fetch, KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
 from mlxpipe.server.core.speculation import Speculator
 
 MAX_FAULTS = 2  # pipeline faults blamed on one sequence's frames before it is failed instead of replayed
-
-
-@dataclass
-class SchedulerConfig:
-    """The scheduler's parameters, derived from the config tree (``cluster/config.py``,
-    ``scheduler_config``); the defaults here are a plain scheduler's, for direct use."""
-
-    num_groups: int = 2            # micro-batch groups in flight
-    max_batch: int = 32            # sequences per group
-    chunk_size: int = 256          # prefill tokens per step, at most
-    min_chunk: int = 16            # smallest chunk a short prefill is cut into
-    max_stall: float = 0.2         # seconds a prefill chunk may hold a stage while others decode (0: no bound)
-    max_prefill_inflight: int = 2  # prefill steps in flight
-    max_running: Optional[int] = None  # sequences holding caches (None: num_groups x max_batch)
-    max_waiting: int = 256         # requests queued before QueueFull
-    max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
-    block_tokens: int = 16         # positions per prefix-cache block
-    prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
-    prefix_disk_blocks: int = 0    # ... and on its disk (0: no disk tier)
-    speculate: bool = False        # verify drafted tokens while few sequences are live
-    spec_max_running: int = 2      # ... at most this many
-    spec_positions: int = 1        # positions per VERIFY step (1 where extra rows cost in proportion)
-    spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
-    spec_frames: int = 2           # VERIFY steps in flight per sequence, at most (a step more than the stages
-                                   # would only queue at stage 0, and be lost on a miss)
 
 
 @dataclass
@@ -224,7 +203,7 @@ class Scheduler:
 
     def schedule(self) -> List[Step]:
         """The steps to run now, in order."""
-        self.kv.new_round()
+        self.kv.new_round()  # (a sequence not started keeps the blocks it starts after: KvBudget.waiting)
         self._admit()
         self.kv.set_room(self.kv_reserved)
         steps = self._verify_steps()    # may send a sequence back to a group...
@@ -262,17 +241,14 @@ class Scheduler:
             reserved += seq.reserve
 
     def _chunk(self, seq: Seq) -> int:
-        """Tokens per prefill step for ``seq``: about two chunks per stage in flight;
-        while other sequences decode, no more than the slowest stage computes in
-        ``max_stall`` seconds at the measured cost of a prefill position (Sarathi's
-        stall-free batching: a long prompt does not freeze the streams beside it)."""
+        """Tokens per prefill step for ``seq``: about two chunks per stage in flight, no more than
+        the slowest stage computes in ``max_stall`` s at the measured cost of a prompt token (Sarathi's
+        stall-free batching, whether or not others decode; unbounded until a prefill step is timed)."""
         cfg = self.config
         todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
         n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
-        if self.decoding and cfg.max_stall > 0:
-            cost = getattr(self.costs().get("prefill"), "token_s", None)
-            if cost:
-                n = min(n, max(1, int(cfg.max_stall / cost)))
+        if cfg.max_stall > 0 and (cost := getattr(self.costs().get("prefill"), "token_s", None)):
+            n = min(n, max(1, int(cfg.max_stall / cost)))
         return n
 
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
@@ -321,25 +297,37 @@ class Scheduler:
     def _prefill_steps(self) -> List[Step]:
         steps = []
         inflight = sum(1 for f in self.inflight.values() if f.kind == StepKind.PREFILL)
-        for seq in list(self.prefilling):
-            while not seq.fetching and inflight < self.config.max_prefill_inflight and seq.sent < len(seq.feed):
-                body = len(seq.feed) - 1  # all but the last token go in chunks
-                if seq.sent < body:
-                    n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
-                else:
-                    n, sample = 1, True
-                if not seq.known:  # its first step
-                    entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
-                else:
-                    entry = self._entry(seq, seq.sent, n, sample)
-                tokens = seq.feed[seq.sent : seq.sent + n]
-                steps.append(self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens))
-                seq.sent += n
-                seq.known = True
-                inflight += 1
-            if inflight >= self.config.max_prefill_inflight:
-                break
+        while inflight < self.config.max_prefill_inflight and (seq := self._next_prefill()) is not None:
+            steps.append(self._prefill_step(seq))
+            inflight += 1
         return steps
+
+    def _next_prefill(self) -> Optional[Seq]:
+        """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
+        admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
+        ready = [s for s in self.prefilling if s.sent < len(s.feed) and not s.fetching]  # (blocks on disk: read first)
+        if ready:
+            oldest = ready[0]
+            pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
+                min(ready, key=lambda s: len(s.feed) - s.sent)
+            oldest.overtaken = 0 if pick is oldest else oldest.overtaken + 1
+            return pick
+        return None
+
+    def _prefill_step(self, seq: Seq) -> Step:
+        """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
+        body = len(seq.feed) - 1
+        if seq.sent < body:
+            n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
+        else:
+            n, sample = 1, True
+        if not seq.known:  # its first step
+            entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
+        else:
+            entry = self._entry(seq, seq.sent, n, sample)
+        tokens = seq.feed[seq.sent : seq.sent + n]
+        seq.sent, seq.known = seq.sent + n, True
+        return self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens)
 
     def _verify_steps(self) -> List[Step]:
         back, verifies = self.speculator.wants(self.seqs, self.live)
@@ -445,5 +433,6 @@ class Scheduler:
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
             seq.sent, seq.group, seq.known, seq.stored, seq.reuse, seq.fetching = 0, None, False, 0, [], False
+            seq.overtaken = 0
             self.waiting.appendleft(seq)
         return live

@@ -63,6 +63,7 @@ class Seq:
     generated: List[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     sent: int = 0                  # tokens of `feed` sent as prefill
+    overtaken: int = 0             # prefill steps others took ahead of it in a row, while the oldest waiting
     feed: List[int] = field(default_factory=list)  # what prefill pushes (prompt, or prompt + generated on replay)
     group: Optional[int] = None
     known: bool = False            # stages may hold caches for it
