@@ -74,6 +74,7 @@ class InProcess:
                                [(f.kv_bytes_per_token, f.state_bytes) for f in self.footprints])
         self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every,
                                     [d[0] for d in disks], self.scheduler.config.prefix_disk_blocks)
+        self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
 
     def flush(self) -> None:
         """Wait for the disk tiers' writes (a stage process does it before it exits)."""
@@ -86,7 +87,6 @@ class InProcess:
         for st in self.stages:
             if st.prefix is not None and st.prefix.disk is not None:
                 st.prefix.disk.close()
-        self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
 
     def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None,
                  replay_after: int = 0) -> Tuple[List[List[int]], List[Seq]]:
