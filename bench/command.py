@@ -29,6 +29,7 @@ MODES = (
     ("balance", "per-stage step time under load: planner split vs even split"),
     ("chat", "multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"),
     ("quality", "perplexity of a model at full precision and quantized at several bits"),
+    ("kv", "KV-cache memory per stage and decode speed at long contexts, at 16, 8 and 4 bits"),
     ("grammar", "per-token cost of a JSON-schema grammar on the last stage"),
     ("soak", "a bounded soak: streaming clients, random hang-ups, stages killed on a clock"),
     ("overhead", "the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC ping-pong "

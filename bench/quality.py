@@ -11,6 +11,13 @@ of each token given the ones before it, in one forward pass (activations in
 float32, see ``widen``). ``auto`` is the
 mix ``--bits auto`` chooses when the memory holds three quarters of the way
 from the 3-bit to the 4-bit model.
+
+``--kv 16,8,4`` adds a KV-cache axis: each setting is scored again with its
+keys and values quantized to 8 and 4 bits as mlx-lm's ``QuantizedKVCache``
+keeps them (``--kv-group-size``), every position attending to quantized keys
+from the first token on. With a KV axis the text goes through the model in
+chunks of ``--kv-chunk`` tokens through a cache, as a server prefills it (the
+16-bit rows too, so that rows differ only in the cache).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -87,6 +94,24 @@ def perplexity(model: nn.Module, tokens: List[int]) -> float:
     return math.exp(nll.item())
 
 
+def perplexity_cached(model: nn.Module, tokens: List[int], kv_bits: Optional[int], group_size: int,
+                      chunk: int) -> float:
+    """``perplexity`` with the text in chunks of ``chunk`` tokens through a KV cache, quantized
+    to ``kv_bits`` from the first position (None: full precision)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if kv_bits:  # the caches mlx-lm quantizes: plain KVCaches
+        cache = [QuantizedKVCache(group_size=group_size, bits=kv_bits) if type(c) is KVCache else c for c in cache]
+    x = mx.array(tokens)[None]
+    total = 0.0
+    for a in range(0, len(tokens) - 1, chunk):
+        b = min(a + chunk, len(tokens) - 1)
+        logits = model(x[:, a:b], cache=cache).astype(mx.float32)
+        total += nn.losses.cross_entropy(logits, x[:, a + 1 : b + 1], reduction="sum").item()
+    return math.exp(total / (len(tokens) - 1))
+
+
 def auto_spec(path: Path, group_size: int, context: int = 256) -> QuantSpec:
     """What ``--bits auto`` picks for a node that holds three quarters of the way from
     the 3-bit to the 4-bit model (plus the KV cache of ``context`` tokens)."""
@@ -97,8 +122,11 @@ def auto_spec(path: Path, group_size: int, context: int = 256) -> QuantSpec:
     return plan_bits(cost_of, [node], group_size=group_size, context=context).spec
 
 
-def measure(path: Path, settings: List[str], tokens: List[int], group_size: int) -> List[Dict]:
-    """One row per setting: its name, spec, mean bits, weight bytes, perplexity, seconds."""
+def measure(path: Path, settings: List[str], tokens: List[int], group_size: int,
+            kv: Sequence[int] = (16,), kv_group_size: int = ClusterConfig.kv_group_size,
+            kv_chunk: int = 256) -> List[Dict]:
+    """One row per setting (and KV bits, with ``kv`` other than 16 alone): its name, spec,
+    mean bits, weight bytes, KV bits, perplexity, seconds."""
     from mlx_lm.utils import load_model
 
     rows = []
@@ -111,11 +139,16 @@ def measure(path: Path, settings: List[str], tokens: List[int], group_size: int)
             model, _ = quantize_range(path, 0, load_model_cost(path).num_layers, spec)
         weight_bytes = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
         widen(model)
-        ppl = perplexity(model, tokens)
         mean = load_model_cost(path, quant=spec).mean_bits if spec else 16.0
-        rows.append({"setting": setting, "quantization": spec.describe() if spec else "as stored",
-                     "mean_bits": mean, "weight_bytes": weight_bytes, "perplexity": ppl,
-                     "seconds": time.perf_counter() - t0})
+        for kv_bits in kv:
+            if list(kv) == [16]:
+                ppl = perplexity(model, tokens)
+            else:
+                ppl = perplexity_cached(model, tokens, kv_bits if kv_bits < 16 else None, kv_group_size, kv_chunk)
+            rows.append({"setting": setting, "quantization": spec.describe() if spec else "as stored",
+                         "mean_bits": mean, "weight_bytes": weight_bytes, "kv_bits": kv_bits, "perplexity": ppl,
+                         "seconds": time.perf_counter() - t0})
+            t0 = time.perf_counter()
         del model
         mx.clear_cache()
     return rows
@@ -134,16 +167,21 @@ async def bench_quality(args) -> dict:
     text = Path(args.text).read_text() if args.text else TEXT.read_text()
     tokens = tokenizer.encode(text)[: args.max_tokens]
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    rows = measure(Path(path), settings, tokens, args.group_size)
+    kv = sorted({int(b) for b in args.kv.split(",")}, reverse=True)
+    if not set(kv) <= {16, 8, 4}:
+        raise SystemExit(f"--kv: give 16, 8 and/or 4, not {args.kv}")
+    rows = measure(Path(path), settings, tokens, args.group_size, kv, args.kv_group_size, args.kv_chunk)
     base = next((r["perplexity"] for r in rows if r["setting"] in ("bf16", "full")), None)
-    out = [["setting", "quantization", "bits", "weights MB", "perplexity", "vs bf16"]]
+    out = [["setting", "quantization", "bits", "weights MB", "KV bits", "perplexity", "vs bf16", "vs 16-bit KV"]]
     for r in rows:
         delta = f"{100 * (r['perplexity'] / base - 1):+.1f}%" if base else ""
+        same = next(x["perplexity"] for x in rows if x["setting"] == r["setting"])
         out.append([r["setting"], r["quantization"], f"{r['mean_bits']:.2f}", f"{r['weight_bytes'] / 1e6:.1f}",
-                    f"{r['perplexity']:.3f}", delta])
+                    str(r["kv_bits"]), f"{r['perplexity']:.3f}", delta, f"{100 * (r['perplexity'] / same - 1):+.2f}%"])
     print(f"perplexity of {Path(path).name} on {len(tokens)} tokens of "
-          f"{Path(args.text).name if args.text else TEXT.name}, group size {args.group_size}:")
-    print(table(out, right=range(2, 6)))
+          f"{Path(args.text).name if args.text else TEXT.name}, group size {args.group_size}"
+          + (f", KV in chunks of {args.kv_chunk} (group {args.kv_group_size})" if kv != [16] else "") + ":")
+    print(table(out, right=range(2, 8)))
     return {"model": str(path), "tokens": len(tokens), "group_size": args.group_size, "rows": rows}
 
 
@@ -163,6 +201,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--limit", type=int, default=None, help="with --task: score only this many documents")
     q.add_argument("--group-size", type=int, default=ClusterConfig.group_size,
                    help="weights per quantization scale and bias (default %(default)s)")
+    q.add_argument("--kv", default="16", help="KV-cache bits to score each setting at, comma-separated, e.g. 16,8,4 "
+                   "(default %(default)s: no KV quantization, the text in one pass)")
+    q.add_argument("--kv-group-size", type=int, default=ClusterConfig.kv_group_size,
+                   help="values per scale and bias of a quantized KV cache (default %(default)s)")
+    q.add_argument("--kv-chunk", type=int, default=256, help="with --kv: tokens per forward through the cache "
+                   "(default %(default)s)")
     q.add_argument("--text", default=None, help="a text file to score (default: bench/quality.txt)")
     q.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens of the text")
     q.add_argument("--json", default=None, help="also write the results as JSON to this file")

@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "spill")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class SeqEntry(_message.Message):
     TRIM_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     SNAP_FIELD_NUMBER: _ClassVar[int]
+    KV_QUANTIZE_AT_FIELD_NUMBER: _ClassVar[int]
     SPILL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
@@ -87,8 +88,9 @@ class SeqEntry(_message.Message):
     trim: int
     generated: _containers.RepeatedScalarFieldContainer[int]
     snap: bool
+    kv_quantize_at: int
     spill: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., spill: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -269,6 +271,16 @@ class Quantization(_message.Message):
     layer_bits: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, bits: _Optional[str] = ..., group_size: _Optional[int] = ..., layer_bits: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class KvQuantization(_message.Message):
+    __slots__ = ("bits", "group_size", "start")
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    bits: int
+    group_size: int
+    start: int
+    def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+
 class TokenizerSpec(_message.Message):
     __slots__ = ("json", "eos_token_ids")
     JSON_FIELD_NUMBER: _ClassVar[int]
@@ -278,7 +290,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "prefix_disk_bytes")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +302,7 @@ class LoadRequest(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
@@ -302,11 +315,12 @@ class LoadRequest(_message.Message):
     block_tokens: int
     quantization: Quantization
     tokenizer: TokenizerSpec
+    kv_cache: KvQuantization
     prefix_disk_bytes: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "mlx_peak_bytes", "memory_warning")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -324,10 +338,13 @@ class LoadReply(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REWIND_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_FULL_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_STARTS_FIELD_NUMBER: _ClassVar[int]
     DISK_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_NOTE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
@@ -347,13 +364,16 @@ class LoadReply(_message.Message):
     starts: _containers.RepeatedScalarFieldContainer[int]
     max_rewind: int
     state_bytes: int
+    kv_cache: KvQuantization
+    kv_full_bytes_per_token: int
     disk_blocks: _containers.RepeatedScalarFieldContainer[int]
     disk_starts: _containers.RepeatedScalarFieldContainer[int]
     disk_limit_bytes: int
     disk_block_bytes: int
+    kv_note: str
     mlx_peak_bytes: int
     memory_warning: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

@@ -4,9 +4,10 @@ Two kinds:
 
 - **Positional** caches keep keys and values along a position axis, one entry per
   position, each independent of the later ones (mlx-lm's ``KVCache``,
-  ``QuantizedKVCache``, ``ConcatenateKVCache`` and the batched ``BatchKVCache``):
-  dropping the last positions (``trim``) is always exact, and the plain ones
-  (``KVCache``, a row of ``BatchKVCache``) can be cut into prefix blocks.
+  ``QuantizedKVCache``, ``ConcatenateKVCache``, the batched ``BatchKVCache`` and
+  our ``BatchQuantizedKVCache``): dropping the last positions (``trim``) is
+  always exact, and the plain and quantized ones (and a row of their batched
+  forms) can be cut into prefix blocks.
 - **State** caches hold something that is valid only for exactly the prefix
   computed so far: rotating windows (``RotatingKVCache``: it overwrites what
   falls out of its window), the arrays of state-space and linear-attention
@@ -24,14 +25,21 @@ positions of that frame which were accepted are computed again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ConcatenateKVCache,
                                   KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache)
 
-TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache)  # trim is exact at any length
-SLICEABLE = (KVCache, BatchKVCache)  # prefix blocks are slices of their keys and values
+from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, check
+
+if TYPE_CHECKING:
+    from mlxpipe.shards.kv_quant import KvQuant
+
+# trim is exact at any length
+TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache, BatchQuantizedKVCache)
+# prefix blocks are slices of their keys and values
+SLICEABLE = (KVCache, BatchKVCache, QuantizedKVCache, BatchQuantizedKVCache)
 
 
 def _kids(cache) -> Optional[list]:
@@ -86,18 +94,27 @@ class Footprint:
     state_bytes: int         # one snapshot of its state caches (a full window, state-space arrays)
 
 
+def _kv(cache) -> Optional[List[mx.array]]:
+    """The arrays of a cache's keys and values, [B, heads, positions, ...] each (mx.quantize's
+    three parts of each, quantized), or None for a cache that keeps none."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    parts = [*(keys if isinstance(keys, (tuple, list)) else (keys,)),
+             *(values if isinstance(values, (tuple, list)) else (values,))]
+    return parts if all(isinstance(a, mx.array) and a.ndim == 4 for a in parts) else None
+
+
 def footprint(caches: Sequence) -> Footprint:
     """Measured on caches that have seen a position or two (buffers allocated ahead count
     per position they allocated)."""
     per_token = state = 0
     for top in caches:
         for c in _leaves([top]):
-            keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-            if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-                cost = (keys.nbytes + values.nbytes) // keys.shape[2]
+            kv = _kv(c)
+            if kv is not None:
+                cost = sum(a.nbytes for a in kv) // kv[0].shape[2]
                 per_token += cost
                 if not sliceable(top):  # in a snapshot: a window, or (inside a list) what it holds
-                    state += cost * (getattr(c, "max_size", None) or keys.shape[2])
+                    state += cost * (getattr(c, "max_size", None) or kv[0].shape[2])
             elif not sliceable(top):
                 state += nbytes(vars(c))
     return Footprint(per_token, state)
@@ -248,3 +265,24 @@ class Rewind:
             del m.tokens[target - m.start:]
             if m.hidden is not None:
                 m.hidden = m.hidden[:, : target - m.start]
+
+
+def kv_switch(stage: Any, hidden_size: int, kv: "KvQuant") -> Tuple[KvSwitch, int, str]:
+    """Which of ``stage``'s caches (a ``slicing.SlicedModel``'s) turn quantized with ``kv``
+    (two positions through fresh caches, then one more on quantized ones): the switch, a
+    token's KV bytes once they did, and why fewer caches than asked turn (one line; empty:
+    none)."""
+    caches = stage.make_cache()
+    hidden = None if stage.first else mx.zeros((1, 1, hidden_size), dtype=mx.float32)
+
+    def run(cs: list, i: int) -> mx.array:
+        return stage(mx.zeros((1, 1), dtype=mx.int32), hidden, cs, lengths=[i])
+
+    for i in range(2):
+        mx.eval(run(caches, i))
+    full = footprint(caches).kv_bytes_per_token
+    slots, note = check(lambda cs: run(cs, 2), caches, kv)
+    per_token = footprint(caches).kv_bytes_per_token if slots else full
+    del caches
+    mx.clear_cache()
+    return (KvSwitch(kv, tuple(slots)) if slots else KvSwitch()), per_token, note

@@ -9,8 +9,8 @@ stage reports what its disk holds for the model and range it loads
 back on the ``Fetch`` RPC's threads, never on the MLX thread, when the head asks, before
 the frame that reuses them (``server/core/kv_budget.py``).
 
-Layout, under ``$MLXPIPE_HOME/prefix-cache/<model fingerprint>/b<block tokens>/``: one
-directory per writing process (``w0``, ``w1``, ...), held with an exclusive lock
+Layout, under ``$MLXPIPE_HOME/prefix-cache/<model fingerprint>/b<block tokens>[-kv<bits>g<group>]/``
+(a quantized KV cache's apart): one directory per writing process (``w0``, ``w1``, ...), held with an exclusive lock
 (``flock`` on its ``lock`` file) for as long as the process uses it, so that two
 processes never write the same files; a process claims the unlocked directory whose
 files cover most of its layers (its own, after a restart), and reads, never writes, the
@@ -439,6 +439,7 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def tier_root(home: Path, fingerprint: str, block_tokens: int) -> Path:
-    """Where the disk tier of a model (by fingerprint) and block size lives."""
-    return home / DIR / fingerprint / f"b{block_tokens}"
+def tier_root(home: Path, fingerprint: str, block_tokens: int, kv=None) -> Path:
+    """Where the disk tier of a model (by fingerprint), block size and KV quantization
+    (``kv_quant.KvQuant``, or None: blocks past a sequence's switch hold its bits) lives."""
+    return home / DIR / fingerprint / (f"b{block_tokens}" + (f"-kv{kv.bits}g{kv.group_size}" if kv else ""))

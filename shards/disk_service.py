@@ -28,13 +28,14 @@ class DiskService:
         self.disk_bytes = disk_bytes  # the node's own bound (None: the head's, else a share of free disk)
         self.tier: Optional[DiskTier] = None  # for the model loaded (MLX thread)
 
-    def for_load(self, request: pb.LoadRequest, model_print: str) -> Optional[DiskTier]:
-        """The tier for this Load (None: none), kept from the last Load where the model and
-        block size are the same (MLX thread). A node's own bound wins over the head's."""
+    def for_load(self, request: pb.LoadRequest, model_print: str, kv=None) -> Optional[DiskTier]:
+        """The tier for this Load (None: none), kept from the last Load where the model, block
+        size and KV quantization (``kv``: the ``KvQuant`` the stage applies; its blocks are
+        stored as they are) are the same (MLX thread). A node's own bound wins over the head's."""
         limit = self.disk_bytes
         if limit is None and request.HasField("prefix_disk_bytes"):
             limit = request.prefix_disk_bytes
-        root = tier_root(mlxpipe_home(), model_print, request.block_tokens)
+        root = tier_root(mlxpipe_home(), model_print, request.block_tokens, kv)
         if self.tier is not None and (limit == 0 or not request.block_tokens or self.tier.base != root):
             self.tier.close()
             self.tier = None
@@ -62,7 +63,8 @@ def report_load(reply: pb.LoadReply, prefix) -> None:
     reply.disk_blocks.extend(keys)
     reply.disk_starts.extend(starts)
     reply.disk_limit_bytes = prefix.disk.limit
-    reply.disk_block_bytes = block_file_bytes(prefix.block_tokens, reply.kv_bytes_per_token, 2 * len(prefix.slots))
+    arrays = (6 if reply.HasField("kv_cache") else 2) * len(prefix.slots)  # (quantized: data, scales, biases)
+    reply.disk_block_bytes = block_file_bytes(prefix.block_tokens, reply.kv_bytes_per_token, arrays)
 
 
 def report_health(reply: pb.HealthReply, prefix) -> None:

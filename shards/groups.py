@@ -8,19 +8,27 @@ the head adds are merged in (``extend``), members it drops are filtered out
 (``filter``) or taken back out into caches of their own (``extract``); rows
 follow the frame's order. A model whose caches do not batch (a class without
 ``merge``) keeps every member's own caches and runs its rows one at a time.
+
+With a quantized KV cache (``quantized_cache.py``), members whose caches turned
+quantized and members whose caches did not yet cannot share a batched cache:
+a frame's group is then two parts (``regroup_parts``), each a ``Group`` of its
+own under ``(group, quantized)``, run one after the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
+
+import mlx.core as mx
 
 from mlxpipe.shards import caches as kinds
+from mlxpipe.shards.quantized_cache import merge
 
 
 class Member(Protocol):
     caches: Optional[list]  # own caches, while in no group (and always, in a group that does not batch)
-    group: Optional[int]
+    group: Optional[Hashable]  # the key of its group (or part of one)
 
 
 @dataclass
@@ -37,9 +45,9 @@ class Groups:
     def __init__(self, seqs: Dict[int, Member], batched: bool):
         self.seqs = seqs
         self.batched = batched  # whether this stage's caches merge into batched ones
-        self.groups: Dict[int, Group] = {}
+        self.groups: Dict[Hashable, Group] = {}
 
-    def __getitem__(self, gid: int) -> Group:
+    def __getitem__(self, gid: Hashable) -> Group:
         return self.groups[gid]
 
     def values(self):
@@ -52,7 +60,7 @@ class Groups:
         """Every batched cache (for counting bytes)."""
         return [c for g in self.groups.values() if g.caches for c in g.caches]
 
-    def drop_rows(self, gid: int, sids: List[int]) -> None:
+    def drop_rows(self, gid: Hashable, sids: List[int]) -> None:
         """Filter sequences out of a group (the group goes when empty)."""
         group = self.groups[gid]
         keep = [i for i, s in enumerate(group.members) if s not in sids]
@@ -63,7 +71,7 @@ class Groups:
             c.filter(keep)
         group.members = [group.members[i] for i in keep]
 
-    def detach(self, gid: int, sids: List[int]) -> None:
+    def detach(self, gid: Hashable, sids: List[int]) -> None:
         """Take sequences out of a group, back into caches of their own."""
         group = self.groups[gid]
         for sid in sids:
@@ -73,7 +81,7 @@ class Groups:
             self.seqs[sid].group = None
         self.drop_rows(gid, sids)
 
-    def regroup(self, gid: int, members: List[int]) -> Group:
+    def regroup(self, gid: Hashable, members: List[int]) -> Group:
         """Make group ``gid`` hold exactly ``members``, caches in that row order."""
         group = self.groups.get(gid)
         if group is not None and group.members == members:
@@ -98,11 +106,47 @@ class Groups:
             group.members = list(members)
         return group
 
-    def _join(self, gid: int, group: Optional[Group], joining: List[int]) -> Group:
+    def regroup_parts(self, gid: int, members: List[int], form: Callable[[int], bool]) -> List[Tuple[Group, List[int]]]:
+        """Make group ``gid`` hold exactly ``members`` in parts of one ``form`` each (whether a
+        member's caches are quantized): (part, the rows of the frame it holds), in order."""
+        parts = []
+        for f in (False, True):
+            rows = [i for i, s in enumerate(members) if form(s) == f]
+            if rows:
+                parts.append((self.regroup((gid, f), [members[i] for i in rows]), rows))
+            elif (gid, f) in self.groups:  # its members left the frame: caches of their own again
+                self.detach((gid, f), list(self.groups[(gid, f)].members))
+        return parts
+
+    def step(self, model, parts: List[Tuple[Group, List[int]]], tokens, hidden: Optional[mx.array],
+             lengths: List[int]) -> mx.array:
+        """One decode step of a group held in ``parts`` (``regroup_parts``) through ``model``
+        (a ``SlicedModel``): each part's rows together, the outputs in the frame's row order."""
+        if len(parts) == 1:
+            return self._step(model, parts[0][0], tokens, hidden, lengths)
+        outs, order = [], []
+        for group, rows in parts:
+            part_hidden = None if hidden is None else hidden[mx.array(rows)]
+            outs.append(self._step(model, group, [tokens[i] for i in rows], part_hidden, [lengths[i] for i in rows]))
+            order += rows
+        back = sorted(range(len(order)), key=order.__getitem__)  # frame row i is output row back[i]
+        return mx.concatenate(outs, axis=0)[mx.array(back)]
+
+    def _step(self, model, group: Group, tokens, hidden: Optional[mx.array], lengths: List[int]) -> mx.array:
+        """One decode step of one group: its rows together, or one at a time when the
+        stage's caches do not batch."""
+        ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
+        if group.caches is not None:
+            return model(ids, hidden, group.caches, lengths)
+        rows = [model(ids[i : i + 1], None if hidden is None else hidden[i : i + 1], caches, [lengths[i]])
+                for i, caches in enumerate(group.rows_of(self.seqs))]
+        return mx.concatenate(rows, axis=0)
+
+    def _join(self, gid, group: Optional[Group], joining: List[int]) -> Group:
         merged = None
         if self.batched:
             per_slot = list(zip(*(self.seqs[s].caches for s in joining)))
-            merged = [type(cs[0]).merge(list(cs)) for cs in per_slot]
+            merged = [merge(cs) for cs in per_slot]
         if group is None:
             group = self.groups[gid] = Group(members=list(joining), caches=merged)
         else:

@@ -27,7 +27,10 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
+from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
+                                     KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
 from mlxpipe.shards.node_options import add_launch_ahead
+from mlxpipe.shards.quant_spec import GROUP_SIZES, KV_BITS
 from mlxpipe.shards.sizes import parse_size
 
 logger = logging.getLogger(__name__)
@@ -126,7 +129,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
                 launch_ahead: Optional[bool] = None, announce: bool = False, name: Optional[str] = None,
-                disk_bytes: Optional[int] = None) -> None:
+                kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one); ``announce``: on the LAN."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -134,7 +137,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
-                             launch_ahead=launch_ahead, disk_bytes=disk_bytes)
+                             launch_ahead=launch_ahead, kv=kv, disk_bytes=disk_bytes)
     servicer.name = name or servicer.name
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
@@ -201,6 +204,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     add_launch_ahead(parser)
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=16,
+                        help=KV_BITS_HELP + "; a head's own --kv-bits wins, and only a head's lets the pipeline match "
+                             "mlx-lm's tokens and plan the memory saved (docs/planning.md)")
+    parser.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=DEFAULT_KV_GROUP_SIZE,
+                        help=KV_GROUP_SIZE_HELP)
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START, metavar="N",
+                        help=KV_START_HELP)
     parser.add_argument("--join", default=None, metavar="HEAD:PORT",
                         help="offer this node to a head (`mlxpipe serve --join-listen`), with the cluster secret")
     parser.add_argument("--advertise", default=None, metavar="HOST:PORT",
@@ -231,13 +241,14 @@ def run(args) -> int:
         else:
             logger.warning("--cpu is not supported on this platform")
     memory = parse_size(args.memory) if args.memory else None
+    kv = KvQuant.of(args.kv_bits, args.kv_group_size, args.quantized_kv_start)  # ValueError: one line
     disk = args.prefix_cache_disk
     disk = None if disk is None else 0 if disk.strip() == "0" else parse_size(disk)
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name,
+                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name, kv=kv,
                           disk_bytes=disk))
     except KeyboardInterrupt:
         pass

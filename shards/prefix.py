@@ -9,9 +9,14 @@ disagree about where a sequence starts.
 
 A block is positions ``[k * block_tokens, (k + 1) * block_tokens)``. Of the
 stage's positional caches (``caches.sliceable``: mlx-lm's ``KVCache``, or a
-row of a decode group's ``BatchKVCache``) it holds those positions' keys and
-values. Of its state caches (rotating windows, state-space and linear-attention
-arrays: ``caches.py``) it holds a snapshot of the state at the block's end, but
+row of a decode group's ``BatchKVCache``, and their quantized forms) it holds
+those positions' keys and values, in the form the cache holds them when the
+block is kept: at full precision while the sequence is short of its KV
+quantization point (``kv_quant.py``), quantized after. A sequence whose blocks
+include quantized ones starts with quantized caches (the full-precision parts
+quantized as mlx-lm's ``to_quantized`` would: per position, exactly). Of its
+state caches (rotating windows, state-space and linear-attention arrays:
+``caches.py``) it holds a snapshot of the state at the block's end, but
 only when the head asked (``snap``): such state is valid for exactly that
 prefix, and costs far more than a block of keys. A sequence starts after blocks
 ``k0 .. kn`` when the stage holds all of them and, if it has state caches, the
@@ -34,12 +39,14 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, CacheList
+from mlx_lm.models.cache import BatchKVCache, CacheList, QuantizedKVCache
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.disk_cache import DiskTier
 from mlxpipe.shards.errors import FrameError
+from mlxpipe.shards.kv_quant import KvQuant
+from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache
 
 
 @dataclass
@@ -56,34 +63,45 @@ def _cut(c, a: int, b: int, row: int):
         return [_cut(k, a, b, row) for k in c.caches]
     if c.keys is None:  # a cache its layer never fills
         return None
-    if isinstance(c, BatchKVCache):
+    if isinstance(c, (BatchKVCache, BatchQuantizedKVCache)):
         pad = c.left_padding[row].item()
-        k, v = c.keys[row : row + 1, :, pad + a : pad + b], c.values[row : row + 1, :, pad + a : pad + b]
+        cut = lambda x: mx.contiguous(x[row : row + 1, :, pad + a : pad + b])  # noqa: E731
     else:
-        k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
-    return mx.contiguous(k), mx.contiguous(v)  # copies: the sequence's buffers may go
+        cut = lambda x: mx.contiguous(x[..., a:b, :])  # noqa: E731
+    # Copies (the sequence's buffers may go); quantized: mx.quantize's three parts of each.
+    return tuple(tuple(map(cut, t)) if isinstance(t, (tuple, list)) else cut(t) for t in (c.keys, c.values))
 
 
-def _fill(c, parts: list, n: int) -> None:
-    """Put the concatenation of blocks' ``parts`` (from ``_cut``) into an empty cache."""
+def _fill(c, parts: list, n: int, kv: Optional[KvQuant]):
+    """The cache ``c`` (empty) filled with the concatenation of blocks' ``parts`` (from
+    ``_cut``): ``c`` itself, or a quantized cache in its place where some are quantized."""
     if isinstance(c, CacheList):
-        for i, k in enumerate(c.caches):
-            _fill(k, [p[i] for p in parts], n)
-        return
+        c.caches = tuple(_fill(k, [p[i] for p in parts], n, kv) for i, k in enumerate(c.caches))
+        return c
     if any(p is None for p in parts):
-        return
-    c.keys = mx.concatenate([p[0] for p in parts], axis=2)
-    c.values = mx.concatenate([p[1] for p in parts], axis=2)
-    c.offset = n
+        return c
+    if all(not isinstance(p[0], tuple) for p in parts):
+        c.keys = mx.concatenate([p[0] for p in parts], axis=2)
+        c.values = mx.concatenate([p[1] for p in parts], axis=2)
+        c.offset = n
+        return c
+    q = QuantizedKVCache(group_size=kv.group_size, bits=kv.bits)
+    as_q = [tuple(x if isinstance(x, tuple) else mx.quantize(x, group_size=kv.group_size, bits=kv.bits) for x in p)
+            for p in parts]
+    q.keys, q.values = (tuple(mx.concatenate([p[j][i] for p in as_q], axis=2) for i in range(3)) for j in (0, 1))
+    q.offset = n
+    return q
 
 
 class BlockStore:
-    def __init__(self, block_tokens: int, disk: Optional[DiskTier] = None, slots: Sequence[int] = ()):
-        """``disk``: the disk tier, or None; ``slots``: the model's cache slot of each of the
-        stage's caches (what a block on disk is keyed by within the file)."""
+    def __init__(self, block_tokens: int, kv: Optional[KvQuant] = None, disk: Optional[DiskTier] = None,
+                 slots: Sequence[int] = ()):
+        """``kv``: how quantized blocks were quantized; ``disk``: the disk tier, or None; ``slots``: the
+        model's cache slot of each of the stage's caches (what a block on disk is keyed by within the file)."""
         if block_tokens < 1:
             raise ValueError("block_tokens must be positive")
         self.block_tokens = block_tokens
+        self.kv = kv  # how quantized blocks were quantized (None: the stage keeps its KV at full precision)
         self.blocks: Dict[int, Block] = {}
         self.nbytes = 0
         self.disk = disk
@@ -222,16 +240,16 @@ class BlockStore:
         self.staged.clear()
         self.nbytes = 0
 
-    def start(self, keys: Sequence[int], caches: Sequence, staged: Optional[Dict[int, Block]] = None) -> int:
+    def start(self, keys: Sequence[int], caches: list, staged: Optional[Dict[int, Block]] = None) -> int:
         """Fill a new sequence's empty caches with the blocks ``keys`` (held, or ``staged``
-        for it), in order (the state caches with the last one's state); returns the
-        positions they hold."""
+        for it), in order (the state caches with the last one's state; a cache where some
+        blocks are quantized becomes a quantized one, in place); returns the positions they hold."""
         staged = staged or {}
         blocks = [staged.get(k) or self.blocks[k] for k in keys]
         n = len(blocks) * self.block_tokens
         for i, c in enumerate(caches):
             if kinds.sliceable(c):
-                _fill(c, [b.kv[i] for b in blocks], n)
+                caches[i] = _fill(c, [b.kv[i] for b in blocks], n, self.kv)
             else:
                 kinds.restore(c, blocks[-1].state[i])
         return n

@@ -28,16 +28,18 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import hello, links, memory
-from mlxpipe.shards import disk_service
+from mlxpipe.shards import disk_service, hello, links, memory
+from mlxpipe.shards.caches import kv_switch
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
+from mlxpipe.shards.kv_quant import KvQuant
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.metal import Metal
 from mlxpipe.shards.mlx_thread import MlxThread
 from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
 from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
-from mlxpipe.shards.slicing import load_stage, read_weights, warm_up
+from mlxpipe.shards.quantized_cache import KvSwitch
+from mlxpipe.shards.slicing import SlicedModel, load_stage, read_weights, warm_up
 from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
@@ -73,8 +75,9 @@ class StageServicer(pb_grpc.StageServicer):
 
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                  models_dir: Optional[Path] = None, progress: bool = False, launch_ahead: Optional[bool] = None,
-                 disk_bytes: Optional[int] = None):
+                 kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None):
         self.security = security or Security()
+        self.kv = kv  # the node's own --kv-bits: for a head that asks for no KV quantization
         self.progress = progress          # progress bars while loading (a node in a terminal)
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
@@ -175,11 +178,10 @@ class StageServicer(pb_grpc.StageServicer):
         vocab = int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
+        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
-        model_bytes = sum(
-            f.stat().st_size for f in path.glob("*.safetensors")
-        )
+        model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         limits = ShardLimits(
             max_batch=request.max_batch or ShardLimits.max_batch,
             max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
@@ -192,7 +194,8 @@ class StageServicer(pb_grpc.StageServicer):
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
         model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
-        shard = Shard(stage, hidden, vocab, limits, tokenizer, self.disk.for_load(request, model_print))
+        shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
+                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None))
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -203,7 +206,6 @@ class StageServicer(pb_grpc.StageServicer):
             model_bytes=model_bytes,
             max_context=max_context,
             fingerprint=model_print,
-            kv_bytes_per_token=footprint.kv_bytes_per_token,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
@@ -212,12 +214,31 @@ class StageServicer(pb_grpc.StageServicer):
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
             state_bytes=footprint.state_bytes,
+            **kv_reply,
         )
         return _Loaded(shard, reply, request)
 
     def close(self) -> None:
         """The node stops: finish the disk tier's writes (a while, at most)."""
         self.disk.close()
+
+    def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
+                   full_bytes: int) -> tuple[KvSwitch, dict]:
+        """The KV quantization this stage applies (the head's, else the node's own): the
+        switch, and what the Load reply says of it: a token's KV bytes as the head is to
+        plan them, before and after the switch, and why fewer caches turn quantized than
+        asked (``kv_note``: one line, logged here too)."""
+        asked = KvQuant.from_wire(request.kv_cache) if request.HasField("kv_cache") else None
+        kv = asked or self.kv
+        if kv is None:
+            return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
+        switch, quantized_bytes, note = kv_switch(stage, hidden, kv)
+        if note:
+            logger.warning("layers [%d, %d): %s: %s", request.start, request.end, kv, note)
+        # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
+        return switch, {"kv_bytes_per_token": quantized_bytes if asked else full_bytes,
+                        "kv_full_bytes_per_token": full_bytes, "kv_note": note,
+                        "kv_cache": switch.kv.to_wire() if switch.slots else None}
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:

@@ -436,3 +436,4 @@ def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":
     del caches
     mx.clear_cache()
     return footprint
+

@@ -34,6 +34,9 @@ Sequences and caches:
   state at the end of the last (``snap``: the caches are exactly there). With a
   disk tier, a first frame may start from blocks read back for it (``Fetch``),
   which its ``store`` keeps in memory; ``discard`` drops blocks from disk too.
+- KV quantization (``kv_quant.py``): a sequence's caches turn quantized before
+  its first frame at or past its switch point (named in its first frame), after
+  the blocks that frame keeps; in a decode group its row moves to a quantized part.
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
-from mlxpipe.shards.errors import FrameError, check_shape
+from mlxpipe.shards.errors import FrameError, check_sampling, check_shape
 from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.launch import Launched, later
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
+from mlxpipe.shards.quantized_cache import KvSwitch, quantized
 from mlxpipe.shards.sampling import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
-from mlxpipe.shards.sampling_params import Sampling, SamplingError
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,9 @@ class _Seq:
     failed: str = ""                  # last stage: why it can go no further (its grammar, its sampling)
     drafted: int = 0                  # positions VERIFY frames added since it last decoded: what may be trimmed
     rewind: Optional[kinds.Rewind] = None  # what taking drafted positions back needs (state caches)
+    kv_at: int = 0                    # its caches turn quantized before a frame starting here or later (0: never)
+    kv_named: bool = False            # ... as its first frame said (no frame may cross it)
+    quantized: bool = False           # they did
 
 
 @dataclass
@@ -97,12 +104,13 @@ class Shard:
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
     def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
-                 tokenizer=None, disk=None):
+                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None):
         self.model = model
         self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.limits = limits
+        self.kv = kv  # which caches turn quantized, and where (none: KV at full precision)
         self.seqs: Dict[int, _Seq] = {}
         template = model.make_cache()
         self.stateful = not all(kinds.positional(c) for c in template)  # caches that trims cannot take back
@@ -110,7 +118,7 @@ class Shard:
         self.stats = BusyClock()
         self.prefix: Optional[BlockStore] = None
         if limits.block_tokens:
-            self.prefix = BlockStore(limits.block_tokens, disk, model.own)  # disk: its disk tier, or None
+            self.prefix = BlockStore(limits.block_tokens, kv.kv if kv.slots else None, disk, model.own)  # disk: or None
         self._template = template
         self.view = ShardView()
         self.publish()
@@ -217,20 +225,10 @@ class Shard:
         elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
             raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
         if self.model.last and e.sampling.ByteSize():
-            self._check_sampling(e)
+            check_sampling(e, self.vocab_size, self.tokenizer is not None)
         if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
             raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
-
-    def _check_sampling(self, e: pb.SeqEntry) -> None:
-        try:
-            Sampling.from_wire(e.sampling).validate(self.vocab_size)
-        except SamplingError as err:
-            raise FrameError(f"sequence {e.seq_id}: {err}") from err
-        if e.sampling.grammar and self.tokenizer is None:
-            raise FrameError(f"sequence {e.seq_id} has a grammar, and this stage was loaded without a tokenizer",
-                             "FAILED_PRECONDITION")
-        # A grammar that does not compile is this sequence's failure, not the frame's:
-        # it is compiled off this thread and fails the sequence alone (``Constraint``).
+        self.kv.check(e, seq)
 
     # -- work --------------------------------------------------------------
 
@@ -296,10 +294,12 @@ class Shard:
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
             self.free([entry.seq_id])
-        seq = _Seq(caches=self.model.make_cache(), session=session)
+        seq = _Seq(caches=self.model.make_cache(), session=session, kv_at=self.kv.point(entry.kv_quantize_at),
+                   kv_named=bool(entry.kv_quantize_at))
         if entry.reuse:
             staged = self.prefix.unstage(entry.seq_id)  # read back from disk for it (Fetch)
             seq.length = self.prefix.start(entry.reuse, seq.caches, staged)
+            seq.quantized = any(quantized(c) for c in seq.caches)
             self._keep_blocks(entry, seq, staged)
             self.stats.reused_tokens += seq.length
         if self.model.last:
@@ -325,6 +325,14 @@ class Shard:
             caches, row = group.caches, group.members.index(entry.seq_id)
         self.prefix.keep_named(entry, caches, row, staged)
 
+    def _turn_due(self, sid: int, seq: _Seq) -> None:
+        """Turn a sequence's caches quantized if this frame starts at or past its switch point."""
+        if seq.kv_at and not seq.quantized and seq.length >= seq.kv_at:
+            if seq.group is not None:
+                self.groups.detach(seq.group, [sid])
+            self.kv.turn(seq.caches)
+            seq.quantized = True
+
     def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
         entry = frame.seqs[0]
         if entry.offset == 0 or entry.reuse:
@@ -332,6 +340,7 @@ class Shard:
         else:
             seq = self.seqs[entry.seq_id]
             self._keep_blocks(entry, seq)
+        self._turn_due(entry.seq_id, seq)
         self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
         out = self.model(tokens, hidden, seq.caches, [seq.length])
@@ -370,6 +379,7 @@ class Shard:
         if seq.group is not None:  # caches of its own, so that rejected positions can be taken back
             self.groups.detach(seq.group, [entry.seq_id])
         self._keep_blocks(entry, seq)
+        self._turn_due(entry.seq_id, seq)
         if self.stateful:
             if seq.rewind is None:
                 seq.rewind = kinds.Rewind(self.limits.max_rewind)
@@ -394,11 +404,12 @@ class Shard:
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
             seq = self.seqs[e.seq_id]
             seq.drafted, seq.rewind = 0, None
-        group = self.groups.regroup(frame.group, [e.seq_id for e in frame.seqs])
-        for e in frame.seqs:
+        for e in frame.seqs:  # (blocks are kept before any cache turns quantized)
             self._keep_blocks(e, self.seqs[e.seq_id])
-        seqs = [self.seqs[s] for s in group.members]
-        out = self._step(group, frame.tokens, hidden, [seq.length for seq in seqs])
+            self._turn_due(e.seq_id, self.seqs[e.seq_id])
+        parts = self.groups.regroup_parts(frame.group, [e.seq_id for e in frame.seqs], lambda s: self.seqs[s].quantized)
+        seqs = [self.seqs[e.seq_id] for e in frame.seqs]
+        out = self.groups.step(self.model, parts, frame.tokens, hidden, [seq.length for seq in seqs])
         for seq in seqs:
             seq.length += 1
         if not self.model.last:
@@ -408,22 +419,12 @@ class Shard:
             seq.sampler.observe([t])
         picked = [i for i, e in enumerate(frame.seqs) if e.sample]
         if not picked:
-            return later(kinds.arrays(group.caches or group.rows_of(self.seqs)), list)
+            return later(kinds.arrays([g.caches or g.rows_of(self.seqs) for g, _ in parts]), list)
         logits = out[:, -1, :]
         if len(picked) < len(seqs):
             logits = logits[mx.array(picked)]
         entries, rows = [frame.seqs[i] for i in picked], [seqs[i] for i in picked]
         return later(logits, lambda: self._sample(entries, rows, logits))
-
-    def _step(self, group, tokens, hidden: Optional[mx.array], lengths: List[int]) -> mx.array:
-        """One decode step of a group: its rows together, or one at a time when the
-        stage's caches do not batch."""
-        ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
-        if group.caches is not None:
-            return self.model(ids, hidden, group.caches, lengths)
-        rows = [self.model(ids[i : i + 1], None if hidden is None else hidden[i : i + 1], caches, [lengths[i]])
-                for i, caches in enumerate(group.rows_of(self.seqs))]
-        return mx.concatenate(rows, axis=0)
 
     def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
         """One pick per row; a row whose own sampling or grammar fails gets an error

@@ -163,25 +163,27 @@ def converted(tmp_path_factory, sources):
 
 @pytest.fixture(scope="session")
 def reference():
-    """reference(path, prompt_ids, n) -> greedy tokens of single-process mlx-lm,
+    """reference(path, prompt_ids, n, kv=None) -> greedy tokens of single-process mlx-lm,
     up to and including the first end-of-sequence token (computed once per prompt:
-    fewer tokens of it are the first of a longer run)."""
+    fewer tokens of it are the first of a longer run); ``kv``: its KV quantization,
+    (kv_bits, kv_group_size, quantized_kv_start)."""
     cache = {}
     models = {}
 
-    def run(path: Path, prompt, n: int):
+    def run(path: Path, prompt, n: int, kv=None):
         import mlx.core as mx
         from mlx_lm import load
         from mlx_lm.generate import generate_step
 
-        key = (str(path), tuple(prompt))  # the longest run so far: a shorter one is its prefix
+        key = (str(path), tuple(prompt), kv)  # the longest run so far: a shorter one is its prefix
         tokens, ended = cache.get(key, ([], False))
         if len(tokens) < n and not ended:
             if str(path) not in models:
                 models[str(path)] = load(str(path))
             model, tok = models[str(path)]
             tokens = []
-            for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+            quantized = dict(zip(("kv_bits", "kv_group_size", "quantized_kv_start"), kv)) if kv else {}
+            for token, _ in generate_step(mx.array(prompt), model, max_tokens=n, **quantized):
                 tokens.append(token)
                 if token in tok.eos_token_ids:
                     ended = True

@@ -13,8 +13,10 @@ from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.caches import kv_switch
 from mlxpipe.shards.disk_cache import DiskTier
 from mlxpipe.shards.layers import with_sizes
+from mlxpipe.shards.quantized_cache import KvSwitch
 from mlxpipe.shards.slicing import load_stage, warm_up
 from mlxpipe.shards.stage import ShardLimits, Shard
 
@@ -43,22 +45,29 @@ class WiredScheduler:
 
 class InProcess:
     def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
-                 tokenizer=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30):
-        """``tokenizer``: llguidance's, for the last stage's grammars; ``disk``: where the
-        stages keep the prefix cache's disk tier (each its own, of ``disk_bytes``), as
-        ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier)."""
+                 tokenizer=None, kv=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30):
+        """``tokenizer``: llguidance's, for the last stage's grammars; ``kv``: the stages'
+        KV quantization (``KvQuant``; the scheduler's ``kv_start`` should be its start);
+        ``disk``: where the stages keep the prefix cache's disk tier (each its own, of
+        ``disk_bytes``), as ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier)."""
         self.eos = frozenset(eos)
         self.stages = []
         self.footprints = []
+        self.kv_ratios = []  # stages that quantize their KV: a full-precision token over a quantized one
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
             cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
+            footprint = warm_up(model, int(cfg["hidden_size"]))
+            switch, kv_bytes, _ = kv_switch(model, int(cfg["hidden_size"]), kv) if kv else (KvSwitch(), 0, "")
             tier = DiskTier(disk, start, end, disk_bytes) if disk is not None and config.block_tokens else None
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
-                                     tokenizer if model.last else None, tier))
-            self.footprints.append(warm_up(model, int(cfg["hidden_size"])))
+                                     tokenizer if model.last else None, switch, tier))
+            self.footprints.append(footprint)
+            if switch.slots:
+                self.kv_ratios.append(footprint.kv_bytes_per_token / kv_bytes)
         self.scheduler = WiredScheduler(config)
+        self.scheduler.set_kv(bool(self.kv_ratios), max(self.kv_ratios, default=1.0))
         self.reset_prefix()
         self._ids = 0
         self.scores: Dict[int, Dict[int, tuple]] = {}  # seq id -> position -> (logprob, top): prompt scores

@@ -89,6 +89,9 @@ BAD_ARGUMENTS = [
     (["serve", "--port", "99999"], "argument --port: a port is 0 to 65535"),
     (["serve", "--max-batch", "0"], "argument --max-batch: must be at least 1"),
     (["serve", "--prompt-ratio", "-1"], "argument --prompt-ratio: must be 0 or more, got -1"),
+    (["serve", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 16, 8, 4)"),
+    (["serve", "--quantized-kv-start", "-1"], "argument --quantized-kv-start: must be 0 or more, got -1"),
+    (["node", "--kv-group-size", "48"], "argument --kv-group-size: invalid choice: 48"),
     # The port is taken before the model is looked for, let alone loaded.
     (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
     (["serve", "--api-key-file", "EMPTY"], "--api-key-file EMPTY is empty"),

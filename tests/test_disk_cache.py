@@ -23,6 +23,7 @@ from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards import disk_cache
 from mlxpipe.shards.block_file import decode, encode
 from mlxpipe.shards.disk_cache import DiskTier
+from mlxpipe.shards.disk_service import DiskService
 from mlxpipe.shards.sampling import Sampling
 
 B = 4  # block tokens in the pure tests
@@ -346,3 +347,45 @@ def test_the_head_sizes_the_disk_tier_from_every_stage_and_none_turns_it_off():
     assert disk_blocks(loads) == 400  # the tightest stage's bound over its block's file
     loads[1].disk_limit_bytes = 0     # a node that keeps none (`mlxpipe node --prefix-cache-disk 0`)
     assert disk_blocks(loads) == 0
+
+
+def test_quantized_kv_blocks_go_to_disk_as_they_are(default_model, reference, tmp_path):
+    """KV caches quantized at 8 bits (``--kv-bits 8``): a block past its sequence's switch
+    point is kept quantized, written to disk as it is (the keys' and values' packed data,
+    scales and biases) and read back by stages started afresh on the same disk: mlx-lm's
+    tokens with ``kv_bits=8``, from a disk hit. The prompt runs past mlx-lm's first prefill
+    call (2048 tokens, where it switches), so that a resend reuses quantized blocks. A tiny
+    Llama: its attention reads quantized keys (DeepSeek-V3's MLA caches stay unquantized)."""
+    from mlx_lm.utils import load_tokenizer
+    from tiny_models import build_llama_source
+
+    from mlxpipe.shards.kv_quant import KvQuant
+
+    path = build_llama_source(tmp_path / "llama", default_model, max_position_embeddings=4096)
+    eos = load_tokenizer(path).eos_token_ids
+    prompt = [(i * 7919) % 40000 + 100 for i in range(2048 + 50)]
+    kv = KvQuant(8, 32, 0)  # (its heads are 32 wide)
+    config = SchedulerConfig(chunk_size=512, block_tokens=16, prefix_blocks=4096, num_groups=2,
+                             prefix_disk_blocks=1 << 16, kv_start=kv.start)
+    want = reference(path, prompt, 8, (kv.bits, kv.group_size, kv.start))
+    pipe = InProcess(path, [(0, 2), (2, 4)], config, eos, kv=kv, disk=tmp_path / "disk")
+    assert all(st.kv.slots for st in pipe.stages)
+    (out,), (seq,) = pipe.generate([prompt], 8)
+    assert out == want and seq.kv_at == 2048
+    pipe.close()
+    files = list((tmp_path / "disk").rglob("*.safetensors"))
+    packed = [f for f in files if any(a.dtype == mx.uint32 for a in mx.load(str(f)).values())]
+    assert packed and len(packed) < len(files)  # blocks past the switch quantized, those before at full precision
+    pipe = InProcess(path, [(0, 2), (2, 4)], config, eos, kv=kv, disk=tmp_path / "disk")  # memory empty
+    (again,), (seq,) = pipe.generate([prompt], 8)
+    assert again == want
+    assert seq.cached_tokens == seq.disk_tokens == (len(prompt) - 1) // 16 * 16  # all of it from disk
+    kept = [b.kv[0][0] for b in pipe.stages[1].prefix.blocks.values()]  # read back, kept in memory again
+    assert sum(isinstance(k, tuple) and k[0].dtype == mx.uint32 for k in kept) == len(packed) // 2
+    pipe.close()
+    # A node keeps each KV quantization's blocks apart (the same keys hold other bits at 4).
+    tiers = DiskService(1 << 20)
+    load = pb.LoadRequest(start=0, end=2, block_tokens=16)
+    roots = {tiers.for_load(load, "model", q).base for q in (kv, KvQuant(4, 32, 0), None)}
+    assert len(roots) == 3 and tiers.for_load(load, "model", kv).base in roots
+    tiers.close()

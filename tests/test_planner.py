@@ -572,3 +572,29 @@ def test_plan_context_takes_the_declared_or_the_longest_that_fits():
     with pytest.raises(P.PlanInfeasible, match="not even one token"):
         C.plan_context(lambda c: P.plan(cost, [P.NodeSpec("n", GB, 800 * GB)], context=c), 100,
                        lambda c: False)
+
+
+def test_one_kv_bits_knob_quantizes_the_stages_and_sizes_the_plan(capsys):
+    """serve's --kv-bits/--kv-group-size/--quantized-kv-start are what the stages load with and
+    what the scheduler switches at; plan's same options price the KV cache by the one formula."""
+    from mlxpipe.server.cluster import config as tree
+    from mlxpipe.shards.kv_quant import KvQuant
+
+    p = argparse.ArgumentParser()
+    tree.add_arguments(p, tree.ClusterConfig)
+    cfg = tree.from_args(tree.ClusterConfig, p.parse_args(["--kv-bits", "8", "--kv-group-size", "32",
+                                                            "--quantized-kv-start", "100"]))
+    assert tree.stage_limits(cfg, 1 << 30).kv == KvQuant(8, 32, 100)
+    assert tree.scheduler_config(cfg, 2, 1000, 0, 1.0).kv_start == 100
+    plain = tree.from_args(tree.ClusterConfig, p.parse_args([]))
+    assert plain.kv_bits == 16 and tree.kv_quant(plain) is None and tree.stage_limits(plain, 1 << 30).kv is None
+    args = ("--model", str(DSV3), "--nodes", "3x144GB", "--bits", "4", "--json")
+    rows = {}
+    for group in ("32", "64"):
+        assert plan_command.run(_args(*args, "--kv-bits", "8", "--kv-group-size", group)) == 0
+        rows[group] = json.loads(capsys.readouterr().out)
+    base = load_model_cost(DSV3, bits=4)
+    for group, out in rows.items():
+        assert out["kv_bits"] == 8 and out["kv_group_size"] == int(group)
+        assert out["kv_bytes_per_token"] == C.at_kv_bits(base, 8, int(group)).kv_bytes_per_token
+    assert rows["32"]["kv_bytes_per_token"] > rows["64"]["kv_bytes_per_token"]  # more scales and biases

@@ -309,6 +309,24 @@ def test_bench_quality_scores_every_setting(sources):
     assert 3 < rows["auto"]["mean_bits"] < 4 and rows["bf16"]["quantization"] == "as stored"
 
 
+def test_bench_quality_has_a_kv_axis(sources):
+    """`bench quality --kv 16,8,4`: the text through a KV cache in chunks, quantized or not;
+    at 16 bits that is the one-pass perplexity again."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxpipe.bench.quality import TEXT, measure, perplexity, widen
+
+    src = sources("llama")  # (head dimension 32: KV groups of 32)
+    tokens = load_tokenizer(src).encode(TEXT.read_text())[:97]
+    rows = {r["kv_bits"]: r["perplexity"] for r in measure(src, ["bf16"], tokens, 64, (16, 8, 4), 32, 24)}
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(src)
+    widen(model)
+    assert rows[16] == pytest.approx(perplexity(model, tokens), rel=1e-4)
+    assert abs(rows[8] / rows[16] - 1) < 0.01 and rows[4] != rows[16]
+
+
 def test_bits_on_a_quantized_model_is_refused_before_anything_starts(default_model, sources):
     with pytest.raises(ValueError, match="quantized already"):
         run_async(Cluster(ClusterConfig(model=str(default_model), bits="4")).start())

@@ -18,7 +18,7 @@ from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.context import STREAMS, at_kv_bits, context_table, plan_context
 from mlxpipe.server.cluster.config import KV_MARGIN
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, fits, plan
-from mlxpipe.shards.quant_spec import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.quant_spec import AUTO_RUNGS, DEFAULT_GROUP_SIZE, QuantSpec
 from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
@@ -38,10 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantization, else 16-bit)")
     p.add_argument("--group-size", type=int, default=None,
                    help=f"quantization group size (default: the folder's own, else {DEFAULT_GROUP_SIZE})")
-    tree.add_arguments(p, ClusterConfig, only=("context", "concurrency"))
-    kv_bits = next(f for f in dataclasses.fields(ClusterConfig) if f.name == "kv_bits")
-    p.add_argument("--kv-bits", type=int, choices=[16, *map(int, BITS)], default=kv_bits.default,
-                   help=kv_bits.metadata["help"] + " (default %(default)s)")
+    tree.add_arguments(p, ClusterConfig, only=("context", "concurrency", "kv_bits", "kv_group_size"))
     p.add_argument("--bandwidth", default=None,
                    help="memory bandwidth, one for all nodes or one per node, e.g. 800GB/s "
                         f"(default {DEFAULT_BANDWIDTH / 1e9:.0f}GB/s)")
@@ -133,7 +130,7 @@ def _cost_and_plan(args, nodes: List[NodeSpec]) -> _Planned:
     kv = args.kv_bits
     if args.bits is not None and args.bits.strip() == "auto":
         group = args.group_size or DEFAULT_GROUP_SIZE
-        cost_of = lambda spec: at_kv_bits(load_model_cost(args.model, quant=spec), kv)  # noqa: E731
+        cost_of = lambda spec: at_kv_bits(load_model_cost(args.model, quant=spec), kv, args.kv_group_size)  # noqa: E731
         lowest = min((cost_of(QuantSpec(r, group)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
         most = lowest.max_positions or PLANNED_CONTEXT
         context, choice, clamped = plan_context(
@@ -141,7 +138,7 @@ def _cost_and_plan(args, nodes: List[NodeSpec]) -> _Planned:
             lambda c: fits(lowest, nodes, c, args.concurrency), args.context)
         return _Planned(choice.cost, _weights_cost(args, choice.spec), choice.plan, choice, context, clamped, most)
     base = _weights_cost(args)
-    cost, most = at_kv_bits(base, kv), base.max_positions or PLANNED_CONTEXT
+    cost, most = at_kv_bits(base, kv, args.kv_group_size), base.max_positions or PLANNED_CONTEXT
     context, result, clamped = plan_context(lambda c: plan(cost, nodes, context=c, **kw), most,
                                             lambda c: fits(cost, nodes, c, args.concurrency), args.context)
     return _Planned(cost, base, result, None, context, clamped, most)
@@ -180,7 +177,7 @@ def run(args) -> int:
         p = _cost_and_plan(args, nodes)
         decode_only = plan(p.cost, nodes, context=p.context, concurrency=args.concurrency,
                            hop_seconds=args.hop_ms / 1000, workload=Workload(0, args.chunk), cuts=args.cuts)
-        contexts = context_table(p.base, nodes, p.most)
+        contexts = context_table(p.base, nodes, p.most, group_size=args.kv_group_size)
         priced = _priced(args, p, nodes)
         p.cuts, p.links = cuts, priced.lines([n.name for n in nodes]) if priced else None
     except ValueError as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_token_budget, prefix_blocks,
+from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_quant, kv_token_budget, prefix_blocks,
                                            scheduler_config, stage_limits)
 from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
@@ -130,8 +130,25 @@ class Cluster:
             lines.append(self.plan_note)
         if self.placer is not None:
             lines += self.placer.prediction
+        kv = self.kv_line()
         lines.append(self.context_note())
-        return lines
+        return lines + ([kv] if kv else [])
+
+    def kv_line(self) -> str:
+        """One line on the stages' KV quantization, where asked or applied (empty: neither)."""
+        loads = [st.load for st in self.pipeline.stages if st.load is not None]
+        on = [i for i, r in enumerate(loads) if r.HasField("kv_cache")]
+        notes = [f"stage {i}: {r.kv_note}" for i, r in enumerate(loads) if r.kv_note]
+        if not on and kv_quant(self.config) is None:
+            return ""
+        if not on:
+            return f"KV cache at full precision ({'; '.join(notes) or 'no stage quantizes it'})"
+        kv = loads[on[0]].kv_cache
+        full = sum(r.kv_full_bytes_per_token for r in loads)
+        now = sum(r.kv_bytes_per_token for r in loads)
+        return (f"KV cache {kv.bits}-bit (group {kv.group_size}) from mlx-lm's switch point (start {kv.start}) on "
+                f"stage{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}: {full / 1e3:.1f} -> {now / 1e3:.1f} KB "
+                f"a token" + (f" ({'; '.join(notes)})" if notes else ""))
 
     def context_note(self) -> str:
         """The served context, and what sets it (serve's banner)."""

@@ -23,8 +23,10 @@ from mlxpipe.server.core.engine import Supervision
 from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.speculation import verify_positions
+from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
+                                     KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
 from mlxpipe.shards.node_options import add_launch_ahead
-from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, QuantSpec
 from mlxpipe.shards.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -92,6 +94,14 @@ def ratio(text: str) -> float:
 
 def _node_list(text: str) -> List[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _non_negative_int(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _bits(text: Optional[str]) -> Optional[str]:
@@ -221,8 +231,9 @@ class ClusterConfig:
     concurrency: int = knob(1, "requests of --context tokens whose KV cache the plan keeps room for at once "
                             "(default %(default)s: one long agent session; shorter requests share the room)",
                             type=count)
-    kv_bits: int = knob(16, "bits of each cached key and value the plan counts (16: the model's dtype; 8 or 4: "
-                        "mlx-lm's quantized KV cache)", flag=None)
+    kv_bits: int = knob(16, KV_BITS_HELP, type=int, choices=KV_BITS)
+    kv_group_size: int = knob(DEFAULT_KV_GROUP_SIZE, KV_GROUP_SIZE_HELP, type=int, choices=GROUP_SIZES)
+    quantized_kv_start: int = knob(DEFAULT_QUANTIZED_KV_START, KV_START_HELP, type=_non_negative_int)
     security: Security = knob(help="the cluster secret and TLS toward --nodes (local stages get a fresh secret)",
                               factory=_security, add=_add_security, read=_read_security)
     weights_rate: Optional[float] = knob(None, "cap on weights streamed to each node that lacks the model, e.g. "
@@ -341,11 +352,17 @@ class StageLimits:
     max_cache_bytes: int = 0    # KV-cache bytes, cached prefix blocks included (0: no cap)
     block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
     disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
+    kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
+
+
+def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
+    """The KV quantization the stages are asked for (None: none)."""
+    return KvQuant.of(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
 
 
 def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
     return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
-                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0,
+                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg),
                        disk_bytes=cfg.prefix_cache_disk)
 
 
@@ -398,4 +415,5 @@ def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks
         speculate=cfg.speculate, spec_max_running=stages, spec_depth=cfg.spec_depth,
         spec_positions=verify_positions(row_cost, stages), spec_frames=stages,
         num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size, max_stall=cfg.max_stall,
-        max_prefill_inflight=stages, max_running=cfg.max_running, max_waiting=cfg.max_waiting)
+        max_prefill_inflight=stages, max_running=cfg.max_running, max_waiting=cfg.max_waiting,
+        kv_start=cfg.quantized_kv_start if kv_quant(cfg) else None)

@@ -199,7 +199,7 @@ class Placer:
         most = self.model.max_positions
         order = None
         if cost is None:
-            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits)  # noqa: E731
+            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits, cfg.kv_group_size)  # noqa: E731
             lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
             context, choice, clamped = plan_context(
                 lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, every_node=self.local,
@@ -208,7 +208,7 @@ class Placer:
             plan, self.model.quant = choice.plan, choice.spec
             logger.info("--bits auto: %s. %s", choice.spec.describe(), choice.trade())
         else:
-            cost = at_kv_bits(cost, cfg.kv_bits)
+            cost = at_kv_bits(cost, cfg.kv_bits, cfg.kv_group_size)
             fits = lambda c: planner.fits(cost, nodes, c, cfg.concurrency, self.local)  # noqa: E731
             if links is not None:
                 context, priced, clamped = plan_context(

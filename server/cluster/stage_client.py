@@ -135,7 +135,8 @@ class Pipeline:
                                  max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                                  quantization=quant.to_wire() if quant else None,
-                                 tokenizer=self.tokenizer if not nxt else None)
+                                 tokenizer=self.tokenizer if not nxt else None,
+                                 kv_cache=lim.kv.to_wire() if lim.kv else None)
             if lim.disk_bytes is not None:
                 req.prefix_disk_bytes = lim.disk_bytes
             try:
@@ -246,7 +247,8 @@ class Pipeline:
     def caches(self) -> List[StageCaches]:
         """What each stage reported of its caches when it loaded."""
         return [StageCaches(list(r.blocks), list(r.starts) + list(r.disk_starts) if r.state_bytes else None,
-                            r.kv_bytes_per_token, r.state_bytes, r.max_rewind, list(r.disk_blocks),
+                            r.kv_bytes_per_token, r.state_bytes, r.max_rewind,
+                            r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0, list(r.disk_blocks),
                             list(r.disk_starts)) for r in (st.load for st in self.stages)]
 
     async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:

@@ -3,12 +3,10 @@ of text (``api/textgen.py`` turns its streams into text) or of gRPC: it drives a
 ``Transport`` (``transport.py``), and ``frames.py`` speaks the wire for it.
 
 The engine runs on the event loop and owns the ``Scheduler``. Every change
-(a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
-for frames and queue them for stage 0. A supervisor task reads the last
-stage's Results, hands each token to its request's queue, watches the stages'
-health, and rebuilds the pipeline when it breaks (see ``Engine``). Prefix blocks some
-stage holds on disk only are read back (``Transport.fetch``, off the stages' MLX threads)
-before the first frame of the sequence that reuses them.
+(a request, a cancel, a result) is followed by ``_pump``: ask the scheduler for frames and
+queue them for stage 0, and have stages read back prefix blocks they hold on disk only
+(``_fetch``). A supervisor task reads the last stage's Results, hands each token to its
+request's queue, watches the stages' health, and rebuilds the pipeline when it breaks.
 """
 
 from __future__ import annotations
@@ -186,14 +184,17 @@ class Engine:
         self._supervisor = asyncio.ensure_future(self._supervise())
 
     def _held_blocks(self, capacity: int, disk_capacity: int = 0) -> None:
-        """Tell the scheduler what the stages' Load replies say: the prefix blocks they hold in memory and on
-        disk (and those they can start after), their snapshots' spacing, the drafted positions they can take back."""
+        """Tell the scheduler what the stages' Load replies say of their caches: prefix blocks in memory and
+        on disk (those they can start after), snapshots' spacing, positions they can take back, KV bits."""
         caches = self.pipeline.caches()
         every = snapshot_every(self.scheduler.config.block_tokens,
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every,
                                     [c.disk_blocks for c in caches], disk_capacity)
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
+        quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
+        self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
+                                                     for c in quantizing), default=1.0))
 
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event
@@ -244,6 +245,10 @@ class Engine:
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
                   speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
+        need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
+        if need > self.scheduler.max_kv_tokens:
+            raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "
+                                 f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
         self.streams[seq_id] = stream
@@ -251,22 +256,16 @@ class Engine:
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
         return stream
 
-    def _fetch(self, fetch) -> None:
+    async def _fetch(self, fetch) -> None:
         """Have the stages read a sequence's blocks back from disk; its first frame goes after."""
-
-        async def run():
-            try:
-                results = await self.pipeline.fetch(fetch.seq_id, fetch.keys)
-            except Exception:  # noqa: BLE001 - nothing read: the sequence computes it all, it never waits on
-                logger.exception("reading prefix blocks back from the stages' disks")
-                results = [([], []) for _ in fetch.keys]
-            if not self._stopping:
-                self.scheduler.fetched(fetch, results)
-                self._pump()
-
-        task = asyncio.ensure_future(run())
-        self._fetches.add(task)
-        task.add_done_callback(self._fetches.discard)
+        try:
+            results = await self.pipeline.fetch(fetch.seq_id, fetch.keys)
+        except Exception:  # noqa: BLE001 - nothing read: the sequence computes it all, it never waits on
+            logger.exception("reading prefix blocks back from the stages' disks")
+            results = [([], []) for _ in fetch.keys]
+        if not self._stopping:
+            self.scheduler.fetched(fetch, results)
+            self._pump()
 
     async def _cancel_fetches(self) -> None:
         """The pipeline they read from is gone (the scheduler voids their answers anyway)."""
@@ -278,7 +277,7 @@ class Engine:
     def max_context(self) -> int:
         """The served context: tokens one request may hold, prompt and reply. The model's
         (or ``--context``), within what the stages' KV cache holds for one request."""
-        return min(self.model_context, self.scheduler.max_kv_tokens)
+        return min(self.model_context, self.scheduler.kv.longest())
 
     @property
     def kv_tokens(self) -> int:
@@ -287,7 +286,7 @@ class Engine:
 
     def context_limit(self) -> str:
         """What sets the served context, in words."""
-        if self.scheduler.max_kv_tokens < self.model_context:
+        if self.scheduler.kv.longest() < self.model_context:
             return f"what the stages' KV cache holds for one request; {self.context_source} is {self.model_context}"
         return self.context_source
 
@@ -300,8 +299,10 @@ class Engine:
         if self.state == "ready":
             for frame in self.framer.schedule():
                 self.pipeline.send(frame)
-            for fetch in self.scheduler.take_fetches():
-                self._fetch(fetch)
+            for fetch in self.scheduler.take_fetches():  # (a task each, until it is answered)
+                task = asyncio.ensure_future(self._fetch(fetch))
+                self._fetches.add(task)
+                task.add_done_callback(self._fetches.discard)
         if self.scheduler.idle or self.state == "failed":
             self._idle.set()
         else:
@@ -324,11 +325,10 @@ class Engine:
             if stream.first_token_at is None:
                 stream.first_token_at = now
                 stream.cached_tokens = ev.seq.cached_tokens or 0
-                stream.cached_disk_tokens = ev.seq.disk_tokens or 0
+                disk = stream.cached_disk_tokens = ev.seq.disk_tokens or 0
                 if self.observer is not None:
                     self.observer.first_token(now - stream.submitted)
-                    self.observer.cached_prompt(stream.cached_tokens - stream.cached_disk_tokens,
-                                                stream.cached_disk_tokens)
+                    self.observer.cached_prompt(stream.cached_tokens - disk, disk)
             if self.observer is not None:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now

@@ -33,6 +33,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.reuse.extend(e.opening.reuse)
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
+        out.kv_quantize_at = e.opening.kv_at
         if e.opening.store:  # reused blocks read back from disk, kept in memory again
             out.store_first = e.opening.store_first
             out.store.extend(e.opening.store)

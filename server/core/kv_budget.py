@@ -11,6 +11,15 @@ Where stages have state caches (rotating windows, state-space layers:
 state they keep: a step that starts exactly at a block's end asks for it
 (``snap``) every ``snapshot_every`` blocks and at the last block of a prompt.
 
+With KV quantization (``set_kv``), positions are counted at what a quantized
+one costs: a sequence's positions before its switch point (``Seq.kv_at``,
+``shards/kv_quant.py``), held at full precision until then, count ``kv_ratio``
+times, and so do the blocks kept from them (stages keep a block in the form
+its sequence's caches had). A block that ends past its sequence's switch point
+is keyed with that point too: what it holds was computed against quantized
+keys from there on, so only a sequence that switches at the same point reuses
+it (blocks before both points hold full-precision keys that any may reuse).
+
 Where stages have a disk tier, a sequence may start after blocks some stage holds
 on disk only. Admitting it then names, per stage, the blocks to read back
 (``take_fetches``: the engine sends each stage a ``Fetch``, answered off its MLX
@@ -23,11 +32,13 @@ under way needs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.sequence import Seq
+from mlxpipe.shards.kv_quant import quantize_at
 
 
 @dataclass
@@ -54,6 +65,43 @@ class KvBudget:
                                                  # starts after: not to evict nor discard until then
         self.fetches: List[Fetch] = []  # reads the engine has yet to ask for
         self.epoch = 0
+        self.kv_start: Optional[int] = None  # stages quantize their KV caches from mlx-lm's start (None: not)
+        self.kv_ratio = 1.0  # what a full-precision position costs in quantized ones, where most
+
+    def set_kv(self, start: Optional[int], ratio: float) -> None:
+        """Stages quantize their KV caches (``start``: mlx-lm's quantized_kv_start; None: not),
+        a full-precision position costing ``ratio`` quantized ones where it costs most."""
+        self.kv_start, self.kv_ratio = start, max(ratio, 1.0) if start is not None else 1.0
+
+    def place(self, seq: Seq) -> None:
+        """Where ``seq``'s caches turn quantized: where mlx-lm's would for its prompt."""
+        if self.kv_start is not None and seq.kv_at is None:
+            seq.kv_at = quantize_at(len(seq.prompt), self.kv_start)
+
+    def need(self, seq: Seq) -> int:
+        """KV positions ``seq`` may take (prompt plus token budget), counted at quantized
+        positions: those it holds at full precision, before its switch point, cost more."""
+        self.place(seq)
+        n = seq.reserve
+        if seq.kv_at is None:
+            return n
+        return max(n, math.ceil(min(n, seq.kv_at) * self.kv_ratio))
+
+    def longest(self) -> int:
+        """Tokens one sequence may hold in ``max_tokens``: all of them, unless positions held at
+        full precision up to the latest switch point a prompt may have (``quantize_at``) cost more."""
+        if self.kv_start is None:
+            return self.max_tokens
+        latest = quantize_at(1 << 40, self.kv_start)
+        if math.ceil(latest * self.kv_ratio) <= self.max_tokens:
+            return self.max_tokens
+        return int(self.max_tokens / self.kv_ratio)
+
+    def _hashes(self, seq: Seq, upto: int) -> List[int]:
+        """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
+        point on, with that point in them (they hold what quantized keys gave from there)."""
+        tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt, tag)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -102,7 +150,7 @@ class KvBudget:
         if self.prefix is None or seq.sampling.prompt_logprobs:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
-        chain_hashes(seq.tokens, self.block_tokens, seq.hashes, usable, seq.salt)
+        self._hashes(seq, usable)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
@@ -111,7 +159,7 @@ class KvBudget:
         if self.prefix is not None:  # live sequences win: drop cached blocks before refusing
             over = reserved + need + self.prefix.tokens - self.max_tokens
             if over > 0:
-                self.pending_evict += self.prefix.evict(-(-over // self.block_tokens), self._protected() | set(hit))
+                self.pending_evict += self.prefix.evict_tokens(over, self._protected() | set(hit))
         return reserved + need + self.cached_tokens <= self.max_tokens
 
     def reusing(self, seq: Seq, hit: List[int]) -> bool:
@@ -184,7 +232,7 @@ class KvBudget:
             first += 1
         keys = seq.reuse[first:]
         kept = self.prefix.add(keys, self._protected(), self.pending_evict, self._room,
-                               discarded=self.pending_discard)
+                               weights=self._weights(seq, first, len(seq.reuse)), discarded=self.pending_discard)
         self._keep.update(keys[:kept])
         return (first if kept else 0), keys[:kept]
 
@@ -200,10 +248,11 @@ class KvBudget:
         if upto <= seq.stored:
             return 0, [], False, []
         first = seq.stored
-        keys = chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt)[first:upto]
+        keys = self._hashes(seq, upto)[first:upto]
         snap = self._snaps(seq, offset, upto)
         kept = self.prefix.add(keys, self._protected(), self.pending_evict, self._room,
-                               start=keys[-1] if snap else None, discarded=self.pending_discard)
+                               start=keys[-1] if snap else None, weights=self._weights(seq, first, upto),
+                               discarded=self.pending_discard)
         self._keep.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
         spill = self.prefix.spill(keys[kept:], self._protected(), self.pending_discard, keys[-1] if snap else None)
@@ -211,6 +260,14 @@ class KvBudget:
         if not kept and not spill:
             return 0, [], False, []
         return first, keys[:kept], snap and kept + len(spill) == len(keys), spill
+
+    def _weights(self, seq: Seq, first: int, upto: int) -> Optional[List[int]]:
+        """What blocks ``first .. upto - 1`` of ``seq`` cost in quantized positions: those
+        before its switch point are kept at full precision (None: all cost their positions)."""
+        if seq.kv_at is None or self.kv_ratio <= 1.0:
+            return None
+        b, full = self.block_tokens, math.ceil(self.block_tokens * self.kv_ratio)
+        return [full if (k + 1) * b <= seq.kv_at else b for k in range(first, upto)]
 
     def _snaps(self, seq: Seq, offset: int, upto: int) -> bool:
         """Whether stages with state caches keep the state at the end of block ``upto``

@@ -32,6 +32,7 @@ class Opening:
     generated: List[int]    # with a grammar, on a replay: tokens the grammar must advance past
     store_first: int = 0    # of ``reuse``, the first some stage read back from disk, and the keys from there
     store: List[int] = field(default_factory=list)  # that the stages keep in memory now
+    kv_at: int = 0          # with KV quantization: where its caches turn quantized (0: never)
 
 
 @dataclass

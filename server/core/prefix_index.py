@@ -29,6 +29,9 @@ each stage must read back from its disk first, and ``fetched`` takes what a stag
 could not read (a missing or corrupt file: its positions are computed again). After a
 restart each stage reports what its disk holds (``reset``), and a block counts only
 where every stage has it.
+
+A block costs its positions, or what it is said to cost (``add``'s ``weights``:
+a block kept at full precision where KV caches are quantized costs more).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
-from typing import Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 _ROOT = 0
 MAX_SNAPSHOT_EVERY = 16  # blocks between state snapshots, at most (a reuse may start this far back)
@@ -65,13 +68,16 @@ def chain_root(salt: bytes) -> int:
 
 
 def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int,
-                 salt: bytes = b"") -> List[int]:
+                 salt: bytes = b"", tag: Optional[Tuple[int, int]] = None) -> List[int]:
     """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of
-    ``tokens``; ``salt``: the chain's (``chain_root``)."""
+    ``tokens``; ``salt``: the chain's (``chain_root``); ``tag`` (block, value): ``value``
+    goes into the key of that block, and so of every later one."""
     while len(hashes) < upto:
         k = len(hashes)
         prev = hashes[-1] if hashes else chain_root(salt)
         data = array("i", tokens[k * block_tokens : (k + 1) * block_tokens]).tobytes()
+        if tag is not None and k == tag[0]:
+            data += tag[1].to_bytes(8, "little")
         digest = hashlib.blake2b(prev.to_bytes(8, "little") + data, digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
     return hashes
@@ -83,6 +89,8 @@ class PrefixIndex:
         self.capacity = capacity  # blocks any stage may hold in memory
         self.held: List[Set[int]] = [set() for _ in range(num_stages)]
         self.lru: "OrderedDict[int, None]" = OrderedDict()  # every block some stage holds, oldest first
+        self.weights: Dict[int, int] = {}  # positions a block costs, where not its own
+        self.used = 0                      # positions the blocks cost
         # Per stage with state caches: the blocks (in either tier) it can start a sequence after (None: stateless).
         self.starts: List[Optional[Set[int]]] = [None] * num_stages
         self.disk_capacity = 0  # blocks any stage may hold on disk (0: no disk tier)
@@ -106,7 +114,9 @@ class PrefixIndex:
         everywhere = set.intersection(*self.disk) if self.disk else set()
         order = [k for d in disk for k in d]  # blocks some stage lacks go first: no sequence can use them
         self.disk_lru = OrderedDict((k, None) for k in sorted(order, key=lambda k: k in everywhere))
-        return self.evict(len(self.lru) - capacity)
+        self.weights = {k: w for k, w in self.weights.items() if k in self.lru}
+        self.used = sum(self._cost(k) for k in self.lru)
+        return self.evict_tokens(self.used - capacity * self.block_tokens)
 
     @property
     def blocks(self) -> int:
@@ -115,7 +125,10 @@ class PrefixIndex:
     @property
     def tokens(self) -> int:
         """KV positions the cached blocks take on the fullest stage (at most)."""
-        return len(self.lru) * self.block_tokens
+        return self.used
+
+    def _cost(self, key: int) -> int:
+        return self.weights.get(key, self.block_tokens)
 
     @property
     def disk_blocks(self) -> int:
@@ -158,23 +171,28 @@ class PrefixIndex:
                 self.disk_lru.move_to_end(key)
 
     def add(self, keys: Sequence[int], protected: Set[int], evicted: List[int], room: int,
-            start: Optional[int] = None, discarded: Optional[List[int]] = None) -> int:
-        """Record that every stage keeps ``keys`` (in order), within ``capacity`` and
-        ``room`` blocks, making room by evicting least recently used blocks not in
-        ``protected`` (appended to ``evicted``); with ``start``, that every stage
-        keeps the state at the end of that key too. With a disk tier, the stages write
-        them there as well, and blocks the disk then has no room for go from it
-        (appended to ``discarded``). Returns how many of ``keys`` fit: the stages must
-        be told to keep only those."""
+            start: Optional[int] = None, weights: Optional[Sequence[int]] = None,
+            discarded: Optional[List[int]] = None) -> int:
+        """Record that every stage keeps ``keys`` (in order; ``weights``: the positions each
+        costs, if not its own), within ``capacity`` and ``room`` blocks' positions, making
+        room by evicting least recently used blocks not in ``protected`` (appended to
+        ``evicted``); with ``start``, that every stage keeps the state at the end of that
+        key too. With a disk tier, the stages write them there as well, and blocks the disk
+        then has no room for go from it (appended to ``discarded``). Returns how many of
+        ``keys`` fit: the stages must be told to keep only those."""
         protected = protected | set(keys)
-        limit = min(self.capacity, room)
+        limit = min(self.capacity, room) * self.block_tokens
         kept = 0
-        for key in keys:
-            if key not in self.lru and len(self.lru) >= limit:
-                gone = self.evict(len(self.lru) - limit + 1, protected)
-                if not gone:
-                    break
-                evicted.extend(gone)
+        for n, key in enumerate(keys):
+            cost = weights[n] if weights else self.block_tokens
+            if key not in self.lru:
+                if self.used + cost > limit:
+                    evicted.extend(self.evict_tokens(self.used + cost - limit, protected))
+                    if self.used + cost > limit:
+                        break
+                self.used += cost
+                if cost != self.block_tokens:
+                    self.weights[key] = cost
             self.lru[key] = None
             self.lru.move_to_end(key)
             for h in self.held:
@@ -213,13 +231,23 @@ class PrefixIndex:
 
     def evict(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
         """Drop up to ``count`` least recently used blocks not in ``protected``."""
-        gone = []
+        return self._drop([k for k in self.lru if k not in protected][: max(count, 0)])
+
+    def evict_tokens(self, tokens: int, protected: Set[int] = frozenset()) -> List[int]:
+        """Drop least recently used blocks not in ``protected`` until they freed ``tokens`` positions."""
+        gone, freed = [], 0
         for key in self.lru:
-            if len(gone) >= count:
+            if freed >= tokens:
                 break
             if key not in protected:
                 gone.append(key)
+                freed += self._cost(key)
+        return self._drop(gone)
+
+    def _drop(self, gone: List[int]) -> List[int]:
         for key in gone:
+            self.used -= self._cost(key)
+            self.weights.pop(key, None)
             del self.lru[key]
             for h, d, s in zip(self.held, self.disk, self.starts):
                 h.discard(key)

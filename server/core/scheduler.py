@@ -27,12 +27,15 @@ Rules:
   it may grow to fits; it starts after the longest run of its first blocks that
   every stage holds, its first step names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
-  the first step of a round carries the blocks to drop (``evict``; ``discard``:
-  from disk too). Where stages have state caches, prefill chunks end at block
-  boundaries, so that a step can ask them to keep the state there (``snap``,
-  ``kv_budget.py``). Where some stage holds a block on disk only, the sequence's
-  first step waits until the engine has had it read back (``take_fetches``,
-  ``fetched``).
+  the first step of a round carries the blocks to drop (``evict``; ``discard``: from
+  disk too). Where stages have state caches, prefill chunks end at block boundaries,
+  so that a step can ask them to keep the state there (``snap``). A block some stage
+  holds on disk only is read back before the first step (``take_fetches``, ``fetched``).
+- KV quantization (``kv_start``, once the stages say they quantize): a
+  sequence's caches turn quantized where mlx-lm's ``generate_step`` would
+  turn them for its prompt (``kv_at``, named in its first step:
+  ``shards/kv_quant.py``); no prefill chunk and no VERIFY step crosses it,
+  and its KV reservation counts the positions before it at full precision.
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is
   complete (``Sample.done``); replayed, its first step names the tokens
@@ -91,6 +94,11 @@ class Scheduler:
         self.pending_free: List[int] = []
         self._step_ids = itertools.count(1)
 
+    def set_kv(self, quantizing: bool, ratio: float) -> None:
+        """Whether the stages quantize their KV caches (as asked: ``kv_start``), and how many
+        times a full-precision position costs a quantized one on the stage where most."""
+        self.kv.set_kv(self.config.kv_start if quantizing else None, ratio)
+
     def resize(self, max_kv_tokens: int) -> List[TokenEvent]:
         """A rebuilt pipeline holds a different number of KV positions. A sequence waiting
         for it (all are, after ``replay_all``) may now hold no more than that: one that
@@ -108,10 +116,9 @@ class Scheduler:
     def reset_prefix(self, held: List[Iterable[int]], capacity: int,
                      starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0,
                      disk: Optional[List[List[int]]] = None, disk_capacity: int = 0) -> None:
-        """What each stage of a (re)built pipeline holds, and the blocks it may hold;
-        ``starts``: per stage with state caches, the held blocks it can start after
-        (None for a stage without); ``snapshot_every``: see ``kv_budget.py``; ``disk``:
-        what each stage's disk tier holds, ``disk_capacity`` the blocks it may hold."""
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold; ``starts``: per stage
+        with state caches, the held blocks it can start after (None for a stage without); ``snapshot_every``:
+        see ``kv_budget.py``; ``disk``: what each stage's disk tier holds, ``disk_capacity`` its blocks."""
         self.kv.reset_prefix(held, capacity, starts, snapshot_every, disk, disk_capacity)
 
     def take_fetches(self) -> List[Fetch]:
@@ -158,6 +165,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         seq.feed = list(seq.prompt)
+        self.kv.place(seq)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -192,7 +200,7 @@ class Scheduler:
     @property
     def kv_reserved(self) -> int:
         """KV positions admitted sequences may grow to: prompt plus token budget each."""
-        return sum(s.reserve for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
+        return sum(self.kv.need(s) for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING))
 
     @property
     def decoding(self) -> int:
@@ -226,7 +234,8 @@ class Scheduler:
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
             hit = self.kv.cached_prefix(seq)
-            if not self.kv.admits(seq.reserve, reserved, hit) and holding:
+            need = self.kv.need(seq)
+            if not self.kv.admits(need, reserved, hit) and holding:
                 break  # wait for KV memory to free up (FIFO: nobody overtakes)
             self.waiting.popleft()
             seq.phase = Phase.PREFILL
@@ -238,7 +247,7 @@ class Scheduler:
             self.prefilling.append(seq)
             self.speculator.admitted(seq, self.live)
             holding += 1
-            reserved += seq.reserve
+            reserved += need
 
     def _chunk(self, seq: Seq) -> int:
         """Tokens per prefill step for ``seq``: about two chunks per stage in flight, no more than
@@ -264,7 +273,7 @@ class Scheduler:
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
         return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
-                       *self.kv.promote(seq))
+                       *self.kv.promote(seq), kv_at=seq.kv_at or 0)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0) -> Step:
@@ -318,7 +327,10 @@ class Scheduler:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
         body = len(seq.feed) - 1
         if seq.sent < body:
-            n, sample = self.kv.chunk_end(seq, min(self._chunk(seq), body - seq.sent), body), False
+            n = min(self._chunk(seq), body - seq.sent)
+            if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:
+                n = seq.kv_at - seq.sent  # no chunk crosses where its caches turn quantized
+            n, sample = self.kv.chunk_end(seq, n, body), False
         else:
             n, sample = 1, True
         if not seq.known:  # its first step

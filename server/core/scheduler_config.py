@@ -31,3 +31,4 @@ class SchedulerConfig:
     spec_depth: int = 8            # positions beyond the confirmed in flight, at most (adapted per sequence)
     spec_frames: int = 2           # VERIFY steps in flight per sequence, at most (a step more than the stages
                                    # would only queue at stage 0, and be lost on a miss)
+    kv_start: Optional[int] = None  # KV quantization asked for: mlx-lm's quantized_kv_start (None: none)

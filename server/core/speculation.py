@@ -164,6 +164,10 @@ class Speculator:
             while st.fed < st.depth + 1 and st.inflight < cfg.spec_frames:
                 # Inputs for positions C + fed, ...: the last token, then guesses.
                 n = min(cfg.spec_positions, st.depth + 1 - st.fed)
+                if seq.kv_at is not None and seq.cached < seq.kv_at:
+                    # Short of where its caches turn quantized, nothing goes past it unconfirmed:
+                    # no step crosses it, and no trim takes back quantized positions before it.
+                    n = min(n, seq.kv_at - seq.cached - st.fed)
                 if st.fed + n - 1 > len(st.guesses):
                     self._draft(seq, st.fed + n - 1)
                     n = min(n, len(st.guesses) + 1 - st.fed)

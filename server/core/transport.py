@@ -41,6 +41,8 @@ class StageCaches:
     kv_bytes_per_token: int
     state_bytes: int             # one sequence's state caches (0: none)
     max_rewind: int              # drafted positions it can take back (0: none)
+    kv_full_bytes_per_token: int = 0  # quantizing its KV cache: a token before its sequence's switch point
+                                      # (``kv_bytes_per_token``: after); 0: it does not quantize
     disk_blocks: List[int] = field(default_factory=list)  # the blocks its disk tier holds, least recently used first
     disk_starts: List[int] = field(default_factory=list)  # ... of those, the ones stored with their end state
 
