@@ -12,6 +12,9 @@ cache. Two patterns, both servers in the same run, runs round-robin:
   file, as coding agents send) and a short varying tail: one cold request, one
   warm one, then ``--clients`` concurrent clients with distinct tails.
 
+``--restart`` measures mlxpipe alone, across restarts: the prefix cache's disk tier
+(``chat_restart.py``).
+
 Every run uses texts of its own, so each starts cold; greedy decoding.
 """
 
@@ -75,6 +78,10 @@ async def agent(http, server: HttpServer, model: str, tok, args, tag: str) -> Di
 async def bench_chat(args) -> dict:
     path = str(resolve_model(args.model))
     tok = load_tokenizer(path)
+    if args.restart:
+        from mlxpipe.bench.chat_restart import bench_restart
+
+        return await bench_restart(args, path, tok)
     servers: List[HttpServer] = []
     try:
         cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
@@ -168,4 +175,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--prefix-tokens", type=int, default=1100, help="tokens of the agent's fixed prefix")
     q.add_argument("--clients", type=int, default=8, help="concurrent agent clients after the warm request")
     q.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    q.add_argument("--restart", action="store_true",
+                   help="an agent's session across restarts instead: serve killed and started again before every "
+                        "turn, one stage killed, a tiny memory tier, beside the prefix cache off (the disk tier)")
+    q.add_argument("--prefixes", type=int, default=10, help="with --restart: different --prefix-tokens prompts, each "
+                   "sent twice, with memory for about one of them (0: skip)")
+    q.add_argument("--home", default=None, help="with --restart: the $MLXPIPE_HOME of the servers (default: a fresh "
+                   "temporary one)")
     q.set_defaults(measure=bench_chat)

@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class SeqEntry(_message.Message):
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     SNAP_FIELD_NUMBER: _ClassVar[int]
     KV_QUANTIZE_AT_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -88,7 +89,8 @@ class SeqEntry(_message.Message):
     generated: _containers.RepeatedScalarFieldContainer[int]
     snap: bool
     kv_quantize_at: int
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ...) -> None: ...
+    spill: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -103,7 +105,7 @@ class StageTiming(_message.Message):
     def __init__(self, queued_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "timings", "sent_us")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings", "sent_us")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -122,6 +124,7 @@ class Frame(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SENT_US_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
@@ -132,9 +135,10 @@ class Frame(_message.Message):
     hidden: Tensor
     free: _containers.RepeatedScalarFieldContainer[int]
     evict: _containers.RepeatedScalarFieldContainer[int]
+    discard: _containers.RepeatedScalarFieldContainer[int]
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
     sent_us: int
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
@@ -286,7 +290,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +303,7 @@ class LoadRequest(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -311,10 +316,11 @@ class LoadRequest(_message.Message):
     quantization: Quantization
     tokenizer: TokenizerSpec
     kv_cache: KvQuantization
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ...) -> None: ...
+    prefix_disk_bytes: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "kv_note", "mlx_peak_bytes", "memory_warning")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +340,10 @@ class LoadReply(_message.Message):
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_FULL_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_STARTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_NOTE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
@@ -356,10 +366,14 @@ class LoadReply(_message.Message):
     state_bytes: int
     kv_cache: KvQuantization
     kv_full_bytes_per_token: int
+    disk_blocks: _containers.RepeatedScalarFieldContainer[int]
+    disk_starts: _containers.RepeatedScalarFieldContainer[int]
+    disk_limit_bytes: int
+    disk_block_bytes: int
     kv_note: str
     mlx_peak_bytes: int
     memory_warning: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")
@@ -399,6 +413,22 @@ class ProfileReply(_message.Message):
     fingerprint: str
     def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., embed_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., node: _Optional[str] = ..., cached: _Optional[bool] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., row_cost: _Optional[float] = ..., prefill_layer_seconds: _Optional[_Iterable[float]] = ..., prefill_embed_seconds: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
+class FetchRequest(_message.Message):
+    __slots__ = ("seq_id", "keys")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("loaded", "dropped")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loaded: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -416,7 +446,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens")
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped")
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +456,9 @@ class StageStats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     busy_seconds: float
     uptime_seconds: float
     frames: int
@@ -435,10 +468,13 @@ class StageStats(_message.Message):
     tokens_per_s: float
     reused_tokens: int
     prefilled_tokens: int
-    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
+    disk_blocks_read: int
+    disk_blocks_written: int
+    disk_blocks_dropped: int
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link")
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +492,9 @@ class HealthReply(_message.Message):
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEXT_LINK_FIELD_NUMBER: _ClassVar[int]
     IN_LINK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_LIMIT_FIELD_NUMBER: _ClassVar[int]
     state: str
     detail: str
     model: str
@@ -473,7 +512,10 @@ class HealthReply(_message.Message):
     prefix_blocks: int
     next_link: LinkFigures
     in_link: LinkFigures
-    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., next_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., in_link: _Optional[_Union[LinkFigures, _Mapping]] = ...) -> None: ...
+    prefix_disk_bytes: int
+    prefix_disk_blocks: int
+    prefix_disk_limit: int
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., next_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., in_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ...) -> None: ...
 
 class LinkFigures(_message.Message):
     __slots__ = ("latency_s", "bytes_per_s", "jitter_s", "samples", "measured_at", "to")

@@ -79,6 +79,11 @@ class StageStub:
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.Frame.SerializeToString,
                 response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.ForwardSummary.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/mlxpipe.v1.Stage/Fetch',
+                request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.FetchRequest.SerializeToString,
+                response_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.FetchReply.FromString,
+                _registered_method=True)
         self.Results = channel.unary_stream(
                 '/mlxpipe.v1.Stage/Results',
                 request_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ResultsRequest.SerializeToString,
@@ -168,6 +173,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Read prefix-cache blocks back from disk for a sequence about to reuse them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Results(self, request, context):
         """On the last stage: one Result per Frame, for the head.
         """
@@ -235,6 +247,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.Frame.FromString,
                     response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.ForwardSummary.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=mlxpipe_dot_proto_dot_pipeline__pb2.FetchRequest.FromString,
+                    response_serializer=mlxpipe_dot_proto_dot_pipeline__pb2.FetchReply.SerializeToString,
             ),
             'Results': grpc.unary_stream_rpc_method_handler(
                     servicer.Results,
@@ -495,6 +512,33 @@ class Stage:
             '/mlxpipe.v1.Stage/Forward',
             mlxpipe_dot_proto_dot_pipeline__pb2.Frame.SerializeToString,
             mlxpipe_dot_proto_dot_pipeline__pb2.ForwardSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxpipe.v1.Stage/Fetch',
+            mlxpipe_dot_proto_dot_pipeline__pb2.FetchRequest.SerializeToString,
+            mlxpipe_dot_proto_dot_pipeline__pb2.FetchReply.FromString,
             options,
             channel_credentials,
             insecure,

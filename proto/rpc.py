@@ -197,6 +197,7 @@ _REQUEST_BYTES = {
     "Receive": (4 << 20) + (64 << 10),    # a weights chunk (weights.CHUNK_BYTES) and its names and checksum
     "Have": 64 << 20,                     # safetensors headers of a stage's layers, config files
     "Load": 64 << 20,                     # the last stage's tokenizer (for grammars): vocabulary, merges, template
+    "Fetch": 4 << 20,                     # prefix-block keys, 9 bytes each: a prefix of millions of tokens
     "Echo": (16 << 20) + (64 << 10),      # a prefill-sized probe of a hop (shards/links.py: MAX_PROBE)
 }
 _OTHER_REQUEST_BYTES = 64 << 10           # Profile, Free, Health, Results, Join: a few fields

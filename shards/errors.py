@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.sampling_params import Sampling, SamplingError
 
 MAX_TIMINGS = 256  # stage timings a frame may carry (one per stage it passed)
 
@@ -60,3 +61,17 @@ def check_shape(frame: pb.Frame, limits, first: bool, vocab_size: int) -> Tuple[
     if len(set(ids)) != rows:
         raise FrameError("a sequence appears twice in one frame")
     return rows, n
+
+
+def check_sampling(e: pb.SeqEntry, vocab_size: int, has_tokenizer: bool) -> None:
+    """Validate a sequence's sampling parameters on the last stage (``has_tokenizer``: it
+    can follow grammars)."""
+    try:
+        Sampling.from_wire(e.sampling).validate(vocab_size)
+    except SamplingError as err:
+        raise FrameError(f"sequence {e.seq_id}: {err}") from err
+    if e.sampling.grammar and not has_tokenizer:
+        raise FrameError(f"sequence {e.seq_id} has a grammar, and this stage was loaded without a tokenizer",
+                         "FAILED_PRECONDITION")
+    # A grammar that does not compile is this sequence's failure, not the frame's:
+    # it is compiled off this thread and fails the sequence alone (``Constraint``).

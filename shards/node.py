@@ -46,17 +46,18 @@ async def _exit_with_parent(stop) -> None:
     stop(0)
 
 
-async def _stop(server, code: int, announcer=None) -> None:
+async def _stop(server, servicer, code: int, announcer=None) -> None:
     """SIGINT/SIGTERM, or the parent gone: say goodbye on the LAN, end every call with a
-    status, then leave at once (the exit code the shell expects): interpreter teardown
-    under MLX's and gRPC's threads can only abort noisily ("terminate called without an
-    active exception")."""
+    status, finish the prefix cache's disk writes, then leave at once (the exit code the
+    shell expects): interpreter teardown under MLX's and gRPC's threads can only abort
+    noisily ("terminate called without an active exception")."""
     if announcer is not None:
         try:
             await asyncio.wait_for(announcer.stop(), 2.0)
         except Exception as err:  # noqa: BLE001 - leaving anyway; the records expire by themselves
             logger.info("goodbye on the LAN failed: %s", err)
     await server.stop(grace=1.0)
+    await asyncio.to_thread(servicer.close)
     logging.shutdown()
     os._exit(code)
 
@@ -128,7 +129,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
                 launch_ahead: Optional[bool] = None, announce: bool = False, name: Optional[str] = None,
-                kv: Optional[KvQuant] = None) -> None:
+                kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one); ``announce``: on the LAN."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -136,7 +137,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
-                             launch_ahead=launch_ahead, kv=kv)
+                             launch_ahead=launch_ahead, kv=kv, disk_bytes=disk_bytes)
     servicer.name = name or servicer.name
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
@@ -150,7 +151,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
 
     def stop(code: int) -> None:
         if not stopping:
-            stopping.append(asyncio.ensure_future(_stop(server, code, announcer)))
+            stopping.append(asyncio.ensure_future(_stop(server, servicer, code, announcer)))
 
     loop = asyncio.get_running_loop()
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):  # before anyone knows our address
@@ -197,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", default=None,
                         help="memory this node offers for weights and caches, e.g. 150GB "
                              "(default: 75%% of physical memory)")
+    parser.add_argument("--prefix-cache-disk", default=None, metavar="SIZE",
+                        help="disk this node's prefix cache may fill under $MLXPIPE_HOME, e.g. 50GB; 0: none "
+                             "(default: what the head asks, else 10%% of the free disk). Wins over the head's")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     add_launch_ahead(parser)
@@ -238,11 +242,14 @@ def run(args) -> int:
             logger.warning("--cpu is not supported on this platform")
     memory = parse_size(args.memory) if args.memory else None
     kv = KvQuant.of(args.kv_bits, args.kv_group_size, args.quantized_kv_start)  # ValueError: one line
+    disk = args.prefix_cache_disk
+    disk = None if disk is None else 0 if disk.strip() == "0" else parse_size(disk)
     try:
         asyncio.run(serve(args.listen, security, memory,
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
-                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name, kv=kv))
+                          launch_ahead=args.launch_ahead, announce=args.announce, name=args.name, kv=kv,
+                          disk_bytes=disk))
     except KeyboardInterrupt:
         pass
     return 0

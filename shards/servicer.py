@@ -8,6 +8,7 @@ the MLX thread as it is read and its output handed back once, to go to the next
 stage's ``Forward`` stream or, on the last stage, the head's ``Results`` stream.
 Activations go straight from a stage to the next, never through the head.
 ``node.py`` runs it as ``mlxpipe node``.
+The prefix cache's disk tier outlives a shard (``disk_service.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import hello, links, memory
+from mlxpipe.shards import disk_service, hello, links, memory
 from mlxpipe.shards.caches import kv_switch
 from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.grammar import tokenizer_from_json
@@ -74,7 +75,7 @@ class StageServicer(pb_grpc.StageServicer):
 
     def __init__(self, security: Optional[Security] = None, memory_bytes: Optional[int] = None,
                  models_dir: Optional[Path] = None, progress: bool = False, launch_ahead: Optional[bool] = None,
-                 kv: Optional[KvQuant] = None):
+                 kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None):
         self.security = security or Security()
         self.kv = kv  # the node's own --kv-bits: for a head that asks for no KV quantization
         self.progress = progress          # progress bars while loading (a node in a terminal)
@@ -93,6 +94,7 @@ class StageServicer(pb_grpc.StageServicer):
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
+        self.disk = disk_service.DiskService(disk_bytes)  # the prefix cache's disk tier, across Loads
         self.name = platform.node()  # what Hello and the announcement call this node
         self.listening = (0, "")     # our port and the address we advertise (node.py sets them once bound)
         self.next_link: Optional[links.Keeper] = None  # the hop to the next stage, kept current
@@ -179,9 +181,7 @@ class StageServicer(pb_grpc.StageServicer):
         switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
-        model_bytes = sum(
-            f.stat().st_size for f in path.glob("*.safetensors")
-        )
+        model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         limits = ShardLimits(
             max_batch=request.max_batch or ShardLimits.max_batch,
             max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
@@ -193,7 +193,9 @@ class StageServicer(pb_grpc.StageServicer):
         if request.HasField("tokenizer") and stage.last:
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
-        shard = Shard(stage, hidden, vocab, limits, tokenizer, switch)
+        model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
+        shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
+                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None))
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -203,7 +205,7 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
+            fingerprint=model_print,
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
@@ -215,6 +217,10 @@ class StageServicer(pb_grpc.StageServicer):
             **kv_reply,
         )
         return _Loaded(shard, reply, request)
+
+    def close(self) -> None:
+        """The node stops: finish the disk tier's writes (a while, at most)."""
+        self.disk.close()
 
     def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
                    full_bytes: int) -> tuple[KvSwitch, dict]:
@@ -236,12 +242,14 @@ class StageServicer(pb_grpc.StageServicer):
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:
-        """What Load answers: the shard, and the prefix blocks it holds now."""
+        """What Load answers: the shard, and the prefix blocks it holds now (in memory and on disk)."""
         reply = pb.LoadReply()
         reply.CopyFrom(loaded.reply)
-        if loaded.shard.prefix is not None:
-            reply.blocks.extend(loaded.shard.prefix.blocks)
+        prefix = loaded.shard.prefix
+        if prefix is not None:
+            reply.blocks.extend(prefix.blocks)
             reply.starts.extend(loaded.shard.starts())
+        disk_service.report_load(reply, prefix)
         return reply
 
     async def Load(self, request: pb.LoadRequest, context):
@@ -299,7 +307,7 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.model_path, request.start, request.end,
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
-            return loaded.reply
+            return self._reply(loaded)
 
     async def TimeNextHop(self, request: pb.LinkProbe, context):
         """Time the hop to the next stage (``links.py``), then keep its latency current. The head
@@ -380,7 +388,14 @@ class StageServicer(pb_grpc.StageServicer):
         except asyncio.CancelledError:  # replaced, or the node stopping: the call just ends
             return
 
-    # -- Free, Health ----------------------------------------------------------
+    # -- Fetch, Free, Health ---------------------------------------------------
+
+    async def Fetch(self, request: pb.FetchRequest, context):
+        await refuse_malformed(request, context)
+        loaded = self.loaded
+        if loaded is None or loaded.shard.prefix is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shard with a prefix cache is loaded")
+        return await disk_service.fetch(loaded.shard.prefix, request)
 
     async def Free(self, request: pb.FreeRequest, context):
         await refuse_malformed(request, context)
@@ -424,4 +439,5 @@ class StageServicer(pb_grpc.StageServicer):
                     prefilled_tokens=clock.prefilled_tokens,
                 )
             )
+            disk_service.report_health(reply, loaded.shard.prefix)
         return reply

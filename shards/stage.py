@@ -31,7 +31,9 @@ Sequences and caches:
   first drops the blocks in ``evict``; a sequence's first frame may start it
   after cached blocks (``reuse``); any later frame may name blocks of the
   sequence to keep (``store``), copied out before the frame's work, with the
-  state at the end of the last (``snap``: the caches are exactly there).
+  state at the end of the last (``snap``: the caches are exactly there). With a
+  disk tier, a first frame may start from blocks read back for it (``Fetch``),
+  which its ``store`` keeps in memory; ``discard`` drops blocks from disk too.
 - KV quantization (``kv_quant.py``): a sequence's caches turn quantized before
   its first frame at or past its switch point (named in its first frame), after
   the blocks that frame keeps; in a decode group its row moves to a quantized part.
@@ -50,14 +52,14 @@ from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards import caches as kinds
 from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
-from mlxpipe.shards.errors import FrameError, check_shape
+from mlxpipe.shards.errors import FrameError, check_sampling, check_shape
 from mlxpipe.shards.grammar import Constraint
 from mlxpipe.shards.launch import Launched, later
 from mlxpipe.shards.groups import Groups, batches
 from mlxpipe.shards.prefix import BlockStore, check_blocks
 from mlxpipe.shards.quantized_cache import KvSwitch, quantized
 from mlxpipe.shards.sampling import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
-from mlxpipe.shards.sampling_params import Sampling, SamplingError
+from mlxpipe.shards.sampling_params import Sampling
 from mlxpipe.shards.slicing import SlicedModel
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ class Shard:
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
     def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
-                 tokenizer=None, kv: KvSwitch = KvSwitch()):
+                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None):
         self.model = model
         self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
@@ -116,7 +118,7 @@ class Shard:
         self.stats = BusyClock()
         self.prefix: Optional[BlockStore] = None
         if limits.block_tokens:
-            self.prefix = BlockStore(limits.block_tokens, kv.kv if kv.slots else None)
+            self.prefix = BlockStore(limits.block_tokens, kv.kv if kv.slots else None, disk, model.own)  # disk: or None
         self._template = template
         self.view = ShardView()
         self.publish()
@@ -133,6 +135,8 @@ class Shard:
         freed = 0
         by_group: Dict[int, List[int]] = {}
         for sid in seq_ids:
+            if self.prefix is not None:
+                self.prefix.unstage(sid)  # blocks fetched for it that no frame took
             seq = self.seqs.pop(sid, None)
             if seq is None:
                 continue
@@ -158,6 +162,8 @@ class Shard:
         n = len(self.seqs)
         self.seqs.clear()
         self.groups.clear()
+        if self.prefix is not None:
+            self.prefix.staged.clear()
         mx.clear_cache()
         self.publish()
         return n
@@ -178,7 +184,7 @@ class Shard:
 
     def _check(self, frame: pb.Frame) -> tuple[int, int]:
         """Validate ``frame`` against this stage; return (rows, tokens per row)."""
-        if frame.evict and self.prefix is None:
+        if (frame.evict or frame.discard) and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
         rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
         freeing = set(frame.free)
@@ -219,21 +225,10 @@ class Shard:
         elif frame.kind == pb.Frame.PREFILL and seq.group is not None:
             raise FrameError(f"sequence {e.seq_id} is decoding; it cannot take a prefill chunk")
         if self.model.last and e.sampling.ByteSize():
-            self._check_sampling(e)
+            check_sampling(e, self.vocab_size, self.tokenizer is not None)
         if frame.kind == pb.Frame.VERIFY and self.model.last and seq.sampler.constraint is not None:
             raise FrameError(f"sequence {e.seq_id} follows a grammar: it cannot verify drafts")
         self.kv.check(e, seq)
-
-    def _check_sampling(self, e: pb.SeqEntry) -> None:
-        try:
-            Sampling.from_wire(e.sampling).validate(self.vocab_size)
-        except SamplingError as err:
-            raise FrameError(f"sequence {e.seq_id}: {err}") from err
-        if e.sampling.grammar and self.tokenizer is None:
-            raise FrameError(f"sequence {e.seq_id} has a grammar, and this stage was loaded without a tokenizer",
-                             "FAILED_PRECONDITION")
-        # A grammar that does not compile is this sequence's failure, not the frame's:
-        # it is compiled off this thread and fails the sequence alone (``Constraint``).
 
     # -- work --------------------------------------------------------------
 
@@ -259,8 +254,9 @@ class Shard:
         decoded = time.perf_counter()
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
-        if frame.evict:
+        if frame.evict or frame.discard:
             self.prefix.drop(frame.evict)
+            self.prefix.discard(frame.discard)
         for e in frame.seqs:
             if e.trim:
                 self._trim(self.seqs[e.seq_id], e.trim)
@@ -288,7 +284,8 @@ class Shard:
                              prompt=[r for r in out if isinstance(r, pb.PromptScores)],
                              timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
         nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
-                       tokens=frame.tokens, free=frame.free, evict=frame.evict, timings=frame.timings)
+                       tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
+                       timings=frame.timings)
         if out is not None:
             codec.encode(out, into=nxt.hidden)
         nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
@@ -300,8 +297,10 @@ class Shard:
         seq = _Seq(caches=self.model.make_cache(), session=session, kv_at=self.kv.point(entry.kv_quantize_at),
                    kv_named=bool(entry.kv_quantize_at))
         if entry.reuse:
-            seq.length = self.prefix.start(entry.reuse, seq.caches)
+            staged = self.prefix.unstage(entry.seq_id)  # read back from disk for it (Fetch)
+            seq.length = self.prefix.start(entry.reuse, seq.caches, staged)
             seq.quantized = any(quantized(c) for c in seq.caches)
+            self._keep_blocks(entry, seq, staged)
             self.stats.reused_tokens += seq.length
         if self.model.last:
             params = Sampling.from_wire(entry.sampling)
@@ -313,19 +312,18 @@ class Shard:
         self.seqs[entry.seq_id] = seq
         return seq
 
-    def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq) -> None:
+    def _keep_blocks(self, entry: pb.SeqEntry, seq: _Seq, staged=None) -> None:
         """Copy the blocks the head named out of the sequence's caches (before the frame's
-        work), with the state at the end of the last when it says ``snap``."""
-        if not entry.store:
+        work), with the state at the end of the last when it says ``snap``; or take them
+        from ``staged`` (read back from disk)."""
+        if not (entry.store or entry.spill):
             return
         group = self.groups[seq.group] if seq.group is not None else None
         if group is None or group.caches is None:
             caches, row = seq.caches, -1
         else:
             caches, row = group.caches, group.members.index(entry.seq_id)
-        last = len(entry.store) - 1
-        for i, key in enumerate(entry.store):
-            self.prefix.keep(key, caches, entry.store_first + i, row, snap=entry.snap and i == last)
+        self.prefix.keep_named(entry, caches, row, staged)
 
     def _turn_due(self, sid: int, seq: _Seq) -> None:
         """Turn a sequence's caches quantized if this frame starts at or past its switch point."""

@@ -6,7 +6,7 @@ start real processes)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.frames import Framer, prompt_scores
@@ -14,6 +14,7 @@ from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.caches import kv_switch
+from mlxpipe.shards.disk_cache import DiskTier
 from mlxpipe.shards.layers import with_sizes
 from mlxpipe.shards.quantized_cache import KvSwitch
 from mlxpipe.shards.slicing import load_stage, warm_up
@@ -44,9 +45,11 @@ class WiredScheduler:
 
 class InProcess:
     def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
-                 tokenizer=None, kv=None):
+                 tokenizer=None, kv=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30):
         """``tokenizer``: llguidance's, for the last stage's grammars; ``kv``: the stages'
-        KV quantization (``KvQuant``; the scheduler's ``kv_start`` should be its start)."""
+        KV quantization (``KvQuant``; the scheduler's ``kv_start`` should be its start);
+        ``disk``: where the stages keep the prefix cache's disk tier (each its own, of
+        ``disk_bytes``), as ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier)."""
         self.eos = frozenset(eos)
         self.stages = []
         self.footprints = []
@@ -57,8 +60,9 @@ class InProcess:
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             footprint = warm_up(model, int(cfg["hidden_size"]))
             switch, kv_bytes, _ = kv_switch(model, int(cfg["hidden_size"]), kv) if kv else (KvSwitch(), 0, "")
+            tier = DiskTier(disk, start, end, disk_bytes) if disk is not None and config.block_tokens else None
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
-                                     tokenizer if model.last else None, switch))
+                                     tokenizer if model.last else None, switch, tier))
             self.footprints.append(footprint)
             if switch.slots:
                 self.kv_ratios.append(footprint.kv_bytes_per_token / kv_bytes)
@@ -71,11 +75,27 @@ class InProcess:
     def reset_prefix(self) -> None:
         """Tell the scheduler what each stage holds now (as a rebuilt pipeline's Load replies do)."""
         held = [list(st.prefix.blocks) if st.prefix else [] for st in self.stages]
-        starts = [st.starts() if f.state_bytes else None for st, f in zip(self.stages, self.footprints)]
+        disks = [st.prefix.disk.blocks() if st.prefix is not None and st.prefix.disk is not None else ([], [])
+                 for st in self.stages]
+        starts = [st.starts() + disk[1] if f.state_bytes else None
+                  for st, f, disk in zip(self.stages, self.footprints, disks)]
         every = snapshot_every(self.scheduler.config.block_tokens,
                                [(f.kv_bytes_per_token, f.state_bytes) for f in self.footprints])
-        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every)
+        self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every,
+                                    [d[0] for d in disks], self.scheduler.config.prefix_disk_blocks)
         self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
+
+    def flush(self) -> None:
+        """Wait for the disk tiers' writes (a stage process does it before it exits)."""
+        for st in self.stages:
+            if st.prefix is not None and st.prefix.disk is not None:
+                st.prefix.disk.flush()
+
+    def close(self) -> None:
+        """As the stage processes stopping: their disk tiers finish writing and let go."""
+        for st in self.stages:
+            if st.prefix is not None and st.prefix.disk is not None:
+                st.prefix.disk.close()
 
     def generate(self, prompts: List[List[int]], max_tokens: int, sampling=None,
                  replay_after: int = 0) -> Tuple[List[List[int]], List[Seq]]:
@@ -94,6 +114,9 @@ class InProcess:
         out: Dict[int, List[int]] = {s.seq_id: [] for s in seqs}
         results = 0
         while not self.scheduler.idle:
+            for fetch in self.scheduler.take_fetches():  # (the engine asks the stages at once; so do we)
+                self.scheduler.fetched(fetch, [st.prefix.fetch(fetch.seq_id, keys) if keys else ([], [])
+                                               for st, keys in zip(self.stages, fetch.keys)])
             for frame in self.scheduler.schedule():
                 x = frame
                 for st in self.stages:

@@ -135,6 +135,9 @@ def test_page_chats_and_shows_the_cluster(page, server):   # page first: no brow
     # Every stage keeps the chat's prompt in its prefix cache, and the page shows the bytes.
     page.wait_for_function("[...document.querySelectorAll('.stage .prefix')].every(e => parseFloat(e.textContent) > 0)",
                            timeout=10_000)
+    # ... and on its disk, written through: the bytes there, of what the disk tier may hold.
+    page.wait_for_function("[...document.querySelectorAll('.stage .disk')].every(e => "
+                           "/ of \\d+ MB$/.test(e.textContent) && parseFloat(e.textContent) > 0)", timeout=10_000)
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)

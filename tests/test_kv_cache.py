@@ -272,8 +272,8 @@ def test_blocks_past_the_switch_are_keyed_with_it():
     assert (a.kv_at, b.kv_at) == (79, 89)
     kv.set_room(0)
     a.generated = list(range(80, 90))  # it decodes past block 4's end
-    first, keys, _ = kv.store(a, 90)
-    assert first == 0 and len(keys) == 5
+    first, keys, _, spill = kv.store(a, 90)
+    assert first == 0 and len(keys) == 5 and spill == []  # (no disk tier: nothing to spill)
     assert kv.prefix.tokens == 4 * 64 + 16  # blocks ending at or before 79 at full precision, one quantized
     assert kv.cached_prefix(b) == keys[:4], "b switches at 89: a's block [64, 80) held quantized keys"
     again = Seq(seq_id=3, prompt=a.prompt, max_tokens=20, sampling=Sampling(), generated=a.generated)

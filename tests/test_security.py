@@ -67,6 +67,7 @@ def test_without_the_secret_nothing_but_a_ping(node, default_model, secret):
         "forward pass": lambda: stranger.Forward(iter([_prefill(1, 3)]), timeout=10),
         "profile": lambda: stranger.Profile(pb.ProfileRequest(model=str(default_model)), timeout=10),
         "free": lambda: stranger.Free(pb.FreeRequest(), timeout=10),
+        "read prefix blocks back": lambda: stranger.Fetch(pb.FetchRequest(seq_id=1, keys=[1]), timeout=10),
         "results": lambda: next(stranger.Results(pb.ResultsRequest(), timeout=10)),
     }
     for what, call in calls.items():

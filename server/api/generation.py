@@ -49,6 +49,11 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from the prefix cache
+    cached_disk_tokens: int = 0  # ... of which some stage read back from its disk (the rest: memory)
+
+    def by_tier(self) -> dict:
+        """Our own usage field: which tier of the prefix cache served the cached tokens."""
+        return {"memory": self.cached_tokens - self.cached_disk_tokens, "disk": self.cached_disk_tokens}
 
 
 @dataclass
@@ -107,7 +112,8 @@ class Generation:
                       for i, t in enumerate(self.prompt)]
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.completion_tokens, self.streams[0].cached_tokens)
+        s = self.streams[0]
+        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens)
 
     async def chunks(self) -> AsyncIterator[tuple]:
         """(choice index, chunk) from all n streams, as they come; the streams are

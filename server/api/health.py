@@ -28,8 +28,14 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
                 tokens_per_s=s.tokens_per_s, queue_depth=s.queue_depth,
                 frames=s.frames, tokens=s.tokens,
                 prefix_cache_bytes=reply.prefix_bytes, prefix_cache_blocks=reply.prefix_blocks,
+                prefix_disk_bytes=reply.prefix_disk_bytes, prefix_disk_blocks=reply.prefix_disk_blocks,
+                prefix_disk_limit_bytes=reply.prefix_disk_limit,
+                prefix_disk_io={"read": s.disk_blocks_read, "written": s.disk_blocks_written,
+                                "dropped": s.disk_blocks_dropped},
                 prefix_hit_rate=s.reused_tokens / max(s.reused_tokens + s.prefilled_tokens, 1))
     load = getattr(st, "load", None)  # the stage's Load reply, when the transport keeps it
+    if load is not None:
+        info["kv_bytes_per_token"] = load.kv_bytes_per_token
     if load is not None and load.memory_warning:  # close to what the Mac's GPU may wire
         info["memory_warning"] = load.memory_warning
     if reply.state != "ready":

@@ -44,6 +44,13 @@ class _Stages:
                                      "Prompt positions each stage took from its prefix cache", labels=["stage", "address"])
         computed = CounterMetricFamily("mlxpipe_stage_prompt_tokens_computed",
                                        "Prompt positions each stage computed", labels=["stage", "address"])
+        disk = GaugeMetricFamily("mlxpipe_stage_prefix_disk_bytes", "Bytes of prefix blocks in each stage's disk tier",
+                                 labels=["stage", "address"])
+        disk_limit = GaugeMetricFamily("mlxpipe_stage_prefix_disk_limit_bytes",
+                                       "Bytes each stage's disk tier may hold (0: none)", labels=["stage", "address"])
+        disk_io = CounterMetricFamily("mlxpipe_stage_prefix_disk_blocks", "Prefix blocks each stage's disk tier "
+                                      "read back, wrote, and dropped (missing or corrupt files)",
+                                      labels=["stage", "address", "op"])
         for i, address, reply in self.snapshot:
             labels = [str(i), address]
             up.add_metric(labels, 1.0 if reply is not None and reply.state == "ready" else 0.0)
@@ -57,7 +64,12 @@ class _Stages:
             prefix.add_metric(labels, reply.prefix_bytes)
             reused.add_metric(labels, reply.stats.reused_tokens)
             computed.add_metric(labels, reply.stats.prefilled_tokens)
-        yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed)
+            disk.add_metric(labels, reply.prefix_disk_bytes)
+            disk_limit.add_metric(labels, reply.prefix_disk_limit)
+            for op, n in (("read", reply.stats.disk_blocks_read), ("written", reply.stats.disk_blocks_written),
+                          ("dropped", reply.stats.disk_blocks_dropped)):
+                disk_io.add_metric([*labels, op], n)
+        yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed, disk, disk_limit, disk_io)
 
 
 class _Budget:
@@ -117,6 +129,8 @@ class Metrics:
         self.inter_token = Histogram("mlxpipe_inter_token_seconds", "Between consecutive tokens of a request",
                                      buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated", registry=r)
+        self.cached = Counter("mlxpipe_prompt_tokens_cached", "Prompt tokens served from the prefix cache, by the "
+                              "tier some stage took them from (disk: read back from it)", ["tier"], registry=r)
         # These two are set from the engine when scraped; the stages, from their Health.
         self.live = Gauge("mlxpipe_live_requests", "Requests waiting or generating", registry=r)
         self.recoveries = Gauge("mlxpipe_pipeline_recoveries", "Times the pipeline was rebuilt after a fault",
@@ -136,6 +150,10 @@ class Metrics:
     # The engine calls these as tokens arrive (see Engine.observer).
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def cached_prompt(self, memory_tokens: int, disk_tokens: int) -> None:
+        self.cached.labels(tier="memory").inc(memory_tokens)
+        self.cached.labels(tier="disk").inc(disk_tokens)
 
     def token(self, since_previous: Optional[float]) -> None:
         self.tokens.inc()

@@ -23,7 +23,8 @@ from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed, Token
 def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "cached_tokens_by_tier": u.by_tier()}  # (ours: which prefix-cache tier served them)
 
 
 class _Format:

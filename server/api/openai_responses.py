@@ -160,6 +160,7 @@ class _Response:
     def finish(self, finish: Optional[str]) -> dict:
         u = self.gen.usage()
         self.obj["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                             "cached_tokens_by_tier": u.by_tier(),
                              "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": u.prompt_tokens + u.completion_tokens}
         if finish == "length":  # the item being written when the budget ran out is incomplete too

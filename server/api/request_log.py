@@ -76,7 +76,9 @@ def line(method: str, path: str, status: Optional[int], record: _Record, now: fl
     if gen is None:
         return f"{text} {now - record.started:.2f}s{_why(record)}"
     u = gen.usage()
-    text += f" prompt={u.prompt_tokens} cached={u.cached_tokens} completion={u.completion_tokens}"
+    text += f" prompt={u.prompt_tokens} cached={u.cached_tokens}"
+    text += f" (disk {u.cached_disk_tokens})" if u.cached_disk_tokens else ""
+    text += f" completion={u.completion_tokens}"
     firsts = [s.first_token_at for s in gen.streams if s.first_token_at is not None]
     lasts = [s.last_token_at for s in gen.streams if s.last_token_at is not None]
     if firsts:

@@ -23,13 +23,22 @@ def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f}"
 
 
+def _disk(s: dict) -> str:
+    """A stage's disk tier: the prefix blocks on it, of what it may hold."""
+    if not s.get("prefix_disk_limit_bytes"):
+        return "off" if "prefix_disk_limit_bytes" in s else "-"
+    return f"{_mb(s.get('prefix_disk_bytes'))} of {_mb(s['prefix_disk_limit_bytes'])}"
+
+
 def from_head(url: str, key: str = "") -> str:
     h = get_head(url, key, "/health").json()
-    rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "busy", "queue", "tok/s", "live"]]
+    rows = [["stage", "address", "layers", "state", "weights MB", "KV MB", "prefix MB", "disk MB", "busy", "queue",
+             "tok/s", "live"]]
     for s in h.get("stages", []):
         layers = s.get("layers", [0, 0])
         rows.append([str(s["stage"]), s["address"], f"[{layers[0]}, {layers[1]})", s.get("state", "?"),
-                     _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")),
+                     _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")), _mb(s.get("prefix_cache_bytes")),
+                     _disk(s),
                      f"{s['busy_fraction']:.0%}" if "busy_fraction" in s else "-",
                      str(s.get("queue_depth", "-")), f"{s.get('tokens_per_s', 0):.1f}",
                      str(s.get("live_sequences", "-"))])
@@ -73,14 +82,17 @@ async def from_nodes(addresses: List[str], security) -> str:
         health = await pipeline.health(timeout=5)
     finally:
         await pipeline.close()
-    rows = [["node", "state", "model", "layers", "weights MB", "KV MB", "RSS MB", "live", "detail"]]
+    rows = [["node", "state", "model", "layers", "weights MB", "KV MB", "prefix MB", "disk MB", "RSS MB", "live",
+             "detail"]]
     for st, reply, err in health:
         if reply is None:
-            rows.append([st.address, "unreachable", "-", "-", "-", "-", "-", "-", err[:60]])
+            rows.append([st.address, "unreachable", "-", "-", "-", "-", "-", "-", "-", "-", err[:60]])
             continue
         layers = f"[{reply.start}, {reply.end}) of {reply.num_layers}" if reply.num_layers else "-"
+        disk = _disk({"prefix_disk_bytes": reply.prefix_disk_bytes, "prefix_disk_limit_bytes": reply.prefix_disk_limit})
         rows.append([st.address, reply.state, Path(reply.model).name or "-", layers, _mb(reply.weight_bytes),
-                     _mb(reply.cache_bytes), _mb(reply.rss_bytes), str(len(reply.live_seqs)), reply.detail[:60]])
+                     _mb(reply.cache_bytes), _mb(reply.prefix_bytes), disk, _mb(reply.rss_bytes),
+                     str(len(reply.live_seqs)), reply.detail[:60]])
     return table(rows)
 
 

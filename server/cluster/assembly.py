@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster.config import (ClusterConfig, kv_quant, kv_token_budget, prefix_blocks,
+from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_quant, kv_token_budget, prefix_blocks,
                                            scheduler_config, stage_limits)
 from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
@@ -211,17 +211,17 @@ class Cluster:
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
 
-    def _budget(self, pipeline: Pipeline) -> Tuple[int, int]:
-        """The KV positions and prefix-cache blocks a loaded pipeline's stages hold."""
+    def _budget(self, pipeline: Pipeline) -> Tuple[int, int, int]:
+        """The KV positions and prefix-cache blocks (in memory, on disk) a loaded pipeline's stages hold."""
         loads = [st.load for st in pipeline.stages]
         kv = kv_token_budget(loads)
-        return kv, prefix_blocks(loads, kv, self.config.prefix_cache_bytes)
+        return kv, prefix_blocks(loads, kv, self.config.prefix_cache_bytes), disk_blocks(loads)
 
     async def _start_engine(self, pipeline: Pipeline) -> None:
         n = len(pipeline.stages)  # the planner may have left nodes out
-        kv, blocks = self._budget(pipeline)
+        kv, blocks, disk = self._budget(pipeline)
         model_max = pipeline.stages[0].load.max_context
-        self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost),
+        self.engine = Engine(pipeline, scheduler_config(self.config, n, kv, blocks, self.placer.row_cost, disk),
                              eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
                              max_context=min(model_max, self.config.context or model_max),
                              rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,

@@ -193,6 +193,10 @@ class ClusterConfig:
         None, "KV-cache memory per stage for prefixes of earlier requests that later ones reuse (chat history, "
         "agents' system prompts), e.g. 2GB; 0 turns the prefix cache off (default: half of the KV budget; cached "
         "blocks always give way to live requests)", parse=_prefix_cache_bytes)
+    prefix_cache_disk: Optional[int] = knob(
+        None, "disk each stage may fill with prefix-cache blocks (under $MLXPIPE_HOME), e.g. 50GB: blocks evicted "
+        "from memory are kept there, and survive restarts of serve and of stages; 0 turns the disk tier off "
+        "(default: 10%% of each node's free disk; a node's own --prefix-cache-disk wins)", parse=_prefix_cache_bytes)
     block_tokens: int = knob(SchedulerConfig.block_tokens, "tokens per prefix-cache block (default %(default)s): "
                              "prefixes are reused in whole blocks", flag="--prefix-block", type=count)
     speculate: bool = knob(True, "never verify drafted tokens (by default, while no more sequences are live than "
@@ -347,6 +351,7 @@ class StageLimits:
     max_chunk_tokens: int = 0   # tokens in a prefill frame
     max_cache_bytes: int = 0    # KV-cache bytes, cached prefix blocks included (0: no cap)
     block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
+    disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
     kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
 
 
@@ -357,7 +362,8 @@ def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
 
 def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
     return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
-                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg))
+                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg),
+                       disk_bytes=cfg.prefix_cache_disk)
 
 
 def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:
@@ -388,13 +394,24 @@ def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int
     return min(min(fits), max_kv_tokens // block)
 
 
+def disk_blocks(loads: Sequence) -> int:
+    """Prefix-cache blocks every stage's disk tier may hold, from what a block's file
+    takes there (its share of the state snapshots included); 0 when a stage has none."""
+    block = loads[0].block_tokens
+    if not block or any(not r.disk_limit_bytes or r.block_tokens != block for r in loads):
+        return 0
+    every = snapshot_every(block, [(r.kv_bytes_per_token, r.state_bytes) for r in loads])
+    return min(r.disk_limit_bytes // max(r.disk_block_bytes + (r.state_bytes // every if every else 0), 1)
+               for r in loads)
+
+
 def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks: int,
-                     row_cost: float) -> SchedulerConfig:
+                     row_cost: float, disk: int = 0) -> SchedulerConfig:
     """The scheduler of a pipeline of ``stages`` stages: one group, one prefill frame and
     one VERIFY frame in flight per stage; speculation while no more sequences are live
     than there are stages."""
     return SchedulerConfig(
-        max_kv_tokens=max_kv_tokens, block_tokens=cfg.block_tokens, prefix_blocks=blocks,
+        max_kv_tokens=max_kv_tokens, block_tokens=cfg.block_tokens, prefix_blocks=blocks, prefix_disk_blocks=disk,
         speculate=cfg.speculate, spec_max_running=stages, spec_depth=cfg.spec_depth,
         spec_positions=verify_positions(row_cost, stages), spec_frames=stages,
         num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size, max_stall=cfg.max_stall,

@@ -137,6 +137,8 @@ class Pipeline:
                                  quantization=quant.to_wire() if quant else None,
                                  tokenizer=self.tokenizer if not nxt else None,
                                  kv_cache=lim.kv.to_wire() if lim.kv else None)
+            if lim.disk_bytes is not None:
+                req.prefix_disk_bytes = lim.disk_bytes
             try:
                 if weights is not None:
                     await self.send_weights(i, weights, progress)
@@ -244,9 +246,28 @@ class Pipeline:
 
     def caches(self) -> List[StageCaches]:
         """What each stage reported of its caches when it loaded."""
-        return [StageCaches(list(r.blocks), list(r.starts) if r.state_bytes else None, r.kv_bytes_per_token,
-                            r.state_bytes, r.max_rewind, r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0)
-                for r in (st.load for st in self.stages)]
+        return [StageCaches(list(r.blocks), list(r.starts) + list(r.disk_starts) if r.state_bytes else None,
+                            r.kv_bytes_per_token, r.state_bytes, r.max_rewind,
+                            r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0, list(r.disk_blocks),
+                            list(r.disk_starts)) for r in (st.load for st in self.stages)]
+
+    async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
+        """Have each stage read ``keys[i]`` back from its disk (all at once); per stage,
+        (keys read, keys it could not). A stage that fails to answer read none: the
+        sequence computes those positions again (and the health checks find the stage)."""
+
+        async def one(i: int) -> Tuple[List[int], List[int]]:
+            if not keys[i]:
+                return [], []
+            try:
+                reply = await self.stubs[i].Fetch(pb.FetchRequest(seq_id=seq_id, keys=keys[i]),
+                                                  timeout=LOAD_TIMEOUT_S, metadata=self.md)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+                logger.warning("stage %d could not read prefix blocks back from disk: %s", i, err)
+                return [], []
+            return list(reply.loaded), list(reply.dropped)
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 
     async def close(self) -> None:
         self.links.close()

@@ -3,10 +3,10 @@ of text (``api/textgen.py`` turns its streams into text) or of gRPC: it drives a
 ``Transport`` (``transport.py``), and ``frames.py`` speaks the wire for it.
 
 The engine runs on the event loop and owns the ``Scheduler``. Every change
-(a request, a cancel, a result) is followed by ``_pump``: ask the scheduler
-for frames and queue them for stage 0. A supervisor task reads the last
-stage's Results, hands each token to its request's queue, watches the stages'
-health, and rebuilds the pipeline when it breaks (see ``Engine``).
+(a request, a cancel, a result) is followed by ``_pump``: ask the scheduler for frames and
+queue them for stage 0, and have stages read back prefix blocks they hold on disk only
+(``_fetch``). A supervisor task reads the last stage's Results, hands each token to its
+request's queue, watches the stages' health, and rebuilds the pipeline when it breaks.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Rebuilt:
     pipeline: Transport
     max_kv_tokens: int
     prefix_blocks: int  # blocks each stage may keep for the prefix cache
+    disk_blocks: int = 0  # ... and on its disk (0: some stage has no disk tier)
 
 
 # rebuild(why, addresses of suspect stages) -> a loaded pipeline without the fault, or raises.
@@ -67,6 +68,8 @@ class Observer(Protocol):
     """Told as tokens arrive (e.g. ``metrics.Metrics``)."""
 
     def first_token(self, seconds: float) -> None: ...
+
+    def cached_prompt(self, memory_tokens: int, disk_tokens: int) -> None: ...
 
     def token(self, since_previous: Optional[float]) -> None: ...
 
@@ -118,6 +121,7 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopping = False  # shutting down: a broken stream now is no fault to recover from
+        self._fetches: set = set()  # tasks having stages read prefix blocks back from disk
 
     def _drafter(self, seq: Seq) -> Drafter:
         """A sequence's drafter, as its request asked ("auto": lookup, then the draft model)."""
@@ -175,18 +179,18 @@ class Engine:
     async def start(self) -> None:
         if self.draft_model is not None:  # drafts are ready: schedule again
             self.draft_model.bind(asyncio.get_running_loop(), self._pump)
-        self._held_blocks(self.scheduler.config.prefix_blocks)
+        self._held_blocks(self.scheduler.config.prefix_blocks, self.scheduler.config.prefix_disk_blocks)
         await self.pipeline.open()
         self._supervisor = asyncio.ensure_future(self._supervise())
 
-    def _held_blocks(self, capacity: int) -> None:
-        """Tell the scheduler what the stages' Load replies say: the prefix blocks they
-        hold (and, where they have state caches, can start after), how far apart
-        their state snapshots go, how many drafted positions they can take back."""
+    def _held_blocks(self, capacity: int, disk_capacity: int = 0) -> None:
+        """Tell the scheduler what the stages' Load replies say of their caches: prefix blocks in memory and
+        on disk (those they can start after), snapshots' spacing, positions they can take back, KV bits."""
         caches = self.pipeline.caches()
         every = snapshot_every(self.scheduler.config.block_tokens,
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
-        self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every)
+        self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every,
+                                    [c.disk_blocks for c in caches], disk_capacity)
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
         quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
         self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
@@ -204,6 +208,7 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping = True
+        await self._cancel_fetches()
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
@@ -251,6 +256,23 @@ class Engine:
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
         return stream
 
+    async def _fetch(self, fetch) -> None:
+        """Have the stages read a sequence's blocks back from disk; its first frame goes after."""
+        try:
+            results = await self.pipeline.fetch(fetch.seq_id, fetch.keys)
+        except Exception:  # noqa: BLE001 - nothing read: the sequence computes it all, it never waits on
+            logger.exception("reading prefix blocks back from the stages' disks")
+            results = [([], []) for _ in fetch.keys]
+        if not self._stopping:
+            self.scheduler.fetched(fetch, results)
+            self._pump()
+
+    async def _cancel_fetches(self) -> None:
+        """The pipeline they read from is gone (the scheduler voids their answers anyway)."""
+        for task in list(self._fetches):
+            task.cancel()
+        await asyncio.gather(*self._fetches, return_exceptions=True)
+
     @property
     def max_context(self) -> int:
         """The served context: tokens one request may hold, prompt and reply. The model's
@@ -277,6 +299,10 @@ class Engine:
         if self.state == "ready":
             for frame in self.framer.schedule():
                 self.pipeline.send(frame)
+            for fetch in self.scheduler.take_fetches():  # (a task each, until it is answered)
+                task = asyncio.ensure_future(self._fetch(fetch))
+                self._fetches.add(task)
+                task.add_done_callback(self._fetches.discard)
         if self.scheduler.idle or self.state == "failed":
             self._idle.set()
         else:
@@ -299,8 +325,10 @@ class Engine:
             if stream.first_token_at is None:
                 stream.first_token_at = now
                 stream.cached_tokens = ev.seq.cached_tokens or 0
+                disk = stream.cached_disk_tokens = ev.seq.disk_tokens or 0
                 if self.observer is not None:
                     self.observer.first_token(now - stream.submitted)
+                    self.observer.cached_prompt(stream.cached_tokens - disk, disk)
             if self.observer is not None:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
@@ -387,6 +415,7 @@ class Engine:
                 self._fail(why)
                 return
             self.state, self.failure = "recovering", why
+            await self._cancel_fetches()
             await self.pipeline.close()
             live = self.scheduler.replay_all()
             logger.warning("recovering; %d live sequences will be replayed", len(live))
@@ -395,7 +424,7 @@ class Engine:
                     rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
                     self.pipeline = rebuilt.pipeline
                     self._deliver(self.scheduler.resize(rebuilt.max_kv_tokens))
-                    self._held_blocks(rebuilt.prefix_blocks)
+                    self._held_blocks(rebuilt.prefix_blocks, rebuilt.disk_blocks)
                     await self.pipeline.open()
                     break
                 except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests

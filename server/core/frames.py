@@ -23,9 +23,10 @@ _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
 
 def seq_entry(e: Entry) -> pb.SeqEntry:
     out = pb.SeqEntry(seq_id=e.seq_id, offset=e.offset, num_tokens=e.num_tokens, sample=e.sample, trim=e.trim)
-    if e.store:
+    if e.store or e.spill:
         out.store_first = e.store_first
         out.store.extend(e.store)
+        out.spill.extend(e.spill)
         out.snap = e.snap
     if e.opening is not None:
         out.sampling.CopyFrom(e.opening.sampling.to_wire())
@@ -33,6 +34,9 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
         out.kv_quantize_at = e.opening.kv_at
+        if e.opening.store:  # reused blocks read back from disk, kept in memory again
+            out.store_first = e.opening.store_first
+            out.store.extend(e.opening.store)
     return out
 
 
@@ -40,7 +44,7 @@ def frame(step: Step) -> pb.Frame:
     """A step as the frame stage 0 gets."""
     return pb.Frame(frame_id=step.step_id, kind=_KINDS[step.kind], group=step.group,
                     seqs=[seq_entry(e) for e in step.entries], tokens=step.tokens,
-                    free=step.free, evict=step.evict)
+                    free=step.free, evict=step.evict, discard=step.discard)
 
 
 def step_result(result: pb.Result) -> StepResult:

@@ -30,6 +30,8 @@ class Opening:
     reuse: List[int]        # the cached blocks it starts after
     context: List[int]      # reused tokens its penalties look back at (the last stage never saw them)
     generated: List[int]    # with a grammar, on a replay: tokens the grammar must advance past
+    store_first: int = 0    # of ``reuse``, the first some stage read back from disk, and the keys from there
+    store: List[int] = field(default_factory=list)  # that the stages keep in memory now
     kv_at: int = 0          # with KV quantization: where its caches turn quantized (0: never)
 
 
@@ -45,6 +47,7 @@ class Entry:
     store_first: int = 0    # with ``store``: the index of the first block to keep
     store: List[int] = field(default_factory=list)  # keys of blocks the stages keep after this step
     snap: bool = False      # with ``store``: stages with state caches keep the state at the last one's end
+    spill: List[int] = field(default_factory=list)  # blocks after ``store``'s to write to disk only
     opening: Optional[Opening] = None  # set on its first step
 
 
@@ -56,7 +59,8 @@ class Step:
     tokens: List[int] = field(default_factory=list)
     group: int = 0
     free: List[int] = field(default_factory=list)   # sequences the stages free first
-    evict: List[int] = field(default_factory=list)  # cached blocks the stages drop first
+    evict: List[int] = field(default_factory=list)  # cached blocks the stages drop first (from memory)
+    discard: List[int] = field(default_factory=list)  # ... and from their disk tier too
 
 
 @dataclass

@@ -20,6 +20,16 @@ it keeps only where the scheduler asked (``SeqEntry.snap``: its ``starts``).
 ``match`` ends a reuse at such a block; ``snapshot_every`` says how sparse the
 snapshots are, so that they cost about what the blocks' keys and values do.
 
+Two tiers. Where every stage has a disk tier (``disk_capacity`` > 0), every block a
+stage keeps is written to its disk too, and one evicted from memory (``evict``) stays
+there until the disk's own least recently used order drops it (``discard``, which the
+frames carry). The index knows both, per stage (``held``: memory, ``disk``): ``match``
+counts a block that every stage holds in either tier, ``fetches`` says which blocks
+each stage must read back from its disk first, and ``fetched`` takes what a stage
+could not read (a missing or corrupt file: its positions are computed again). After a
+restart each stage reports what its disk holds (``reset``), and a block counts only
+where every stage has it.
+
 A block costs its positions, or what it is said to cost (``add``'s ``weights``:
 a block kept at full precision where KV caches are quantized costs more).
 """
@@ -76,23 +86,34 @@ def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], up
 class PrefixIndex:
     def __init__(self, block_tokens: int, capacity: int, num_stages: int):
         self.block_tokens = block_tokens
-        self.capacity = capacity  # blocks any stage may hold
+        self.capacity = capacity  # blocks any stage may hold in memory
         self.held: List[Set[int]] = [set() for _ in range(num_stages)]
         self.lru: "OrderedDict[int, None]" = OrderedDict()  # every block some stage holds, oldest first
         self.weights: Dict[int, int] = {}  # positions a block costs, where not its own
         self.used = 0                      # positions the blocks cost
-        # Per stage with state caches: the held blocks it can start a sequence after (None: stateless).
+        # Per stage with state caches: the blocks (in either tier) it can start a sequence after (None: stateless).
         self.starts: List[Optional[Set[int]]] = [None] * num_stages
+        self.disk_capacity = 0  # blocks any stage may hold on disk (0: no disk tier)
+        self.disk: List[Set[int]] = [set() for _ in range(num_stages)]
+        self.disk_lru: "OrderedDict[int, None]" = OrderedDict()  # every block some stage holds on disk, oldest first
 
     def reset(self, held: Sequence[Iterable[int]], capacity: int,
-              starts: Optional[Sequence[Optional[Iterable[int]]]] = None) -> List[int]:
-        """What each stage of a (re)built pipeline holds (and, for a stage with state
-        caches, which of those it can start after). Returns the blocks to drop to fit
-        ``capacity`` (oldest first, in the stages' own order)."""
+              starts: Optional[Sequence[Optional[Iterable[int]]]] = None,
+              disk: Optional[Sequence[Sequence[int]]] = None, disk_capacity: int = 0) -> List[int]:
+        """What each stage of a (re)built pipeline holds in memory and on ``disk`` (least
+        recently used first), and, for a stage with state caches, which of those it can
+        start after. Returns the blocks to evict from memory to fit ``capacity`` (oldest
+        first, in the stages' own order); ``discard`` trims the disk."""
         self.held = [set(h) for h in held]
         self.starts = [None if s is None else set(s) for s in (starts or [None] * len(self.held))]
         self.capacity = capacity
         self.lru = OrderedDict((k, None) for h in held for k in h)
+        self.disk_capacity = disk_capacity if disk is not None else 0
+        disk = disk if self.disk_capacity else [[] for _ in self.held]
+        self.disk = [set(d) for d in disk]
+        everywhere = set.intersection(*self.disk) if self.disk else set()
+        order = [k for d in disk for k in d]  # blocks some stage lacks go first: no sequence can use them
+        self.disk_lru = OrderedDict((k, None) for k in sorted(order, key=lambda k: k in everywhere))
         self.weights = {k: w for k, w in self.weights.items() if k in self.lru}
         self.used = sum(self._cost(k) for k in self.lru)
         return self.evict_tokens(self.used - capacity * self.block_tokens)
@@ -109,39 +130,66 @@ class PrefixIndex:
     def _cost(self, key: int) -> int:
         return self.weights.get(key, self.block_tokens)
 
+    @property
+    def disk_blocks(self) -> int:
+        return len(self.disk_lru)
+
     def match(self, hashes: Sequence[int]) -> int:
-        """How many of a sequence's first blocks every stage holds, ending at one every
-        stage can start after."""
+        """How many of a sequence's first blocks every stage holds (in memory or on disk),
+        ending at one every stage can start after."""
         n = 0
         for key in hashes:
-            if not all(key in h for h in self.held):
+            if not all(key in h or key in d for h, d in zip(self.held, self.disk)):
                 break
             n += 1
         while n and not all(s is None or hashes[n - 1] in s for s in self.starts):
             n -= 1
         return n
 
+    def fetches(self, keys: Sequence[int]) -> List[List[int]]:
+        """Per stage, the blocks of ``keys`` (which ``match`` found) it holds on disk only."""
+        return [[k for k in keys if k not in h] for h in self.held]
+
+    def fetched(self, stage: int, dropped: Iterable[int]) -> None:
+        """Stage ``stage`` could not read these blocks back: they are not on its disk."""
+        for key in dropped:
+            self._off_disk(stage, key)
+            if not any(key in d for d in self.disk):
+                self.disk_lru.pop(key, None)
+
+    def _off_disk(self, stage: int, key: int) -> None:
+        self.disk[stage].discard(key)
+        s = self.starts[stage]
+        if s is not None and key not in self.held[stage]:
+            s.discard(key)
+
     def touch(self, keys: Iterable[int]) -> None:
         for key in keys:
             if key in self.lru:
                 self.lru.move_to_end(key)
+            if key in self.disk_lru:
+                self.disk_lru.move_to_end(key)
 
     def add(self, keys: Sequence[int], protected: Set[int], evicted: List[int], room: int,
-            start: Optional[int] = None, weights: Optional[Sequence[int]] = None) -> int:
+            start: Optional[int] = None, weights: Optional[Sequence[int]] = None,
+            discarded: Optional[List[int]] = None) -> int:
         """Record that every stage keeps ``keys`` (in order; ``weights``: the positions each
         costs, if not its own), within ``capacity`` and ``room`` blocks' positions, making
         room by evicting least recently used blocks not in ``protected`` (appended to
         ``evicted``); with ``start``, that every stage keeps the state at the end of that
-        key too. Returns how many of ``keys`` fit: the stages must be told to keep only those."""
+        key too. With a disk tier, the stages write them there as well, and blocks the disk
+        then has no room for go from it (appended to ``discarded``). Returns how many of
+        ``keys`` fit: the stages must be told to keep only those."""
         protected = protected | set(keys)
         limit = min(self.capacity, room) * self.block_tokens
+        kept = 0
         for n, key in enumerate(keys):
             cost = weights[n] if weights else self.block_tokens
             if key not in self.lru:
                 if self.used + cost > limit:
                     evicted.extend(self.evict_tokens(self.used + cost - limit, protected))
                     if self.used + cost > limit:
-                        return n
+                        break
                 self.used += cost
                 if cost != self.block_tokens:
                     self.weights[key] = cost
@@ -153,7 +201,33 @@ class PrefixIndex:
                 for s in self.starts:
                     if s is not None:
                         s.add(key)
-        return len(keys)
+            kept += 1
+        self.spill(keys[:kept], protected, [] if discarded is None else discarded, start)  # (written through)
+        return kept
+
+    def spill(self, keys: Sequence[int], protected: Set[int], discarded: List[int],
+              start: Optional[int] = None) -> List[int]:
+        """Record that every stage writes ``keys`` to its disk (in order; those memory has
+        no room for, or those it keeps: they are written through), within
+        ``disk_capacity``, discarding least recently used blocks not in ``protected``
+        (appended to ``discarded``); ``start``: as for ``add``. Returns those of ``keys``
+        that fit (none without a disk tier)."""
+        if not self.disk_capacity:
+            return []
+        protected = protected | set(keys)
+        for n, key in enumerate(keys):
+            if key not in self.disk_lru and len(self.disk_lru) >= self.disk_capacity:
+                gone = self.discard(len(self.disk_lru) - self.disk_capacity + 1, protected)
+                if not gone:
+                    return list(keys[:n])
+                discarded.extend(gone)
+            self.disk_lru[key] = None
+            self.disk_lru.move_to_end(key)
+            for d, s in zip(self.disk, self.starts):
+                d.add(key)
+                if s is not None and key == start:
+                    s.add(key)
+        return list(keys)
 
     def evict(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
         """Drop up to ``count`` least recently used blocks not in ``protected``."""
@@ -175,9 +249,18 @@ class PrefixIndex:
             self.used -= self._cost(key)
             self.weights.pop(key, None)
             del self.lru[key]
-            for h in self.held:
+            for h, d, s in zip(self.held, self.disk, self.starts):
                 h.discard(key)
-            for s in self.starts:
-                if s is not None:
+                if s is not None and key not in d:  # on disk, the state is still there to start after
                     s.discard(key)
+        return gone
+
+    def discard(self, count: int, protected: Set[int] = frozenset()) -> List[int]:
+        """Drop up to ``count`` least recently used blocks not in ``protected`` from every
+        stage's disk (those held in memory stay there)."""
+        gone = [k for k in self.disk_lru if k not in protected][: max(count, 0)]
+        for key in gone:
+            del self.disk_lru[key]
+            for i in range(len(self.disk)):
+                self._off_disk(i, key)
         return gone

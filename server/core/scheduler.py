@@ -27,9 +27,10 @@ Rules:
   it may grow to fits; it starts after the longest run of its first blocks that
   every stage holds, its first step names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
-  the first step of a round carries the blocks to drop (``evict``). Where
-  stages have state caches, prefill chunks end at block boundaries, so that a
-  step can ask them to keep the state there (``snap``, ``kv_budget.py``).
+  the first step of a round carries the blocks to drop (``evict``; ``discard``: from
+  disk too). Where stages have state caches, prefill chunks end at block boundaries,
+  so that a step can ask them to keep the state there (``snap``). A block some stage
+  holds on disk only is read back before the first step (``take_fetches``, ``fetched``).
 - KV quantization (``kv_start``, once the stages say they quantize): a
   sequence's caches turn quantized where mlx-lm's ``generate_step`` would
   turn them for its prompt (``kv_at``, named in its first step:
@@ -47,11 +48,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Iterable, List, Optional
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
-from mlxpipe.server.core.kv_budget import KvBudget
+from mlxpipe.server.core.kv_budget import Fetch, KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
@@ -113,11 +114,22 @@ class Scheduler:
         return events
 
     def reset_prefix(self, held: List[Iterable[int]], capacity: int,
-                     starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0) -> None:
-        """What each stage of a (re)built pipeline holds, and the blocks it may hold;
-        ``starts``: per stage with state caches, the held blocks it can start after
-        (None for a stage without); ``snapshot_every``: see ``kv_budget.py``."""
-        self.kv.reset_prefix(held, capacity, starts, snapshot_every)
+                     starts: Optional[List[Optional[Iterable[int]]]] = None, snapshot_every: int = 0,
+                     disk: Optional[List[List[int]]] = None, disk_capacity: int = 0) -> None:
+        """What each stage of a (re)built pipeline holds, and the blocks it may hold; ``starts``: per stage
+        with state caches, the held blocks it can start after (None for a stage without); ``snapshot_every``:
+        see ``kv_budget.py``; ``disk``: what each stage's disk tier holds, ``disk_capacity`` its blocks."""
+        self.kv.reset_prefix(held, capacity, starts, snapshot_every, disk, disk_capacity)
+
+    def take_fetches(self) -> List[Fetch]:
+        """Blocks to have stages read back from disk (``Fetch``), then hand to ``fetched``."""
+        return self.kv.take_fetches()
+
+    def fetched(self, fetch: Fetch, results: List[Tuple[List[int], List[int]]]) -> None:
+        """Each stage's answer to ``fetch`` (keys read back, keys it could not): the
+        sequence's first step may go, after what every stage holds now."""
+        if not self.kv.fetched(fetch, results, self.seqs.get(fetch.seq_id)):
+            self.pending_free.append(fetch.seq_id)  # ended while it waited: stages drop what they read
 
     @property
     def max_rewind(self) -> int:
@@ -173,7 +185,7 @@ class Scheduler:
         self.speculator.forget(seq)
         seq.phase = Phase.DONE
         seq.finish_reason = reason
-        if seq.known:
+        if self.kv.release(seq.seq_id) or seq.known:  # (a fetch: stages may hold blocks read back for it)
             self.pending_free.append(seq.seq_id)
         del self.seqs[seq.seq_id]
 
@@ -183,7 +195,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.seqs and not self.inflight and not self.pending_free and not self.kv.pending_evict
+        return not (self.seqs or self.inflight or self.pending_free or self.kv.pending_evict or self.kv.pending_discard)
 
     @property
     def kv_reserved(self) -> int:
@@ -199,22 +211,20 @@ class Scheduler:
 
     def schedule(self) -> List[Step]:
         """The steps to run now, in order."""
-        self.kv.new_round()
-        for seq in (s for s in self.prefilling if not s.known):  # not started: keep the blocks it starts after
-            self.kv.reusing(seq.reuse)
+        self.kv.new_round()  # (a sequence not started keeps the blocks it starts after: KvBudget.waiting)
         self._admit()
         self.kv.set_room(self.kv_reserved)
         steps = self._verify_steps()    # may send a sequence back to a group...
         steps += self._decode_steps()   # ... or take one out of its group...
         steps += self._verify_steps()   # ... which then verifies at once
         steps += self._prefill_steps()
-        evict = self.kv.take_evictions()
-        if self.pending_free or evict:
+        evict, discard = self.kv.take_evictions()
+        if self.pending_free or evict or discard:
             if not steps:
                 steps.append(self._step(StepKind.CONTROL, [], []))
             # Stages apply these before the step's work; blocks this round's
             # steps reuse or store were kept out of the evictions.
-            steps[0].free, steps[0].evict = self.pending_free, evict
+            steps[0].free, steps[0].evict, steps[0].discard = self.pending_free, evict, discard
             self.pending_free = []
         return steps
 
@@ -231,9 +241,9 @@ class Scheduler:
             seq.phase = Phase.PREFILL
             seq.reuse, seq.stored = hit, len(hit)
             seq.sent = len(hit) * self.config.block_tokens
+            seq.fetching = self.kv.reusing(seq, hit)  # blocks on a disk only: its first step waits
             if seq.cached_tokens is None:
-                seq.cached_tokens = seq.sent
-            self.kv.reusing(hit)
+                seq.cached_tokens, seq.disk_tokens = seq.sent, None if seq.fetching else 0
             self.prefilling.append(seq)
             self.speculator.admitted(seq, self.live)
             holding += 1
@@ -253,7 +263,7 @@ class Scheduler:
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
         """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
         entry = Entry(seq.seq_id, offset, num_tokens, sample, trim)
-        entry.store_first, entry.store, entry.snap = self.kv.store(seq, offset)
+        entry.store_first, entry.store, entry.snap, entry.spill = self.kv.store(seq, offset)
         return entry
 
     def _opening(self, seq: Seq) -> Opening:
@@ -263,7 +273,7 @@ class Scheduler:
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
         return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
-                       seq.kv_at or 0)
+                       *self.kv.promote(seq), kv_at=seq.kv_at or 0)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0) -> Step:
@@ -304,7 +314,7 @@ class Scheduler:
     def _next_prefill(self) -> Optional[Seq]:
         """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
         admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
-        ready = [s for s in self.prefilling if s.sent < len(s.feed)]
+        ready = [s for s in self.prefilling if s.sent < len(s.feed) and not s.fetching]  # (blocks on disk: read first)
         if ready:
             oldest = ready[0]
             pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
@@ -423,6 +433,7 @@ class Scheduler:
         self.inflight.clear()
         self.pending_free.clear()
         self.kv.take_evictions()
+        self.kv.forget_fetches()
         live = sorted(
             (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
             key=lambda s: s.seq_id,
@@ -433,6 +444,7 @@ class Scheduler:
         for seq in reversed(live):
             seq.phase = Phase.WAITING
             seq.feed = seq.prompt + seq.generated
-            seq.sent, seq.group, seq.known, seq.stored, seq.reuse, seq.overtaken = 0, None, False, 0, [], 0
+            seq.sent, seq.group, seq.known, seq.stored, seq.reuse, seq.fetching = 0, None, False, 0, [], False
+            seq.overtaken = 0
             self.waiting.appendleft(seq)
         return live

@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take
     block_tokens: int = 16         # positions per prefix-cache block
     prefix_blocks: int = 0         # blocks every stage may keep for the prefix cache (0: no prefix cache)
+    prefix_disk_blocks: int = 0    # ... and on its disk (0: no disk tier)
     speculate: bool = False        # verify drafted tokens while few sequences are live
     spec_max_running: int = 2      # ... at most this many
     spec_positions: int = 1        # positions per VERIFY step (1 where extra rows cost in proportion)

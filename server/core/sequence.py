@@ -73,6 +73,8 @@ class Seq:
     stored: int = 0                # its first blocks the stages keep, or are told to
     reuse: List[int] = field(default_factory=list)   # the cached blocks its prefill starts after
     cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission (reported in usage)
+    disk_tokens: Optional[int] = None    # ... of which some stage read back from its disk (None: not known yet)
+    fetching: bool = False         # admitted, its first step waits for stages to read blocks back from disk
     spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
     speculation: str = DEFAULT_SPECULATION  # what it drafts from (``drafting.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)

@@ -53,6 +53,7 @@ class RequestStream:
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
+        self.cached_disk_tokens = 0  # ... of which some stage read back from its disk
 
     def __aiter__(self):
         return self

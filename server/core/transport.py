@@ -4,7 +4,7 @@ knows only this protocol."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, List, Optional, Protocol, Sequence, Tuple
 
 
@@ -43,6 +43,8 @@ class StageCaches:
     max_rewind: int              # drafted positions it can take back (0: none)
     kv_full_bytes_per_token: int = 0  # quantizing its KV cache: a token before its sequence's switch point
                                       # (``kv_bytes_per_token``: after); 0: it does not quantize
+    disk_blocks: List[int] = field(default_factory=list)  # the blocks its disk tier holds, least recently used first
+    disk_starts: List[int] = field(default_factory=list)  # ... of those, the ones stored with their end state
 
 
 class Transport(Protocol):
@@ -63,6 +65,10 @@ class Transport(Protocol):
 
     async def health(self, timeout: float) -> List[StageHealth]:
         """Every stage's health, asked at once."""
+
+    async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
+        """Have each stage read ``keys[i]`` back from its disk for a sequence's first frame;
+        per stage, (keys read, keys it could not). A stage that does not answer read none."""
 
     def caches(self) -> List[StageCaches]:
         """What each stage reported of its caches when it loaded."""

@@ -27,12 +27,13 @@ function stageCard() {
       <div><dt>queue</dt><dd class="queue"></dd></div>
       <div><dt>seqs</dt><dd class="seqs"></dd></div>
       <div><dt>memory</dt><dd class="memory"></dd></div>
-      <div title="bytes of the prefix cache's blocks"><dt>prefix</dt><dd class="prefix"></dd></div>
+      <div title="bytes of the prefix cache's blocks in memory"><dt>prefix</dt><dd class="prefix"></dd></div>
+      <div title="bytes of the prefix cache's blocks on the stage's disk, of what it may hold"><dt>prefix disk</dt><dd class="disk"></dd></div>
       <div title="prompt positions taken from the prefix cache, of all prompt positions"><dt>prefix hits</dt><dd class="hits"></dd></div>
     </dl>`;
   const part = (cls) => el.querySelector(`.${cls}`);
   return { el, ...Object.fromEntries(["index", "layers", "state", "address", "fill", "busy", "tps", "queue", "seqs",
-                                       "memory", "prefix", "hits"].map((cls) => [cls, part(cls)])) };
+                                       "memory", "prefix", "disk", "hits"].map((cls) => [cls, part(cls)])) };
 }
 
 function renderStage(card, s) {
@@ -51,6 +52,8 @@ function renderStage(card, s) {
   card.seqs.textContent = dash(s.live_sequences);
   card.memory.textContent = dash(`${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
   card.prefix.textContent = dash(`${((s.prefix_cache_bytes || 0) / MB).toFixed(1)} MB`);
+  card.disk.textContent = dash(s.prefix_disk_limit_bytes
+    ? `${((s.prefix_disk_bytes || 0) / MB).toFixed(1)} of ${(s.prefix_disk_limit_bytes / MB).toFixed(0)} MB` : "off");
   card.hits.textContent = dash(`${Math.round((s.prefix_hit_rate || 0) * 100)}%`);
 }
 
