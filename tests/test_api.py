@@ -411,7 +411,7 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     def budget(req, prompt_len, kv=1 << 20, **options):
         # The engine's own properties over a fake scheduler: what the KV caches hold bounds the context.
         engine = SimpleNamespace(model_context=8192, context_source="the model's maximum",
-                                 scheduler=SimpleNamespace(max_kv_tokens=kv))
+                                 scheduler=SimpleNamespace(max_kv_tokens=kv, kv=SimpleNamespace(longest=lambda: kv)))
         engine.max_context = Engine.max_context.fget(engine)
         engine.context_limit = lambda: Engine.context_limit(engine)
         gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)

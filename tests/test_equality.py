@@ -60,6 +60,7 @@ def test_greedy_tokens_equal_mlx_lm(model, stages, request, reference):
     _check_equal(request.getfixturevalue(model), stages, reference, copies=model == "default_model")
 
 
+@pytest.mark.extended  # off on this CPU build: CI's second run
 @pytest.mark.parametrize("model", ["default_model", "dsv3_model"])
 def test_launching_ahead_changes_no_token(model, request, reference):
     """Stages that launch each block as soon as it is built and the next group's frame

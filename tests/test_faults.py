@@ -328,6 +328,7 @@ def netns():
         subprocess.run(["ip", "netns", "del", ns])
 
 
+@pytest.mark.extended  # a minute of injected faults: CI's second run
 def test_delay_jitter_stalls_and_a_partition_between_hosts(netns, dsv3_model, reference):
     """Stages on two hosts; the second behind a proxy adding delay, jitter and
     loss-like stalls: answers stay right. Then the proxy partitions the second

@@ -26,7 +26,8 @@ from test_equality import _prompt_ids
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster.discovery import CHECK_EVERY_S, DROP_AFTER_S
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}")
+pytestmark = [pytest.mark.extended,  # network namespaces: CI's second run (`pytest -m extended`)
+              pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}")]
 
 RATE = 5_000_000        # bytes/s of the throttled node's link (tbf 40mbit)
 DELAY = 0.02            # seconds the proxy holds bytes each way in front of the third node

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.extended  # lm-evaluation-harness runs: CI's second run (`pytest -m extended`)
+
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is installed by the test extra (`pip install -e '.[test]'`)")
 
 MULTIPLE_CHOICE = [

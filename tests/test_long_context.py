@@ -28,6 +28,8 @@ from conftest import run_async
 from mlxpipe.bench import models as matrix
 from mlxpipe.bench import tiny
 
+pytestmark = pytest.mark.extended  # 32k-token prompts: CI's second run (`pytest -m extended`)
+
 LONG = 32_768 + 21   # prompt tokens: 32 chunks and a tail, past every window and YaRN's original 4,096
 NEW = 16             # tokens generated
 CHUNK = 1024         # prefill tokens per frame

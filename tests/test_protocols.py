@@ -301,6 +301,7 @@ def test_claude_code_completes_turns_and_the_second_reads_the_cache(agent_bin, r
     assert results[1]["usage"]["cache_read_input_tokens"] > 0, results[1]["usage"]
 
 
+@pytest.mark.extended  # the slowest agent CLI: CI's second run
 def test_codex_completes_turns_and_the_second_reads_the_cache(agent_bin, root, tmp_path):
     (tmp_path / ".codex").mkdir()
     config = (AGENT_CONFIGS / "codex-config.toml").read_text()
