@@ -148,11 +148,10 @@ def test_a_hostile_schema_gets_a_400_and_nobody_else_notices(server, case):
     assert max(gaps) < max(3 * statistics.median(gaps), 0.5), (case, gaps)
 
 
-# Two alternatives of 250 optional properties each: inside every limit, and
-# llguidance compiles it and computes its first mask; at the second token its
-# parser grows past 2,000 items ("ParserTooComplex").
-# Open objects (said so: undeclared keys are closed by default) whose keys collide: the
-# grammar's search grows with each key until it gives up, mid-output.
+# Two open alternatives (said so: undeclared keys are closed by default) of 250
+# optional properties each: inside every limit, and llguidance compiles it and
+# computes its first mask; at the second token its parser grows past 2,000 items
+# ("ParserTooComplex").
 TOO_COMPLEX = _schema({"anyOf": [{"type": "object", "additionalProperties": True,
                                   "properties": {f"a{j}_{i}": {"type": "string"} for i in range(250)}}
                                  for j in range(2)]})
