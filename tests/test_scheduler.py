@@ -39,8 +39,8 @@ def test_prefill_chunks_shrink_to_the_stall_bound_while_others_decode():
     the slowest stage no longer than ``max_stall`` at the measured cost per position;
     alone (or before any cost is measured) it goes in full chunks."""
     costs = {}
-    s = Scheduler(SchedulerConfig(chunk_size=64, min_chunk=16, max_prefill_inflight=1, max_stall=0.25),
-                  costs=lambda: costs)
+    s = Scheduler(SchedulerConfig(chunk_size=64, min_chunk=1, max_prefill_inflight=1, max_stall=0.25),
+                  costs=lambda: costs)  # min_chunk 1: the bound alone (it never cuts under min_chunk)
     s.add(seq(1, prompt_len=1))
     (first,) = s.schedule()
     s.on_result(result(first))

@@ -257,7 +257,7 @@ class Scheduler:
         todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
         n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
         if cfg.max_stall > 0 and (cost := getattr(self.costs().get("prefill"), "token_s", None)):
-            n = min(n, max(1, int(cfg.max_stall / cost)))
+            n = min(n, max(cfg.min_chunk, int(cfg.max_stall / cost)))  # (not 1: a frame's fixed cost per token)
         return n
 
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
