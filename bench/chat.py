@@ -29,7 +29,7 @@ from typing import Dict, List
 import httpx
 from mlx_lm.utils import load_tokenizer
 
-from mlxpipe.bench.common import (HttpServer, add_common_arguments, free_port, long_text, median, percentile,
+from mlxpipe.bench.common import (HttpServer, add_common_arguments, long_text, median, percentile,
                                   pin_flags, progress_bar, stream_chat)
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
@@ -88,10 +88,7 @@ async def bench_chat(args) -> dict:
                "--stages", str(args.stages)]
         cmd += pin_flags(args.pin)
         servers.append(HttpServer("mlxpipe", cmd))
-        port = free_port()
-        servers.append(HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
-                                                    "--port", str(port), "--log-level", "WARNING"],
-                                  cpu=0 if args.pin else None, port=port))
+        servers.append(HttpServer.mlx_lm(path, args.pin))
         models = {"mlxpipe": "default", "mlx_lm.server": path}
         results: Dict[str, Dict[str, list]] = {s.name: {"conversation": [], "agent": []} for s in servers}
         patterns = [p for p in ("conversation", "agent") if args.pattern in (p, "both")]

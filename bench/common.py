@@ -206,7 +206,23 @@ class HttpServer:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
+    @classmethod
+    def running(cls, name: str, url: str) -> "HttpServer":
+        """A server already running at ``url`` (``--url``): measured, never started or stopped."""
+        server = cls.__new__(cls)
+        server.name, server.url, server.proc = name, url.removesuffix("/v1"), None
+        return server
+
+    @classmethod
+    def mlx_lm(cls, path: str, pin: Optional[bool]) -> "HttpServer":
+        """``mlx_lm.server`` on ``path`` (on core 0 when pinned): the baseline."""
+        port = free_port()
+        return cls("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
+                                     "--port", str(port), "--log-level", "WARNING"], cpu=0 if pin else None, port=port)
+
     def close(self) -> None:
+        if self.proc is None:  # not ours
+            return
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)

@@ -18,7 +18,7 @@ from typing import Dict, List
 import httpx
 from mlx_lm.utils import load_tokenizer
 
-from mlxpipe.bench.common import HttpServer, add_common_arguments, free_port, long_text, median, pin_flags
+from mlxpipe.bench.common import HttpServer, add_common_arguments, long_text, median, pin_flags
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
 
@@ -71,8 +71,7 @@ async def bench_fairness(args) -> dict:
     servers: List[HttpServer] = []
     try:
         if args.url:
-            ours = HttpServer.__new__(HttpServer)
-            ours.name, ours.url, ours.proc = "mlxpipe", args.url.removesuffix("/v1"), None
+            ours = HttpServer.running("mlxpipe", args.url)
         else:
             cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
                    "--stages", str(args.stages)] + pin_flags(args.pin)
@@ -80,10 +79,7 @@ async def bench_fairness(args) -> dict:
         servers.append(ours)
         stages = len(httpx.get(f"{ours.url}/health", timeout=30).json()["stages"])
         if args.baseline:
-            port = free_port()
-            servers.append(HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
-                                                        "--port", str(port), "--log-level", "WARNING"],
-                                      cpu=0 if args.pin else None, port=port))
+            servers.append(HttpServer.mlx_lm(path, args.pin))
         rounds: List[Round] = []
         alone: Dict[str, List[float]] = {s.name: [] for s in servers}
         limits = httpx.Limits(max_connections=max(levels) + 8)
@@ -104,8 +100,7 @@ async def bench_fairness(args) -> dict:
                     print(f"run {r + 1}/{args.runs}, {server.name}: done", file=sys.stderr)
     finally:
         for s in servers:
-            if s.proc is not None:
-                s.close()
+            s.close()
     return report(args, stages, levels, rounds, alone)
 
 

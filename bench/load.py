@@ -19,7 +19,7 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
-                                  decode_window, free_port, long_text, measured_mix, median, percentile, pin_flags,
+                                  decode_window, long_text, measured_mix, median, percentile, pin_flags,
                                   progress_bar, window_rate)
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
@@ -99,8 +99,7 @@ async def bench_load(args) -> dict:
     baseline = None
     try:
         if args.url:
-            ours = HttpServer.__new__(HttpServer)
-            ours.name, ours.url, ours.proc = "mlxpipe", args.url.removesuffix("/v1"), None
+            ours = HttpServer.running("mlxpipe", args.url)
         else:
             cmd = [sys.executable, "-m", "mlxpipe.server.cli", "serve", "--port", "0", "--model", path,
                    "--stages", str(args.stages), "--max-tokens", str(args.max_tokens)]
@@ -108,10 +107,7 @@ async def bench_load(args) -> dict:
             ours = HttpServer("mlxpipe", cmd + shlex.split(args.serve_args))
             servers.append(ours)
         stages = len(httpx.get(f"{ours.url}/health", timeout=30).json()["stages"])  # what it runs (--url: any count)
-        port = free_port()
-        theirs = HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
-                                               "--port", str(port), "--log-level", "WARNING"],
-                            cpu=0 if args.pin else None, port=port)
+        theirs = HttpServer.mlx_lm(path, args.pin)
         servers.append(theirs)
         baseline = Baseline(path, 0 if args.pin else None)
         eos = sorted(tok.eos_token_ids)

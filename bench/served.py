@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from typing import Dict, List, Tuple
 
 import httpx
 
-from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, free_port, measured_mix, median,
+from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, measured_mix, median,
                                   pin_flags, progress_bar, stream_chat)
 from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.shards.store import resolve_model
@@ -53,10 +52,7 @@ async def bench_served(args) -> dict:
                                       "--model", path, "--stages", str(args.stages)] + pin_flags(args.pin)
                             + shlex.split(args.serve_args))
         servers.append(ours)
-        port = free_port()
-        theirs = HttpServer("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
-                                               "--port", str(port), "--log-level", "WARNING"],
-                            cpu=0 if args.pin else None, port=port)
+        theirs = HttpServer.mlx_lm(path, args.pin)
         servers.append(theirs)
         where = {"mlx_lm.server": (theirs.url, path), "mlxpipe serve": (ours.url, "default"),
                  "mlxpipe serve, speculation off": (ours.url, "default")}
