@@ -134,6 +134,7 @@ class BlockStore:
         A key already held keeps what it has, and gains the state if it lacked it. The
         disk tier gets what it lacks."""
         block, write = self.blocks.get(key), False
+        counted = block.nbytes if block is not None else 0  # (a staged block comes with its size: not yet counted)
         if block is None and staged is not None:
             block = self.blocks[key] = staged
         elif block is None:
@@ -146,9 +147,8 @@ class BlockStore:
             block.state = {i: kinds.row_snapshot(c, row) for i, c in enumerate(caches) if not kinds.sliceable(c)}
             mx.eval(kinds.arrays(block.state))
             write = True
-        self.nbytes -= block.nbytes
         block.nbytes = kinds.nbytes(block.kv) + kinds.nbytes(block.state)
-        self.nbytes += block.nbytes
+        self.nbytes += block.nbytes - counted
         if write and self.disk is not None:
             self.disk.put(key, self._tree(block), block.state is not None, block.nbytes)
 

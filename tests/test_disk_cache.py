@@ -336,7 +336,23 @@ def test_a_tiny_memory_tier_leaves_the_hits_to_the_disk(dsv3_model, reference, t
     assert [*outs, again] == [reference(dsv3_model, p, 8) for p in (first, other, first)]
     assert seq.cached_tokens == (len(first) - 1) // 8 * 8 and seq.disk_tokens >= seq.cached_tokens - 2 * 8
     assert all(st.prefix.disk.stats.reads > 0 and len(st.prefix.blocks) <= 2 for st in pipe.stages)
+    # What memory holds is counted as it is (blocks read back came uncounted: the count went
+    # negative, /health's Stage.Health failed on it and the head rebuilt the pipeline).
+    assert all(st.prefix.nbytes == sum(b.nbytes for b in st.prefix.blocks.values()) for st in pipe.stages)
     pipe.close()
+
+
+def test_a_block_read_back_is_counted_while_memory_holds_it():
+    from mlxpipe.shards.prefix import BlockStore
+
+    store = BlockStore(B, slots=[0])
+    block = store._block(_block(1.0))  # as the Fetch RPC stages it
+    store.keep(7, [], 0, staged=block)
+    assert store.nbytes == block.nbytes > 0
+    store.keep(7, [], 0, staged=store._block(_block(2.0)))  # held already: kept once
+    assert store.nbytes == block.nbytes
+    store.drop([7])
+    assert store.nbytes == 0
 
 
 def test_the_head_sizes_the_disk_tier_from_every_stage_and_none_turns_it_off():
