@@ -108,8 +108,15 @@ def test_refusals_get_a_line_and_no_misleading_tokenizer_warning(server):
     assert not any("Token indices sequence length" in x for x in server.log)
 
 
+def _requests_counted(srv, status: str) -> float:
+    """``/metrics``' count of chat completions answered with ``status``."""
+    text = httpx.get(f"{srv.root}/metrics", timeout=30).text
+    key = f'mlxpipe_http_requests_total{{route="/v1/chat/completions",status="{status}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(key))
+
+
 def test_a_client_that_goes_away_is_logged_as_499_with_the_tokens_it_was_sent(server):
-    since = len(server.log)
+    since, counted = len(server.log), {s: _requests_counted(server, s) for s in ("200", "499")}
     body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 400, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=120, json=body) as resp:
@@ -120,11 +127,15 @@ def test_a_client_that_goes_away_is_logged_as_499_with_the_tokens_it_was_sent(se
     assert line.group(3) == "499", line.group(0)  # not 200: the reply was cut by the client
     sent = int(line.group(6))
     assert 2 <= sent < 400 and line.group(10) == f"the client went away after {sent} tokens were sent"
+    # /metrics counts it as the log does: a 499, not the 200 the stream had begun with.
+    assert _requests_counted(server, "499") == counted["499"] + 1
+    assert _requests_counted(server, "200") == counted["200"]
     since = len(server.log)
     with pytest.raises(httpx.ReadTimeout):  # waiting for a whole reply, then gone
         httpx.post(f"{server.base_url}/chat/completions", timeout=1.5, json=body | {"stream": False})
     (line,) = log_lines(server, "/v1/chat/completions", since)
     assert line.group(3) == "499" and "the client went away before the reply was complete" in line.group(10)
+    assert _requests_counted(server, "499") == counted["499"] + 2
 
 
 @pytest.mark.parametrize("part, says", [

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.api.errors import error_response
 from mlxpipe.server.api.metrics import Metrics
-from mlxpipe.server.api.request_log import RequestLog
+from mlxpipe.server.api.request_log import RequestLog, ResponseWatch
 from mlxpipe.server.api.tenants import Keys, serving
 from mlxpipe.server.cluster.config import ApiOptions
 
@@ -79,22 +79,16 @@ class Outcomes:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = None
-
-        async def watched(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        seen = ResponseWatch()  # (a stream its client left counts as 499, as the request log says)
+        listened, watched = seen.watching(receive, send)
         try:
-            await self.app(scope, receive, watched)
+            await self.app(scope, listened, watched)
         except Exception:
-            if status is not None:  # mid-response (a stream): too late to answer; count what was sent
-                self._count(scope, status)
+            if seen.started is not None:  # mid-response (a stream): too late to answer; count what was sent
+                self._count(scope, seen.status)
                 raise
-            await self._failure(scope.get("path", ""))(scope, receive, watched)
-        self._count(scope, status)
+            await self._failure(scope.get("path", ""))(scope, listened, watched)
+        self._count(scope, seen.status)
 
     def _failure(self, path: str) -> JSONResponse:
         if self.engine.state != "ready":

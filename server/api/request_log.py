@@ -89,6 +89,43 @@ def line(method: str, path: str, status: Optional[int], record: _Record, now: fl
     return f"{text} {now - record.started:.2f}s{_why(record)}"
 
 
+class ResponseWatch:
+    """What became of one response, watched on its ASGI channels: its status, and 499 in
+    its place when the client went away from a response it had begun (the stream it was
+    reading) before the end. The request log and ``/metrics`` both count it so."""
+
+    def __init__(self) -> None:
+        self.started: Optional[int] = None
+        self.complete = self.gone = False
+
+    @property
+    def left(self) -> bool:
+        return self.gone and not self.complete and self.started is not None and self.started < 400
+
+    @property
+    def status(self) -> Optional[int]:
+        return 499 if self.left else self.started
+
+    def watching(self, receive, send):
+        """``receive`` and ``send`` as the app should call them, watched."""
+        async def watched(message):
+            if message["type"] == "http.response.start":
+                self.started = message["status"]
+            self.complete |= message["type"] == "http.response.body" and not message.get("more_body", False)
+            try:
+                await send(message)
+            except OSError:  # (how a server of ASGI 2.4 says the client went away)
+                self.gone = True
+                raise
+
+        async def listened():
+            message = await receive()
+            self.gone |= message["type"] == "http.disconnect" and not self.complete
+            return message
+
+        return listened, watched
+
+
 class RequestLog:
     """ASGI middleware: the log line of each request that generated or was refused."""
 
@@ -98,32 +135,14 @@ class RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        record, status, complete, gone = _Record(time.monotonic()), None, False, False
-
-        async def watched(message):
-            nonlocal status, complete, gone
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            complete |= message["type"] == "http.response.body" and not message.get("more_body", False)
-            try:
-                await send(message)
-            except OSError:  # (how a server of ASGI 2.4 says the client went away)
-                gone = True
-                raise
-
-        async def listened():
-            nonlocal gone
-            message = await receive()
-            gone |= message["type"] == "http.disconnect" and not complete
-            return message
-
+        record, seen = _Record(time.monotonic()), ResponseWatch()
         token = _current.set(record)
         try:
-            await self.app(scope, listened, watched)
+            await self.app(scope, *seen.watching(receive, send))
         finally:
             _current.reset(token)
-            if gone and not complete and status is not None and status < 400:  # a stream the client left
-                status = 499
+            status = seen.status
+            if seen.left:  # a stream the client left
                 sent = record.generation.usage().completion_tokens if record.generation is not None else 0
                 record.error = f"the client went away after {sent} tokens were sent"
             if record.generation is not None or status is None or status >= 400:
