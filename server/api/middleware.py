@@ -79,7 +79,7 @@ class Outcomes:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        seen = ResponseWatch()  # (a stream its client left counts as 499, as the request log says)
+        seen = ResponseWatch.on(scope)  # (a stream its client left is a 499; the request log reads it here)
         listened, watched = seen.watching(receive, send)
         try:
             await self.app(scope, listened, watched)

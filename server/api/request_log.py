@@ -92,7 +92,22 @@ def line(method: str, path: str, status: Optional[int], record: _Record, now: fl
 class ResponseWatch:
     """What became of one response, watched on its ASGI channels: its status, and 499 in
     its place when the client went away from a response it had begun (the stream it was
-    reading) before the end. The request log and ``/metrics`` both count it so."""
+    reading) before the end. ``Outcomes`` (middleware.py) watches every response and
+    leaves its watch on the request's scope (``ResponseWatch.of``) for the request log:
+    ``/metrics`` and the log count it alike."""
+
+    KEY = "mlxpipe.response"  # its place on the ASGI scope
+
+    @classmethod
+    def on(cls, scope) -> "ResponseWatch":
+        """A new watch of the request ``scope``, left on it."""
+        scope[cls.KEY] = watch = cls()
+        return watch
+
+    @classmethod
+    def of(cls, scope) -> "ResponseWatch":
+        """The watch left on ``scope`` (an empty one, status unknown, where none was)."""
+        return scope.get(cls.KEY) or cls()
 
     def __init__(self) -> None:
         self.started: Optional[int] = None
@@ -127,7 +142,8 @@ class ResponseWatch:
 
 
 class RequestLog:
-    """ASGI middleware: the log line of each request that generated or was refused."""
+    """ASGI middleware, outside ``Outcomes``: the log line of each request that generated
+    or was refused, with the status ``Outcomes`` saw (``ResponseWatch``)."""
 
     def __init__(self, app):
         self.app = app
@@ -135,12 +151,13 @@ class RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        record, seen = _Record(time.monotonic()), ResponseWatch()
+        record = _Record(time.monotonic())
         token = _current.set(record)
         try:
-            await self.app(scope, *seen.watching(receive, send))
+            await self.app(scope, receive, send)
         finally:
             _current.reset(token)
+            seen = ResponseWatch.of(scope)  # (Outcomes, inside, watched the response)
             status = seen.status
             if seen.left:  # a stream the client left
                 sent = record.generation.usage().completion_tokens if record.generation is not None else 0
