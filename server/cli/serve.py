@@ -12,10 +12,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from mlxpipe.server import config as tree
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.cli.running import announced, reachable
-from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.config import ApiOptions, ClusterConfig, Listen
-from mlxpipe.shards.store import is_repo_id
+from mlxpipe.server.config import ClusterConfig, Listen
+from mlxpipe.shards.models.store import is_repo_id
 
 logger = logging.getLogger(__name__)
 

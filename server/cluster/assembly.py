@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_quant, kv_token_budget, prefix_blocks,
-                                           scheduler_config, stage_limits)
 from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
@@ -23,15 +21,19 @@ from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
 from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
+from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budget, prefix_blocks, scheduler_config,
+                                           stage_limits)
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.engine import Engine, Observer
+from mlxpipe.server.core.supervision import Rebuilt
 from mlxpipe.server.core.transport import PipelineError
-from mlxpipe.shards.links import probe_sizes
-from mlxpipe.shards.profile import offered_memory
-from mlxpipe.shards.quant_spec import quantized_fingerprint
-from mlxpipe.shards.store import fingerprint
+from mlxpipe.shards.models.profile import offered_memory
+from mlxpipe.shards.models.store import fingerprint
+from mlxpipe.shards.net.links import probe_sizes
+from mlxpipe.shards.params.quant import quantized_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 the head's, a clock far from the head's, no proof of the cluster secret (a node that
 was discovered rather than named). (A copy of the model that is not the head's is
 refused when the stages load, ``stage_client.py``; less memory than a stage needs,
-by the stage itself before it reads a byte, ``shards/memory.py``.)
+by the stage itself before it reads a byte, ``shards/worker/memory.py``.)
 
-The head asks every node ``Hello`` (``shards/hello.py``) before it plans: the reply
+The head asks every node ``Hello`` (``shards/net/hello.py``) before it plans: the reply
 says what the node runs and, for a node that holds the secret, proves it does.
 """
 
@@ -21,7 +21,7 @@ import grpc
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security
-from mlxpipe.shards import hello
+from mlxpipe.shards.net import hello
 
 MAX_CLOCK_SKEW_S = 30.0  # a node whose clock is further from the head's is refused
 

@@ -1,7 +1,7 @@
 """Finding this cluster's nodes on the local network: ``serve --discover``, ``nodes --discover``.
 
 The head browses DNS-SD for ``_mlxpipe._tcp`` (python-zeroconf; nodes announce
-themselves with ``mlxpipe node --announce``, ``shards/announce.py``). A node it
+themselves with ``mlxpipe node --announce``, ``shards/net/announce.py``). A node it
 finds is *usable* only when all of these hold, else it is listed with the reason:
 
 - it announces this cluster's id (an HMAC of a fixed label under the secret:
@@ -34,8 +34,8 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster import checks
-from mlxpipe.shards import hello
-from mlxpipe.shards.announce import SERVICE
+from mlxpipe.shards.net import hello
+from mlxpipe.shards.net.announce import SERVICE
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import refuse_malformed
-from mlxpipe.shards.progress import Progress
-from mlxpipe.shards.store import ModelNotFound, fingerprint, mlxpipe_home
-from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError
+from mlxpipe.shards.models.progress import Progress
+from mlxpipe.shards.models.store import ModelNotFound, fingerprint, mlxpipe_home
+from mlxpipe.shards.models.weights import CHUNK_BYTES, Receiver, WeightsError
 
 logger = logging.getLogger(__name__)
 

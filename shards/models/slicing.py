@@ -43,13 +43,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.layers import layer_list, with_sizes
-from mlxpipe.shards.progress import Progress
-from mlxpipe.shards.quantize import QuantizeError, quantize_range
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.layers import layer_list, with_sizes
+from mlxpipe.shards.models.progress import Progress
+from mlxpipe.shards.models.quantize import QuantizeError, quantize_range
 
 if TYPE_CHECKING:
-    from mlxpipe.shards.quant_spec import QuantSpec
+    from mlxpipe.shards.params.quant import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
 
     from mlx_lm.utils import load_config, load_model
 
-    from mlxpipe.shards.store import BrokenModel
+    from mlxpipe.shards.models.store import BrokenModel
 
     path = Path(path)
     try:

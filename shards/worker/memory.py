@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.quant_spec import QuantSpec, rung_bits
-from mlxpipe.shards.store import text_config
-from mlxpipe.shards.weights import LAYER_RE, model_units, units_for_range
+from mlxpipe.shards.models.store import text_config
+from mlxpipe.shards.models.weights import LAYER_RE, model_units, units_for_range
+from mlxpipe.shards.params.quant import QuantSpec, rung_bits
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
              "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}

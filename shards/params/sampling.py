@@ -1,9 +1,10 @@
 """Sampling parameters: ``Sampling``, the one home of every parameter's default,
-bounds, validation and wire form, and ``SamplingError``.
+bounds and validation, and ``SamplingError``.
 
-The HTTP API, the head and the last stage all use it; it imports neither MLX nor
-the grammar engine (only the wire's generated module), so that the head's pure
-modules stay pure. The sampler that honours these parameters is ``sampling.py``.
+The HTTP API, the head and the last stage all use it; it imports nothing but the
+standard library (its wire form is ``wire.py``'s), so that the API's schemas and the
+head's pure modules stay pure. The sampler that honours these parameters is
+``worker/sampler.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Mapping, Optional
-
-from mlxpipe.proto import pipeline_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this draw the argmax. At T = 1e-5 a log-probability gap of
@@ -50,7 +49,7 @@ class Bound:
 @dataclass(frozen=True)
 class Sampling:
     """How one sequence's tokens are chosen: the one home of every sampling
-    parameter's default, bounds, validation and wire form.
+    parameter's default, bounds and validation (its wire form: ``wire.py``).
 
     Defaults are "off", as in mlx-lm's samplers (temperature 0 is greedy); the
     HTTP API fills in its own default temperature (OpenAI's 1.0). The API
@@ -72,7 +71,7 @@ class Sampling:
     top_logprobs: int = 0                # alternatives to report per token
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: str = ""                    # llguidance grammar the output follows ("": none; see grammar.py)
-    prompt_logprobs: bool = False        # score the prompt too (``sampling.score_prompt``), with top_logprobs alternatives
+    prompt_logprobs: bool = False        # score the prompt too (``sampler.score_prompt``), with top_logprobs alternatives
 
     # OpenAI's bounds where it has them; top_k's upper bound is the vocabulary (checked in validate).
     BOUNDS: ClassVar[Dict[str, Bound]] = {
@@ -113,35 +112,7 @@ class Sampling:
     @property
     def penalty_lookback(self) -> int:
         """Tokens of history the penalties look back at (0 when none is on); a context
-        size of 0 means the default, 20, as it does on the wire (``from_wire``)."""
+        size of 0 means the default, 20, as it does on the wire (``wire.sampling_from_wire``)."""
         if self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty:
             return 0
         return max(self.repetition_context_size or 20, self.penalty_context_size or 20)
-
-    def to_wire(self) -> pb.SamplingParams:
-        p = pb.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p if 0 < self.top_p < 1 else 0.0,  # the wire's 0 is "off"
-            top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty != 1 else 0.0,
-            repetition_context_size=self.repetition_context_size,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            penalty_context_size=self.penalty_context_size,
-            logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
-            logit_bias=dict(self.logit_bias), grammar=self.grammar, prompt_logprobs=self.prompt_logprobs,
-        )
-        if self.seed is not None:
-            p.has_seed, p.seed = True, self.seed % (1 << 64)
-        return p
-
-    @classmethod
-    def from_wire(cls, p: pb.SamplingParams) -> "Sampling":
-        return cls(
-            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty or 1.0,
-            repetition_context_size=p.repetition_context_size or 20,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            penalty_context_size=p.penalty_context_size or 20,
-            seed=p.seed if p.has_seed else None, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-            logit_bias=dict(p.logit_bias), grammar=p.grammar, prompt_logprobs=p.prompt_logprobs,
-        )

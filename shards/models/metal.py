@@ -30,7 +30,7 @@ import atexit
 import logging
 from typing import Optional
 
-from mlxpipe.shards.sizes import gb
+from mlxpipe.shards.params.sizes import gb
 
 logger = logging.getLogger(__name__)
 

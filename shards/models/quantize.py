@@ -38,9 +38,9 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.convert import MODEL_CONVERSION_DTYPES, mixed_quant_predicate_builder
 from mlx_lm.utils import get_total_parameters, load_model, load_tokenizer, quantize_model, save_config
 
-from mlxpipe.shards.layers import layer_list
-from mlxpipe.shards.quant_spec import BITS, QuantSpec
-from mlxpipe.shards.weights import LAYER_RE, range_unit_names, unit_file, unit_of
+from mlxpipe.shards.models.layers import layer_list
+from mlxpipe.shards.models.weights import LAYER_RE, range_unit_names, unit_file, unit_of
+from mlxpipe.shards.params.quant import BITS, QuantSpec
 
 logger = logging.getLogger(__name__)
 

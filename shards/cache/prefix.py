@@ -42,11 +42,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, QuantizedKVCache
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.disk_cache import DiskTier
-from mlxpipe.shards.errors import FrameError
-from mlxpipe.shards.kv_quant import KvQuant
-from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache
+from mlxpipe.proto.errors import FrameError
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.cache.disk import DiskTier
+from mlxpipe.shards.cache.quantized import BatchQuantizedKVCache
+from mlxpipe.shards.params.kv import KvQuant
 
 
 @dataclass

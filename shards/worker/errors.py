@@ -1,21 +1,15 @@
-"""What a stage answers a frame it refuses, and the checks of a frame that need no state."""
+"""The checks of a frame that need no state (what a refusal is: ``proto/errors.py``)."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.sampling_params import Sampling, SamplingError
+from mlxpipe.proto.errors import FrameError
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.sampling import SamplingError
 
 MAX_TIMINGS = 256  # stage timings a frame may carry (one per stage it passed)
-
-
-class FrameError(ValueError):
-    """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
-        super().__init__(message)
-        self.code = code
 
 
 def check_shape(frame: pb.Frame, limits, first: bool, vocab_size: int) -> Tuple[int, int]:
@@ -67,7 +61,7 @@ def check_sampling(e: pb.SeqEntry, vocab_size: int, has_tokenizer: bool) -> None
     """Validate a sequence's sampling parameters on the last stage (``has_tokenizer``: it
     can follow grammars)."""
     try:
-        Sampling.from_wire(e.sampling).validate(vocab_size)
+        wire.sampling_from_wire(e.sampling).validate(vocab_size)
     except SamplingError as err:
         raise FrameError(f"sequence {e.seq_id}: {err}") from err
     if e.sampling.grammar and not has_tokenizer:

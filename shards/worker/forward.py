@@ -18,8 +18,8 @@ import collections
 import logging
 import time
 
+from mlxpipe.proto.errors import FrameError
 from mlxpipe.proto.rpc import culprits_metadata, malformed
-from mlxpipe.shards.errors import FrameError
 
 logger = logging.getLogger(__name__)
 

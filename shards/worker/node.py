@@ -5,7 +5,7 @@ also offers itself to a head that listens for nodes (``mlxpipe serve
 --join-listen``). A head's local stages are nodes too, started with
 ``--exit-with-parent``.
 
-    python -m mlxpipe.shards.node --listen 127.0.0.1:50051
+    python -m mlxpipe.shards.worker.node --listen 127.0.0.1:50051
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
-from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
+from mlxpipe.shards.params.kv import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
                                      KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
-from mlxpipe.shards.node_options import add_launch_ahead
-from mlxpipe.shards.quant_spec import GROUP_SIZES, KV_BITS
-from mlxpipe.shards.sizes import parse_size
+from mlxpipe.shards.params.quant import KV_BITS
+from mlxpipe.shards.params.sizes import parse_size
+from mlxpipe.shards.worker.node_options import add_launch_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def join_head(head: str, address: str, name: str, memory_bytes: int, bandw
 
 async def _join_or_exit(head: str, address: str, security: Security, memory_bytes: Optional[int]) -> None:
     """Offer ourselves to the head; stop the node if it refuses our secret."""
-    from mlxpipe.shards.profile import memory_bandwidth, offered_memory
+    from mlxpipe.shards.models.profile import memory_bandwidth, offered_memory
 
     memory = offered_memory(memory_bytes)
     bandwidth = await asyncio.to_thread(memory_bandwidth)
@@ -109,8 +109,8 @@ def _advertised(listen: str, head: str) -> str:
 
 async def _announce(servicer, host: str, port: int, advertise: Optional[str], memory_bytes: Optional[int]):
     """Announce this node on the LAN (``announce.py``); None, saying why, where it cannot."""
-    from mlxpipe.shards.announce import Announcer, addresses, properties
-    from mlxpipe.shards.profile import offered_memory
+    from mlxpipe.shards.net.announce import Announcer, addresses, properties
+    from mlxpipe.shards.models.profile import offered_memory
 
     if advertise:
         host, _, given = advertise.rpartition(":")
@@ -134,7 +134,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
     # A node shows progress (bars in a terminal, lines in a log); stages a head started stay quiet.
-    from mlxpipe.shards.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
+    from mlxpipe.shards.worker.servicer import StageServicer  # (MLX and mlx-lm: `node --help` needs neither)
 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
                              launch_ahead=launch_ahead, kv=kv, disk_bytes=disk_bytes)

@@ -28,23 +28,25 @@ import mlx.core as mx
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards import disk_service, hello, links, memory
-from mlxpipe.shards.caches import kv_switch
-from mlxpipe.shards.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
-from mlxpipe.shards.grammar import tokenizer_from_json
-from mlxpipe.shards.kv_quant import KvQuant
-from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.metal import Metal
-from mlxpipe.shards.mlx_thread import MlxThread
-from mlxpipe.shards.profile import memory_bandwidth, node_name, offered_memory, profile
-from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
-from mlxpipe.shards.quantized_cache import KvSwitch
-from mlxpipe.shards.slicing import SlicedModel, load_stage, read_weights, warm_up
-from mlxpipe.shards.stage import FrameError, ShardLimits, Shard
-from mlxpipe.shards.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
+from mlxpipe.shards.cache.kinds import kv_switch
+from mlxpipe.shards.cache.quantized import KvSwitch
+from mlxpipe.shards.models.grammar import tokenizer_from_json
+from mlxpipe.shards.models.layers import with_sizes
+from mlxpipe.shards.models.metal import Metal
+from mlxpipe.shards.models.profile import memory_bandwidth, node_name, offered_memory, profile
+from mlxpipe.shards.models.slicing import SlicedModel, load_stage, read_weights, warm_up
+from mlxpipe.shards.models.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
-from mlxpipe.shards.store import models_dir as default_models_dir
-from mlxpipe.shards.weight_service import WeightService
+from mlxpipe.shards.models.store import models_dir as default_models_dir
+from mlxpipe.shards.net import hello, links
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.kv import KvQuant
+from mlxpipe.shards.params.quant import quantized_fingerprint
+from mlxpipe.shards.worker import disk_service, memory
+from mlxpipe.shards.worker.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
+from mlxpipe.shards.worker.mlx_thread import MlxThread
+from mlxpipe.shards.worker.stage import FrameError, ShardLimits, Shard
+from mlxpipe.shards.worker.weight_service import WeightService
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ class StageServicer(pb_grpc.StageServicer):
             path = self._resolve(request.model)
         except ModelNotFound:
             return reply  # no model here (yet): memory and bandwidth are all we can offer
-        quant = QuantSpec.from_wire(request.quantization)
+        quant = wire.quant_from_wire(request.quantization)
         result = profile(path, quantized_fingerprint(fingerprint(path), quant), batch=request.batch or 8,
                          quant=quant)
         reply.layer_seconds.extend(result["layer_seconds"])
@@ -161,7 +163,7 @@ class StageServicer(pb_grpc.StageServicer):
         path, partial = self.weights.model_path(request)
         # Weights received from the head come quantized already; a full-precision
         # folder of our own is quantized here, one module at a time.
-        quant = None if partial else QuantSpec.from_wire(request.quantization)
+        quant = None if partial else wire.quant_from_wire(request.quantization)
         gc.collect()  # let a replaced shard's arrays go before measuring
         mx.clear_cache()
         offered = offered_memory(self.memory_bytes)
@@ -228,7 +230,7 @@ class StageServicer(pb_grpc.StageServicer):
         switch, and what the Load reply says of it: a token's KV bytes as the head is to
         plan them, before and after the switch, and why fewer caches turn quantized than
         asked (``kv_note``: one line, logged here too)."""
-        asked = KvQuant.from_wire(request.kv_cache) if request.HasField("kv_cache") else None
+        asked = wire.kv_from_wire(request.kv_cache) if request.HasField("kv_cache") else None
         kv = asked or self.kv
         if kv is None:
             return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
@@ -238,7 +240,7 @@ class StageServicer(pb_grpc.StageServicer):
         # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
         return switch, {"kv_bytes_per_token": quantized_bytes if asked else full_bytes,
                         "kv_full_bytes_per_token": full_bytes, "kv_note": note,
-                        "kv_cache": switch.kv.to_wire() if switch.slots else None}
+                        "kv_cache": wire.kv_to_wire(switch.kv) if switch.slots else None}
 
     @staticmethod
     def _reply(loaded: _Loaded) -> pb.LoadReply:

@@ -31,13 +31,13 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.cuts import Cuts, of_model
-from mlxpipe.shards.metal import Metal
-from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.layers import layer_list, with_sizes
-from mlxpipe.shards.slicing import load_stage
-from mlxpipe.shards.store import mlxpipe_home, text_config
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.cuts import Cuts, of_model
+from mlxpipe.shards.models.layers import layer_list, with_sizes
+from mlxpipe.shards.models.metal import Metal
+from mlxpipe.shards.models.slicing import load_stage
+from mlxpipe.shards.models.store import mlxpipe_home, text_config
+from mlxpipe.shards.params.quant import QuantSpec
 
 logger = logging.getLogger(__name__)
 

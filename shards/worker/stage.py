@@ -50,17 +50,18 @@ import mlx.core as mx
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.clock import BusyClock, ShardView, stage_timing
-from mlxpipe.shards.errors import FrameError, check_sampling, check_shape
-from mlxpipe.shards.grammar import Constraint
-from mlxpipe.shards.launch import Launched, later
-from mlxpipe.shards.groups import Groups, batches
-from mlxpipe.shards.prefix import BlockStore, check_blocks
-from mlxpipe.shards.quantized_cache import KvSwitch, quantized
-from mlxpipe.shards.sampling import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
-from mlxpipe.shards.sampling_params import Sampling
-from mlxpipe.shards.slicing import SlicedModel
+from mlxpipe.proto.errors import FrameError
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.cache.groups import Groups, batches
+from mlxpipe.shards.cache.prefix import BlockStore, check_blocks
+from mlxpipe.shards.cache.quantized import KvSwitch, quantized
+from mlxpipe.shards.models.grammar import Constraint
+from mlxpipe.shards.models.slicing import SlicedModel
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
+from mlxpipe.shards.worker.errors import check_sampling, check_shape
+from mlxpipe.shards.worker.launch import Launched, later
+from mlxpipe.shards.worker.sampler import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,7 @@ class Shard:
             self._keep_blocks(entry, seq, staged)
             self.stats.reused_tokens += seq.length
         if self.model.last:
-            params = Sampling.from_wire(entry.sampling)
+            params = wire.sampling_from_wire(entry.sampling)
             constraint = None
             if params.grammar:
                 constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size, entry.generated)

@@ -18,7 +18,7 @@ import re
 import socket
 from typing import List
 
-from mlxpipe.shards import hello
+from mlxpipe.shards.net import hello
 
 logger = logging.getLogger(__name__)
 

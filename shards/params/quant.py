@@ -1,5 +1,6 @@
 """How a full-precision model is quantized: the bits of every layer, as the head, the
-planner and the stages name them. Pure Python (no MLX); ``quantize.py`` does the work.
+planner and the stages name them. Pure Python (no MLX, no protobuf: the wire form is
+``wire.py``'s); ``models/quantize.py`` does the work.
 
 A *rung* is one way to quantize a layer: a number of bits (``"4"``: MLX's affine
 quantization, a 16-bit scale and bias per group of ``group_size`` weights) or one
@@ -16,8 +17,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
-
-from mlxpipe.proto import pipeline_pb2 as pb
 
 BITS = ("2", "3", "4", "5", "6", "8")  # what MLX's affine quantization takes
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")  # mlx-lm's QUANT_RECIPES (a test checks)
@@ -91,16 +90,6 @@ class QuantSpec:
             counts[r] = counts.get(r, 0) + 1
         parts = ", ".join(f"{n} layers {name(r)}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         return f"{parts}; embedding and head {name(self.bits)}; group {self.group_size}"
-
-    def to_wire(self) -> pb.Quantization:
-        return pb.Quantization(bits=self.bits, group_size=self.group_size, layer_bits=list(self.layer_bits or ()))
-
-    @classmethod
-    def from_wire(cls, msg: pb.Quantization) -> Optional["QuantSpec"]:
-        """None when the message is unset (load the model as it is stored)."""
-        if not msg.bits:
-            return None
-        return cls(msg.bits, msg.group_size or DEFAULT_GROUP_SIZE, tuple(msg.layer_bits) or None)
 
 
 def quantized_fingerprint(source_fingerprint: str, spec: Optional[QuantSpec]) -> str:

@@ -31,10 +31,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ConcatenateKVCache,
                                   KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache)
 
-from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, check
+from mlxpipe.shards.cache.quantized import BatchQuantizedKVCache, KvSwitch, check
 
 if TYPE_CHECKING:
-    from mlxpipe.shards.kv_quant import KvQuant
+    from mlxpipe.shards.params.kv import KvQuant
 
 # trim is exact at any length
 TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, BatchKVCache, BatchQuantizedKVCache)

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxpipe.shards.layers import layer_list
-from mlxpipe.shards.slicing import UNSUPPORTED, Unsupported, crossing, trace_blocks
+from mlxpipe.shards.models.layers import layer_list
+from mlxpipe.shards.models.slicing import UNSUPPORTED, Unsupported, crossing, trace_blocks
 
 logger = logging.getLogger(__name__)
 

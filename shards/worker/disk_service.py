@@ -14,9 +14,9 @@ import logging
 from typing import Optional
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.block_file import block_file_bytes
-from mlxpipe.shards.disk_cache import FLUSH_S, DiskTier, tier_root
-from mlxpipe.shards.store import mlxpipe_home
+from mlxpipe.shards.cache.block_file import block_file_bytes
+from mlxpipe.shards.cache.disk import FLUSH_S, DiskTier, tier_root
+from mlxpipe.shards.models.store import mlxpipe_home
 
 logger = logging.getLogger(__name__)
 

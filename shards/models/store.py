@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Tuple
 
-from mlxpipe.shards.progress import Progress, logger as progress_logger
+from mlxpipe.shards.models.progress import Progress, logger as progress_logger
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def pull_default(progress: Optional[bool] = None) -> Path:
     out = default_model_dir()
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from mlxpipe.shards.gguf import convert_gguf  # (imports mlx: only to convert, which saves start-up time)
+    from mlxpipe.shards.models.gguf import convert_gguf  # (imports mlx: only to convert, which saves start-up time)
 
     terminal = sys.stderr.isatty() if progress is None else progress
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.grammar import Constraint, GrammarError
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.models.grammar import Constraint, GrammarError
+from mlxpipe.shards.params.sampling import Sampling
 
 MAX_DRAFTED = 256  # positions a sequence may have beyond its confirmed tokens (what trim may take back)
 _GOLDEN = 0x9E3779B97F4A7C15

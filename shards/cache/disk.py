@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.shards.block_file import declared_size, decode, encode
+from mlxpipe.shards.cache.block_file import declared_size, decode, encode
 
 logger = logging.getLogger(__name__)
 

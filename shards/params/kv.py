@@ -1,4 +1,5 @@
-"""KV-cache quantization, as mlx-lm's ``generate_step(kv_bits=...)`` does it. Pure Python (no MLX).
+"""KV-cache quantization, as mlx-lm's ``generate_step(kv_bits=...)`` does it. Pure Python (no MLX, no
+protobuf: the wire form is ``wire.py``'s).
 
 mlx-lm keeps a sequence's keys and values at full precision until a model call
 leaves its cache at ``quantized_kv_start`` positions or more; then
@@ -17,7 +18,7 @@ same position and no frame crosses it: the head computes the position from
 the prompt's length (``quantize_at``), names it in the sequence's first frame
 (``SeqEntry.kv_quantize_at``), cuts prefill chunks there and keeps speculation
 short of it until it is confirmed; a stage turns the sequence's caches before
-the first frame that starts at or past it. ``shards/quantized_cache.py`` holds
+the first frame that starts at or past it. ``shards/cache/quantized.py`` holds
 the MLX side (the batched quantized cache, the conversions).
 """
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.quant_spec import GROUP_SIZES, KV_BITS
+from mlxpipe.shards.params.quant import GROUP_SIZES, KV_BITS
 
 QUANTIZED_KV_BITS = tuple(b for b in KV_BITS if b < 16)  # 8, 4 (16: the model's dtype, not quantized)
 DEFAULT_KV_GROUP_SIZE = 64      # mlx-lm's generate_step default (a test checks)
@@ -64,13 +64,6 @@ class KvQuant:
            start: int = DEFAULT_QUANTIZED_KV_START) -> Optional["KvQuant"]:
         """The settings for ``bits`` (None or 16: no KV quantization)."""
         return None if not bits or bits == 16 else cls(bits, group_size, start)
-
-    def to_wire(self) -> pb.KvQuantization:
-        return pb.KvQuantization(bits=self.bits, group_size=self.group_size, start=self.start)
-
-    @classmethod
-    def from_wire(cls, msg: pb.KvQuantization) -> Optional["KvQuant"]:
-        return cls.of(msg.bits, msg.group_size or DEFAULT_KV_GROUP_SIZE, msg.start)
 
     def __str__(self) -> str:
         return f"{self.bits}-bit KV (group {self.group_size}, from position {self.start})"

@@ -25,8 +25,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache
 
-from mlxpipe.shards.errors import FrameError
-from mlxpipe.shards.kv_quant import KvQuant
+from mlxpipe.proto.errors import FrameError
+from mlxpipe.shards.params.kv import KvQuant
 
 Triple = Tuple[mx.array, mx.array, mx.array]  # mx.quantize's packed values, scales, biases
 

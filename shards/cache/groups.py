@@ -22,8 +22,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.quantized_cache import merge
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.cache.quantized import merge
 
 
 class Member(Protocol):

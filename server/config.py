@@ -1,33 +1,33 @@
 """The head's one config tree: every knob declared once, with its default and its help.
 
-Three sections: ``ClusterConfig`` (where the pipeline runs, how it is cut,
-batched, speculated and quantized), ``ApiOptions`` (the HTTP API) and
-``Listen`` (where it listens). A knob is a dataclass field made by ``knob``:
+Three sections: ``ClusterConfig`` (here: where the pipeline runs, how it is cut,
+batched, speculated and quantized), ``ApiOptions`` (the HTTP API: ``api/options.py``)
+and ``Listen`` (here: where it listens). A knob is a dataclass field made by ``knob``:
 its default, its help (``%(default)s`` shows the default), and its command-line
 flag, if it has one. The command line is built from the tree
-(``add_arguments``) and read back into it (``from_args``); what the rest of the
-head needs is derived from it here: the scheduler's parameters
-(``scheduler_config``), the limits each stage loads with (``stage_limits``),
-the KV budget from the stages' Load replies.
+(``add_arguments``) and read back into it (``from_args``).
+
+A leaf of the head: it imports only the core's parameter classes and ``shards/params/``,
+never the engine, the scheduler or anything that does I/O, so that every room (and
+``bench/``) may take it. What the rest of the head derives from it (the scheduler's
+parameters, the limits each stage loads with, the KV budget from the stages' Load
+replies) is ``cluster/sizing.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
-from mlxpipe.server.core.engine import Supervision
-from mlxpipe.server.core.prefix_index import block_cost, snapshot_every
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
-from mlxpipe.server.core.speculation import verify_positions
-from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
-                                     KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
-from mlxpipe.shards.node_options import add_launch_ahead
-from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, QuantSpec
-from mlxpipe.shards.sizes import parse_size
+from mlxpipe.server.core.supervision import Supervision
+from mlxpipe.shards.params.kv import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
+                                     KV_GROUP_SIZE_HELP, KV_START_HELP)
+from mlxpipe.shards.params.quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, QuantSpec
+from mlxpipe.shards.params.sizes import parse_size
+from mlxpipe.shards.worker.node_options import add_launch_ahead
 
 if TYPE_CHECKING:
     from mlxpipe.proto.rpc import Security
@@ -36,11 +36,6 @@ _NO_DEFAULT = dataclasses.MISSING
 # Prompt tokens per generated token a split is balanced for before the head has measured
 # any workload (chat and agents resend long contexts every turn).
 PROMPT_RATIO = 10.0
-# A stage keeps twice the KV cache its sequences may fill free: batched caches pad
-# their rows to the longest, and a sequence's caches are copied as it joins a decode
-# group. The head reserves KV positions by the same rule (``kv_token_budget``), so
-# what a plan fits is what the stages serve.
-KV_MARGIN = 2
 
 
 def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = "", factory: Optional[Callable] = None,
@@ -121,25 +116,6 @@ def _prefix_cache_bytes(text: Optional[str]) -> Optional[int]:
     return 0 if text.strip() == "0" else parse_size(text)
 
 
-def read_api_keys(path: str) -> Tuple[str, ...]:
-    """An API key file's keys: one a line (blank lines and lines starting with # left out)."""
-    from mlxpipe.proto.rpc import read_secret
-
-    keys = tuple(k for k in (line.strip() for line in read_secret(path, "--api-key-file").splitlines())
-                 if k and not k.startswith("#"))
-    if not keys:
-        raise ValueError(f"--api-key-file {path} holds no key")
-    return keys
-
-
-def _api_keys(path: Optional[str]) -> Tuple[str, ...]:
-    """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
-    if path:
-        return read_api_keys(path)
-    key = os.environ.get("MLXPIPE_API_KEY", "").strip()
-    return (key,) if key else ()
-
-
 # The cluster secret and TLS are proto/rpc.py's (with gRPC): taken when a config is
 # made or read, so that importing the tree loads no gRPC.
 def _security() -> "Security":
@@ -215,7 +191,7 @@ class ClusterConfig:
                                "local stages than cores, so that each stage has a core of its own, as each Mac of a "
                                "cluster would (the OS otherwise moves them about and they share); --no-pin leaves "
                                "placement to the OS", action=argparse.BooleanOptionalAction)
-    launch_ahead: Optional[bool] = knob(None, "local stages' --launch-ahead (shards/node_options.py)",
+    launch_ahead: Optional[bool] = knob(None, "local stages' --launch-ahead (shards/worker/node_options.py)",
                                         add=lambda p: add_launch_ahead(p, "local stages: "),
                                         read=lambda args: args.launch_ahead)
     bits: Optional[str] = knob(
@@ -252,37 +228,9 @@ class ClusterConfig:
     restart: bool = knob(True, "restart local stage processes that die or stall, in place", flag=None)
     rejoin_timeout_s: float = knob(30.0, "how long a failed remote node gets to come back before re-planning",
                                    flag=None)
-    supervision: Supervision = knob(help="health checks and recovery (core/engine.py)", factory=Supervision,
+    supervision: Supervision = knob(help="health checks and recovery (core/supervision.py)", factory=Supervision,
                                     flag=None)
     stage_log_level: str = knob("WARNING", "log level of local stage processes", flag=None)
-
-
-@dataclass
-class ApiOptions:
-    """The HTTP API."""
-
-    model_id: str = knob(help="the name /v1/models lists (the folder's name, or the repo id as given)", flag=None)
-    aliases: Tuple[str, ...] = knob((), "other names accepted in `model`", flag=None)
-    default_max_tokens: Optional[int] = knob(None, "tokens a reply may run to when its request names no limit "
-                                             "(default: none, to the end of the context, as OpenAI's)",
-                                             flag="--max-tokens", type=count)
-    default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
-                                      "OpenAI)", flag="--temp", type=float)
-    api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "
-                                     "<key>', one a line: one per user or app, each key's prompts cached apart "
-                                     "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
-                                     parse=_api_keys, cli_default=None)
-    cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
-                                         flag="--cors-origin", action="append", parse=tuple, cli_default=[])
-    max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)
-    max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
-                                            "context)", type=count)
-    max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
-                                           "context)", type=count)
-    log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
-                              "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
-                              action=argparse.BooleanOptionalAction)
-    retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
 
 
 @dataclass
@@ -338,82 +286,3 @@ def from_args(section: type, args: argparse.Namespace, **given):
             value = getattr(args, f.name)
             values[f.name] = meta["parse"](value) if meta.get("parse") else value
     return section(**values, **given)
-
-
-# -- what is derived from the tree ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageLimits:
-    """What the head asks each stage to hold to, in its Load."""
-
-    max_batch: int = 0          # rows in a decode frame (0: the stage's own limit)
-    max_chunk_tokens: int = 0   # tokens in a prefill frame
-    max_cache_bytes: int = 0    # KV-cache bytes, cached prefix blocks included (0: no cap)
-    block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
-    disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
-    kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
-
-
-def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
-    """The KV quantization the stages are asked for (None: none)."""
-    return KvQuant.of(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
-
-
-def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
-    return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
-                       block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg),
-                       disk_bytes=cfg.prefix_cache_disk)
-
-
-def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:
-    """Tokens per sequence the planner makes room for: ``cfg.context``, else the model's
-    context (``max_position_embeddings``), at most ``PLANNED_CONTEXT``."""
-    return cfg.context or min(int(model_context or PLANNED_CONTEXT), PLANNED_CONTEXT)
-
-
-def kv_token_budget(loads: Sequence) -> int:
-    """KV positions the scheduler may reserve, from the stages' Load replies: the tightest
-    stage's cache cap over what a token costs there, over ``KV_MARGIN`` (batched
-    caches pad rows and copy a sequence's caches as it joins a group)."""
-    return min(r.max_cache_bytes // max(r.kv_bytes_per_token, 1) for r in loads) // KV_MARGIN
-
-
-def prefix_blocks(loads: Sequence, max_kv_tokens: int, cache_bytes: Optional[int]) -> int:
-    """Prefix-cache blocks every stage may keep: ``cache_bytes`` on the stage where a
-    block costs most (default: half the KV budget; with state snapshots, half of each
-    stage's cache bytes); 0 when a stage keeps none."""
-    block = loads[0].block_tokens
-    if not block or any(r.block_tokens != block for r in loads):
-        return 0
-    every = snapshot_every(block, [(r.kv_bytes_per_token, r.state_bytes) for r in loads])
-    if cache_bytes is None and not every:
-        return max_kv_tokens // 2 // block
-    fits = [(r.max_cache_bytes // 2 if cache_bytes is None else cache_bytes)
-            // max(block_cost(block, r.kv_bytes_per_token, r.state_bytes, every), 1) for r in loads]
-    return min(min(fits), max_kv_tokens // block)
-
-
-def disk_blocks(loads: Sequence) -> int:
-    """Prefix-cache blocks every stage's disk tier may hold, from what a block's file
-    takes there (its share of the state snapshots included); 0 when a stage has none."""
-    block = loads[0].block_tokens
-    if not block or any(not r.disk_limit_bytes or r.block_tokens != block for r in loads):
-        return 0
-    every = snapshot_every(block, [(r.kv_bytes_per_token, r.state_bytes) for r in loads])
-    return min(r.disk_limit_bytes // max(r.disk_block_bytes + (r.state_bytes // every if every else 0), 1)
-               for r in loads)
-
-
-def scheduler_config(cfg: ClusterConfig, stages: int, max_kv_tokens: int, blocks: int,
-                     row_cost: float, disk: int = 0) -> SchedulerConfig:
-    """The scheduler of a pipeline of ``stages`` stages: one group, one prefill frame and
-    one VERIFY frame in flight per stage; speculation while no more sequences are live
-    than there are stages."""
-    return SchedulerConfig(
-        max_kv_tokens=max_kv_tokens, block_tokens=cfg.block_tokens, prefix_blocks=blocks, prefix_disk_blocks=disk,
-        speculate=cfg.speculate, spec_max_running=stages, spec_depth=cfg.spec_depth,
-        spec_positions=verify_positions(row_cost, stages), spec_frames=stages,
-        num_groups=cfg.groups or stages, max_batch=cfg.max_batch, chunk_size=cfg.chunk_size, max_stall=cfg.max_stall,
-        max_prefill_inflight=stages, max_running=cfg.max_running, max_waiting=cfg.max_waiting,
-        kv_start=cfg.quantized_kv_start if kv_quant(cfg) else None)
