@@ -385,6 +385,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
 
     from mlx_lm.utils import load_config, load_model
 
+    from mlxpipe.shards.models.mtp import without_mtp
     from mlxpipe.shards.models.store import BrokenModel
 
     path = Path(path)
@@ -393,7 +394,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
         if quant is not None:
             model, config = quantize_range(path, start, end, quant)
         else:
-            model, config = load_model(path, lazy=True, strict=strict)
+            model, config = load_model(path, lazy=True, strict=strict, get_model_classes=without_mtp)
     except (QuantizeError, Unsupported):
         raise
     except json.JSONDecodeError as err:

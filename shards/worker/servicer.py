@@ -45,6 +45,7 @@ from mlxpipe.shards.params.quant import quantized_fingerprint
 from mlxpipe.shards.worker import disk_service, memory
 from mlxpipe.shards.worker.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.worker.mlx_thread import MlxThread
+from mlxpipe.shards.worker.mtp_drafts import load_drafting
 from mlxpipe.shards.worker.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.worker.weight_service import WeightService
 
@@ -174,6 +175,7 @@ class StageServicer(pb_grpc.StageServicer):
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
         read_weights(stage, progress=self.progress)
+        drafting, mtp = load_drafting(request.mtp, stage, path, config, quant)  # the model's MTP head (last stage)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
         hidden = int(text["hidden_size"])
@@ -181,6 +183,7 @@ class StageServicer(pb_grpc.StageServicer):
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
         switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
+        kv_reply = mtp.counted(kv_reply)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -197,7 +200,7 @@ class StageServicer(pb_grpc.StageServicer):
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
         model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
         shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None))
+                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None), drafting)
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -216,7 +219,7 @@ class StageServicer(pb_grpc.StageServicer):
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
             state_bytes=footprint.state_bytes,
-            **kv_reply,
+            **kv_reply, **mtp.reply(),
         )
         return _Loaded(shard, reply, request)
 

@@ -37,11 +37,13 @@ Sequences and caches:
 - KV quantization (``kv_quant.py``): a sequence's caches turn quantized before
   its first frame at or past its switch point (named in its first frame), after
   the blocks that frame keeps; in a decode group its row moves to a quantized part.
+- With the model's MTP head (``mtp_drafts.py``; last stage), a sequence whose first
+  frame says ``mtp`` keeps an MTP cache beside its caches, fed the hidden states of
+  every forward, trimmed with them, and drafts after a sample when a frame asks.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -60,10 +62,10 @@ from mlxpipe.shards.models.slicing import SlicedModel
 from mlxpipe.shards.params import wire
 from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
+from mlxpipe.shards.worker import answers
 from mlxpipe.shards.worker.launch import Launched, later
-from mlxpipe.shards.worker.sampler import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
-
-logger = logging.getLogger(__name__)
+from mlxpipe.shards.worker.mtp_drafts import Drafting, SeqDrafts, decode_rows
+from mlxpipe.shards.worker.sampler import SeqSampler, score_prompt
 
 @dataclass
 class _Seq:
@@ -78,6 +80,7 @@ class _Seq:
     kv_at: int = 0                    # its caches turn quantized before a frame starting here or later (0: never)
     kv_named: bool = False            # ... as its first frame said (no frame may cross it)
     quantized: bool = False           # they did
+    mtp: Optional[SeqDrafts] = None   # last stage, drafting with the model's MTP head: its MTP cache
 
 
 @dataclass
@@ -91,22 +94,14 @@ class ShardLimits:
     max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
 
 
-def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
-    token, logprob, top = pick
-    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
-    if top is not None:
-        r.top_ids.extend(top[0])
-        r.top_logprobs.extend(top[1])
-    return r
-
-
 class Shard:
     """A stage's loaded layer range with every live sequence's caches, its decode
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
     def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
-                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None):
+                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None, drafting: Optional[Drafting] = None):
         self.model = model
+        self.drafting = drafting if model.last else None  # the model's MTP head, drafting (mtp_drafts.py)
         self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
@@ -263,6 +258,8 @@ class Shard:
                 self._trim(self.seqs[e.seq_id], e.trim)
         self.stats.begin()
         self.publish()
+        if self.drafting is not None:
+            self.drafting.begin()
         out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
@@ -310,6 +307,8 @@ class Shard:
                 constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size, entry.generated)
             seq.sampler = SeqSampler(params, constraint)
             seq.sampler.observe(entry.context)
+            if self.drafting is not None and entry.mtp:
+                seq.mtp = self.drafting.start(seq.length)
         self.seqs[entry.seq_id] = seq
         return seq
 
@@ -350,11 +349,13 @@ class Shard:
             mx.async_eval(out)
             return out
         seq.sampler.observe(frame.tokens)
+        if seq.mtp is not None:
+            seq.mtp.prefilled(self.drafting.rows()[0], frame.tokens, entry.sample)
         scored = score_prompt(seq.sampler, entry.seq_id, entry.offset, frame.tokens, out[0])  # if it asked
         if not entry.sample:
             return later([kinds.arrays(seq.caches), scored.arrays], scored.results)
         logits = out[:, -1, :]
-        return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
+        return later([logits, scored.arrays], lambda: scored.results() + answers.sample([entry], [seq], logits))
 
     def _trim(self, seq: _Seq, n: int) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
@@ -373,6 +374,8 @@ class Shard:
         seq.drafted -= n
         if seq.sampler is not None:
             seq.sampler.trim(n)
+        if seq.mtp is not None:
+            seq.mtp.trim(n)
 
     def _verify(self, frame: pb.Frame, hidden: Optional[mx.array]):
         entry = frame.seqs[0]
@@ -391,15 +394,9 @@ class Shard:
         if not self.model.last:
             mx.async_eval(out)
             return out
-        return later(out, lambda: self._pick_positions(entry, seq, out, list(frame.tokens)))
-
-    def _pick_positions(self, entry: pb.SeqEntry, seq: _Seq, out: mx.array, tokens: List[int]):
-        picks = pick_positions(seq.sampler, out[0], tokens, seq.length - entry.num_tokens)
-        failed = next((p for p in picks if isinstance(p, SequenceFailure)), None)
-        if failed is not None or seq.failed:
-            seq.failed = seq.failed or str(failed)
-            return [pb.TokenResult(seq_id=entry.seq_id, error=seq.failed)]
-        return [_token_result(entry.seq_id, pick) for pick in picks]
+        if seq.mtp is not None:
+            seq.mtp.add(self.drafting.rows()[0], frame.tokens)
+        return later(out, lambda: answers.verify(entry, seq, out[0], list(frame.tokens)))
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
@@ -416,6 +413,9 @@ class Shard:
         if not self.model.last:
             mx.async_eval(out)
             return out
+        if any(seq.mtp is not None for seq in seqs):  # (the rows as the parts ran them)
+            rows = self.drafting.rows([i for _, part in parts for i in part])
+            decode_rows(frame.seqs, [s.mtp for s in seqs], frame.tokens, rows)
         for seq, t in zip(seqs, frame.tokens):
             seq.sampler.observe([t])
         picked = [i for i, e in enumerate(frame.seqs) if e.sample]
@@ -425,25 +425,4 @@ class Shard:
         if len(picked) < len(seqs):
             logits = logits[mx.array(picked)]
         entries, rows = [frame.seqs[i] for i in picked], [seqs[i] for i in picked]
-        return later(logits, lambda: self._sample(entries, rows, logits))
-
-    def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
-        """One pick per row; a row whose own sampling or grammar fails gets an error
-        result instead, and its sequence goes no further (the head ends it alone)."""
-        rows = [i for i, s in enumerate(seqs) if not s.failed]
-        picks = {}
-        if rows:
-            logits = logits if len(rows) == len(seqs) else logits[mx.array(rows)]
-            got = pick_batch([seqs[i].sampler for i in rows], logits, [seqs[i].length for i in rows])
-            picks = dict(zip(rows, got))
-        out = []
-        for i, (e, s) in enumerate(zip(entries, seqs)):
-            pick = picks.get(i)
-            if isinstance(pick, SequenceFailure):
-                s.failed = str(pick)
-                logger.info("sequence %d failed here: %s", e.seq_id, s.failed)
-            if s.failed:
-                out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
-            else:
-                out.append(_token_result(e.seq_id, pick, s.sampler.finished))
-        return out
+        return later(logits, lambda: answers.sample(entries, rows, logits))
