@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
@@ -50,10 +50,22 @@ class Usage:
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from the prefix cache
     cached_disk_tokens: int = 0  # ... of which some stage read back from its disk (the rest: memory)
+    drafts: Dict[str, List[int]] = field(default_factory=dict)  # speculation: source -> [judged, accepted]
 
     def by_tier(self) -> dict:
         """Our own usage field: which tier of the prefix cache served the cached tokens."""
         return {"memory": self.cached_tokens - self.cached_disk_tokens, "disk": self.cached_disk_tokens}
+
+    def predictions(self) -> dict:
+        """OpenAI's ``completion_tokens_details``: drafted tokens accepted and rejected (speculation)."""
+        judged = sum(j for j, _ in self.drafts.values())
+        accepted = sum(a for _, a in self.drafts.values())
+        return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": judged - accepted}
+
+    def speculation(self) -> dict:
+        """Our own usage field: drafted tokens judged and accepted, per source (prompt_lookup, mtp, ...)."""
+        return {source: {"drafted_tokens": j, "accepted_tokens": a, "acceptance": round(a / j, 4) if j else None}
+                for source, (j, a) in sorted(self.drafts.items())}
 
 
 @dataclass
@@ -113,7 +125,12 @@ class Generation:
 
     def usage(self) -> Usage:
         s = self.streams[0]
-        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens)
+        drafts: Dict[str, List[int]] = {}
+        for stream in self.streams:
+            for source, (judged, accepted) in stream.drafts.items():
+                row = drafts.setdefault(source, [0, 0])
+                row[0], row[1] = row[0] + judged, row[1] + accepted
+        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens, drafts)
 
     async def chunks(self) -> AsyncIterator[tuple]:
         """(choice index, chunk) from all n streams, as they come; the streams are

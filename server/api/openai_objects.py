@@ -24,7 +24,9 @@ def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "cached_tokens_by_tier": u.by_tier()}  # (ours: which prefix-cache tier served them)
+            "completion_tokens_details": u.predictions(),  # drafted tokens accepted and rejected
+            "cached_tokens_by_tier": u.by_tier(),  # (ours: which prefix-cache tier served them)
+            "speculation": u.speculation()}  # (ours: drafts per source, and their acceptance)
 
 
 class _Format:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 class InvalidRequest(ValueError):
@@ -54,6 +54,7 @@ class RequestStream:
         self.last_token_at: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
         self.cached_disk_tokens = 0  # ... of which some stage read back from its disk
+        self.drafts: Dict[str, List[int]] = {}  # speculation: source -> [drafted tokens judged, accepted]
 
     def __aiter__(self):
         return self
