@@ -209,7 +209,7 @@ class Cluster:
         self.addresses = list(cfg.nodes)
         self.security = cfg.security
         self.weights = WeightSource(self.model.path, fingerprint(self.model.path), self.model.num_layers,
-                                    rate=cfg.weights_rate)
+                                    rate=cfg.weights_rate, mtp=uses_mtp(cfg))
         if cfg.join_listen:
             self.join_server = await start_join_server(self, cfg.join_listen, self.security)
             while len(self.addresses) < max(cfg.wait_nodes, 1):
@@ -292,7 +292,8 @@ class Cluster:
         key = quant.key()
         if key not in self._quantized:
             self._quantized[key] = QuantizedSource(self.model.path, self.weights.fingerprint, quant,
-                                                   self.model.num_layers, rate=self.config.weights_rate)
+                                                   self.model.num_layers, rate=self.config.weights_rate,
+                                                   mtp=uses_mtp(self.config))
         return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:

@@ -4,7 +4,8 @@ Before ``Load``, the head offers each remote node the units of its range
 (``Have``, ``shards/models/weights.py``); the node answers which chunks it lacks and
 the head streams them (``Receive``), each with its SHA-256, at most ``rate``
 bytes a second, and sends again what fails its checksum. With ``--bits`` what
-travels is quantized (``QuantizedSource``).
+travels is quantized (``QuantizedSource``). The last stage also gets the model's MTP
+head (the ``mtp`` unit, and the embedding it drafts with) where it drafts with it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import List, Optional
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.models.progress import Progress
-from mlxpipe.shards.models.quantize import QuantizeError, prepare, stage_units, write_config, write_units
+from mlxpipe.shards.models.quantize import (QuantizeError, prepare, stage_units, write_config, write_mtp_unit,
+                                            write_units)
 from mlxpipe.shards.models.store import mlxpipe_home
 from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
 from mlxpipe.shards.params.quant import QuantSpec, quantized_fingerprint
@@ -41,6 +43,7 @@ class WeightSource:
     num_layers: int
     rate: Optional[float] = None      # bytes per second at most, per node
     source_fingerprint: str = ""      # of the full-precision folder, when what is sent is quantized
+    mtp: bool = False                 # the last stage drafts with the model's MTP head: it gets it
 
     def __post_init__(self):
         self.units = model_units(self.folder)
@@ -49,7 +52,7 @@ class WeightSource:
 
     def range_units(self, start: int, end: int) -> List[Unit]:
         """The units a stage with layers ``[start, end)`` needs."""
-        return units_for_range(self.units, start, end, self.num_layers)
+        return units_for_range(self.units, start, end, self.num_layers, self.mtp)
 
 
 class QuantizedSource(WeightSource):
@@ -64,24 +67,27 @@ class QuantizedSource(WeightSource):
     """
 
     def __init__(self, source: Path, source_fingerprint: str, spec: QuantSpec, num_layers: int,
-                 rate: Optional[float] = None):
+                 rate: Optional[float] = None, mtp: bool = False):
         self.source, self.spec = source, spec
         self._mlx = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantize")
         config = self._mlx.submit(self._prepare).result()  # a lazy graph: nothing read yet
         fp = quantized_fingerprint(source_fingerprint, spec)
         folder = mlxpipe_home() / "quantized" / fp
         write_config(config, folder)
-        super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint)
+        super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint, mtp=mtp)
 
     def _prepare(self) -> dict:
-        self._model, config = prepare(self.source, self.spec)
-        return config
+        self._model, self._config = prepare(self.source, self.spec)
+        return self._config
 
     def range_units(self, start: int, end: int) -> List[Unit]:
         return self._mlx.submit(self._range_units, start, end).result()
 
     def _range_units(self, start: int, end: int) -> List[Unit]:
-        missing = [u for u in stage_units(self._model, start, end) if u not in self.units]
+        missing = [u for u in stage_units(self._model, start, end, self.mtp) if u not in self.units]
+        if self.mtp and end == self.num_layers and "mtp" not in self.units and write_mtp_unit(
+                self.source, self._model, self._config, self.spec, self.folder):
+            self.units = model_units(self.folder)
         if missing:
             logger.info("quantizing %s for layers [%d, %d): %s", self.source, start, end, ", ".join(missing))
             try:
@@ -90,7 +96,7 @@ class QuantizedSource(WeightSource):
                 self._prepare()
                 write_units(self._model, self.folder, missing)
             self.units = model_units(self.folder)
-        return units_for_range(self.units, start, end, self.num_layers)
+        return units_for_range(self.units, start, end, self.num_layers, self.mtp)
 
     def close(self) -> None:
         self._mlx.shutdown(wait=False)

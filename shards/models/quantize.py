@@ -136,14 +136,16 @@ def model_units(model: nn.Module) -> Dict[str, Dict[str, mx.array]]:
     return units
 
 
-def stage_units(model: nn.Module, start: int, end: int) -> Dict[str, Dict[str, mx.array]]:
-    """The tensors of each unit a stage with layers ``[start, end)`` needs (lazy)."""
+def stage_units(model: nn.Module, start: int, end: int, mtp: bool = False) -> Dict[str, Dict[str, mx.array]]:
+    """The tensors of each unit a stage with layers ``[start, end)`` needs (lazy; ``mtp``: it drafts
+    with the model's MTP head, so the last stage holds the embedding too; the head's own unit is
+    ``write_mtp_unit``'s)."""
     n = _num_layers(model)
     if not 0 <= start < end <= n:
         raise QuantizeError(f"layer range [{start}, {end}) is not inside the model's [0, {n})")
     units = model_units(model)
     tied = not any("lm_head" in k for k in units.get("head", {}))
-    return {u: units[u] for u in range_unit_names(start, end, n, tied) if u in units}
+    return {u: units[u] for u in range_unit_names(start, end, n, tied, mtp) if u in units}
 
 
 def materialize(tensors: Dict[str, mx.array]) -> None:
