@@ -36,6 +36,8 @@ MODES = (
                  "and mlx-lm; and where a real model's decode token goes"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
+    ("mtp", "drafts from the model itself: an MTP head trained briefly on the model's own answers, acceptance and "
+            "decode tok/s beside speculation off"),
 )
 
 

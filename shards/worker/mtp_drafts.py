@@ -192,15 +192,10 @@ class MtpLoad:
     layers: int = 0        # 1 where it drafts
     note: str = ""         # asked for, but none: why
     nbytes: int = 0        # its weights
-    kv_bytes: int = 0      # its cache, per token of context
+    kv_bytes: int = 0      # its cache, per token of context (kept at full precision)
 
     def reply(self) -> dict:
         return {"mtp_layers": self.layers, "mtp_note": self.note, "mtp_bytes": self.nbytes}
-
-    def counted(self, kv_reply: dict) -> dict:
-        """A Load reply's KV figures with the MTP cache's bytes per token added (kept at full precision)."""
-        return {k: v + self.kv_bytes if k in ("kv_bytes_per_token", "kv_full_bytes_per_token") else v
-                for k, v in kv_reply.items()}
 
 
 def load_drafting(wanted: bool, stage, path, config: dict, quant=None):

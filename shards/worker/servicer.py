@@ -178,12 +178,10 @@ class StageServicer(pb_grpc.StageServicer):
         drafting, mtp = load_drafting(request.mtp, stage, path, config, quant)  # the model's MTP head (last stage)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
-        hidden = int(text["hidden_size"])
-        vocab = int(text["vocab_size"])
+        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
-        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
-        kv_reply = mtp.counted(kv_reply)
+        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token, mtp.kv_bytes)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -228,16 +226,19 @@ class StageServicer(pb_grpc.StageServicer):
         self.disk.close()
 
     def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
-                   full_bytes: int) -> tuple[KvSwitch, dict]:
+                   full_bytes: int, mtp_bytes: int = 0) -> tuple[KvSwitch, dict]:
         """The KV quantization this stage applies (the head's, else the node's own): the
         switch, and what the Load reply says of it: a token's KV bytes as the head is to
-        plan them, before and after the switch, and why fewer caches turn quantized than
-        asked (``kv_note``: one line, logged here too)."""
+        plan them, before and after the switch (``mtp_bytes``: the MTP head's cache, kept
+        at full precision), and why fewer caches turn quantized than asked (``kv_note``:
+        one line, logged here too)."""
         asked = wire.kv_from_wire(request.kv_cache) if request.HasField("kv_cache") else None
         kv = asked or self.kv
+        full_bytes += mtp_bytes
         if kv is None:
             return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
         switch, quantized_bytes, note = kv_switch(stage, hidden, kv)
+        quantized_bytes += mtp_bytes
         if note:
             logger.warning("layers [%d, %d): %s: %s", request.start, request.end, kv, note)
         # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
