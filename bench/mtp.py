@@ -124,9 +124,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a chat prompt to measure on (again for more; default: three the head never saw)")
     q.add_argument("--train-prompts", type=int, default=40, help="chat prompts the head learns from (default "
                    "%(default)s, at most 40)")
-    q.add_argument("--train-tokens", type=int, default=128, help="greedy tokens per training prompt (default "
+    q.add_argument("--train-tokens", type=int, default=96, help="greedy tokens per training prompt (default "
                    "%(default)s)")
-    q.add_argument("--steps", type=int, default=600, help="training steps, one answer each (default %(default)s)")
+    q.add_argument("--steps", type=int, default=400, help="training steps, 64 positions of one answer each "
+                   "(default %(default)s)")
     q.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default %(default)s)")
     q.add_argument("--retrain", action="store_true", help="train afresh even where a head was kept")
     q.add_argument("--serve-args", default="", help="more options for the mlxpipe serve it starts")

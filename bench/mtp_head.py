@@ -82,21 +82,26 @@ def _dense(module: nn.Module) -> mx.array:
     return w
 
 
-def _loss(layer: mtp.MtpLayer, family: mtp.Family, embed, head, h: mx.array, seq: mx.array) -> mx.array:
-    """Cross-entropy of the head's guesses of ``seq[i + 2]`` from ``h[i]`` and ``seq[i + 1]``."""
+def _loss(layer: mtp.MtpLayer, family: mtp.Family, embed, head, h: mx.array, seq: mx.array,
+          at: Optional[mx.array] = None) -> mx.array:
+    """Cross-entropy of the head's guesses of ``seq[i + 2]`` from ``h[i]`` and ``seq[i + 1]``, at the
+    positions ``at`` (default: all; the output head over the vocabulary is most of a step's cost)."""
     e = embed(seq[None, 1:-1])
     if family.zero_first:
         e = e * (mx.arange(e.shape[1]) > 0)[None, :, None].astype(e.dtype)
-    z = layer(e, h[None, :-2].astype(e.dtype), None)
-    logits = head(z).astype(mx.float32)
-    return nn.losses.cross_entropy(logits, seq[None, 2:], reduction="mean")
+    z = layer(e, h[None, :-2].astype(e.dtype), None)[0]
+    targets = seq[2:]
+    if at is not None:
+        z, targets = z[at], targets[at]
+    return nn.losses.cross_entropy(head(z).astype(mx.float32), targets, reduction="mean")
 
 
 def train(model_dir: Path, out: Path, prompts: Optional[Sequence[List[int]]] = None, tokens: int = 96,
-          steps: int = 300, lr: float = 1e-3, seed: int = 0, layout: str = "mtp",
+          steps: int = 300, lr: float = 1e-3, seed: int = 0, layout: str = "mtp", positions: int = 64,
           progress: Callable[[str], None] = lambda line: None) -> dict:
     """Train an MTP head for the model at ``model_dir`` on its greedy continuations of ``prompts``
-    (token ids; default: ``TRAIN_PROMPTS`` through its chat template) and write ``out``: the folder's
+    (token ids; default: ``TRAIN_PROMPTS`` through its chat template), ``positions`` of one answer a
+    step, and write ``out``: the folder's
     files linked, the head in ``model-mtp.safetensors`` under ``layout``'s names
     (``mtp_layout.py``), ``num_nextn_predict_layers`` in its config. Returns what it did."""
     from mlx_lm.utils import load_model, load_tokenizer
@@ -122,15 +127,18 @@ def train(model_dir: Path, out: Path, prompts: Optional[Sequence[List[int]]] = N
     layer = mtp.MtpLayer(family.block(module, model.args, 0), int(model.args.hidden_size),
                          float(getattr(model.args, "rms_norm_eps", 1e-6)), family.embed_first)
     layer.set_dtype(mx.float32)
+    layer.out_norm.weight = inner.norm.weight.astype(mx.float32)  # (logits at the model's own scale from the start)
     embed = inner.embed_tokens
     weight = _dense(model.lm_head if "lm_head" in model else inner.embed_tokens)
     head = lambda z: z @ weight.T  # noqa: E731 - the output head, frozen, dequantized once (its gradient is z's)
     optimizer = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps), weight_decay=0.0)
-    step = nn.value_and_grad(layer, lambda h, s: _loss(layer, family, embed, head, h, s))
+    step = nn.value_and_grad(layer, lambda h, s, at: _loss(layer, family, embed, head, h, s, at))
     rng = random.Random(seed)
     losses = []
     for i in range(steps):
-        loss, grads = step(*data[rng.randrange(len(data))])
+        h, s = data[rng.randrange(len(data))]
+        at = sorted(rng.sample(range(len(s) - 2), min(positions, len(s) - 2)))
+        loss, grads = step(h, s, mx.array(at))
         optimizer.update(layer, grads)
         mx.eval(layer.parameters(), optimizer.state, loss)
         losses.append(loss.item())
