@@ -94,6 +94,6 @@ class Framer:
                 seq = self.scheduler.seqs.get(sample.seq_id)
                 mine = [s for s in step.samples if s.seq_id == sample.seq_id]
                 taken = sum(1 for ev in events if ev.seq.seq_id == sample.seq_id and ev.token >= 0 and not ev.error)
-                if seq is not None and taken == mine.index(sample) + 1:  # (it came after the last token taken)
+                if seq is not None and taken == [s is sample for s in mine].index(True) + 1:  # (after the last taken)
                     self.scheduler.speculator.offer(seq, sample.drafts)
         return events

@@ -117,6 +117,11 @@ class SeqDrafts:
     def trim(self, n: int) -> None:
         """The main caches dropped their last ``n`` positions."""
         keep = self.length - n
+        if keep <= self.first:  # deeper than the rows kept: the cache starts afresh there
+            self.cache, self.rows, self.tokens = self.head.make_cache(), None, []
+            self.base = self.done = self.first = keep
+            self.used = None
+            return
         self.tokens = self.tokens[: keep - self.first]
         self.rows = self.rows[: keep - self.first] if self.rows is not None else None
         if self.done > keep or (self.done == keep and self.used is None):  # made with a token taken back
