@@ -89,6 +89,33 @@ def test_a_head_loads_from_each_layout_and_a_checkpoint_without_one_says_so(mtp_
         assert {u.name for u in units} >= {"embed", "head", "mtp"}
 
 
+def test_the_published_layout_in_fp8_loads_through_mlx_lms_sanitize_and_quantizes_with_the_rest(sources, tmp_path):
+    """DeepSeek-V3's layer 61 as published (FP8 blocks with ``weight_scale_inv``, per-expert weights,
+    ``kv_b_proj``), here the tiny source's last layer again: its block loads into mlx-lm's class as the
+    main model's last layer does (dequantized, stacked, split alike), and ``--bits 4`` quantizes it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tiny_models import add_hf_mtp
+
+    from mlxpipe.shards.models.mtp import load_mtp
+    from mlxpipe.shards.models.quantize import quantize_mtp
+    from mlxpipe.shards.models.slicing import load_stage
+    from mlxpipe.shards.params.quant import QuantSpec
+
+    path = add_hf_mtp(sources("dsv3-fp8"), tmp_path / "fp8-mtp")
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    stage, config = load_stage(path, n - 1, n)
+    head, note = load_mtp(path, stage.model, config)
+    assert head is not None, note
+    mine, theirs = dict(tree_flatten(head.layer.block.parameters())), dict(tree_flatten(stage.blocks[-1].parameters()))
+    assert mine.keys() == theirs.keys()
+    assert all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
+    quantize_mtp(head, stage.model, config, QuantSpec("4"))
+    assert "scales" in dict(head.layer.block.mlp.switch_mlp.up_proj.items())
+    z = head(mx.zeros((3, head.layer.enorm.weight.shape[0])), [5, 6, 7], 0, head.make_cache())
+    assert head.logits(z).shape[-1] == config["vocab_size"]
+
+
 # -- equality in one process ------------------------------------------------------------------
 
 

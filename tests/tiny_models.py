@@ -355,3 +355,31 @@ def add_mtp(model_dir: Path, out: Path, layers: int = 1, seed: int = 1, quantize
         (out / index.name).unlink()
         (out / index.name).write_text(json.dumps(data, indent=2))
     return out
+
+
+def add_hf_mtp(source: Path, out: Path, seed: int = 2) -> Path:
+    """A full-precision DeepSeek-V3 source (``build_deepseek_v3_source``: FP8 or bf16, Hugging Face's
+    layout) with the layer after its last as the published checkpoint has it: its last layer's
+    tensors again (per-expert, ``kv_b_proj``, FP8 with ``weight_scale_inv``), ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and copies of the embedding and head, in a file of its own."""
+    config = json.loads((source / "config.json").read_text())
+    n = int(config["num_hidden_layers"])
+    weights = mx.load(str(source / "model.safetensors"))
+    mx.random.seed(seed)
+    h = int(config["hidden_size"])
+    extra = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v for k, v in weights.items()
+             if k.startswith(f"model.layers.{n - 1}.")}
+    extra.update({f"model.layers.{n}.enorm.weight": (1 + 0.1 * mx.random.normal((h,))).astype(mx.bfloat16),
+                  f"model.layers.{n}.hnorm.weight": (1 + 0.1 * mx.random.normal((h,))).astype(mx.bfloat16),
+                  f"model.layers.{n}.shared_head.norm.weight": mx.ones((h,), dtype=mx.bfloat16),
+                  f"model.layers.{n}.eh_proj.weight": (mx.random.normal((h, 2 * h)) * (2 * h) ** -0.5).astype(mx.bfloat16),
+                  f"model.layers.{n}.embed_tokens.weight": weights["model.embed_tokens.weight"],
+                  f"model.layers.{n}.shared_head.head.weight": weights["lm_head.weight"]})
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    fp8 = [k for k in extra if k.replace(".weight", ".weight_scale_inv") in extra and extra[k].dtype == mx.uint8]
+    _save_labelled(out / "model-mtp.safetensors", extra, fp8)
+    (out / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1), indent=2))
+    return out
