@@ -251,6 +251,39 @@ def test_kill_9_while_drafting_with_the_head(mtp_models, reference):
     assert judged > at_fault[0], "the replayed sequence drafts with the head again"
 
 
+@pytest.mark.extended  # two empty nodes receive the model, the last one its MTP head too
+def test_a_node_without_the_model_receives_the_head_and_drafts(mtp_models, reference, tmp_path):
+    from conftest import SECRET, node_process, run_async
+
+    from mlxpipe.proto.rpc import Security
+    from mlxpipe.server.cluster.assembly import Cluster
+    from mlxpipe.server.config import ClusterConfig
+    from mlxpipe.server.core.streams import collect
+
+    base, path = mtp_models("deepseek_v3")
+    nodes = [node_process(tmp_path / f"home{i}") for i in range(2)]
+
+    async def main():
+        cfg = ClusterConfig(model=str(path), nodes=[a for _, a in nodes], split="even", speculation="mtp",
+                            security=Security(secret=SECRET))
+        async with Cluster(cfg) as cluster:
+            out = [t.id for t in await collect(cluster.engine.submit(PROMPTS[0], NEW))]
+            return out, [(st.start, st.end, st.weights_sent) for st in cluster.pipeline.stages], \
+                cluster.pipeline.stages[-1].load.mtp_layers, cluster.engine.scheduler.drafts.by_source
+
+    try:
+        out, stages, layers, drafts = run_async(main(), timeout=240)
+        assert out == reference(base, PROMPTS[0], NEW) and layers == 1 and drafts["mtp"][1] > 0
+        units = model_units(path)
+        for start, end, sent in stages:
+            assert sent == sum(u.data_bytes for u in units_for_range(units, start, end, 4, mtp=True))
+        assert stages[-1][2] > sum(u.data_bytes for u in units_for_range(units, 2, 4, 4)), "the head travelled"
+    finally:
+        for proc, _ in nodes:
+            proc.kill()
+            proc.wait()
+
+
 # -- serve ---------------------------------------------------------------------------------------
 
 

@@ -26,7 +26,8 @@ from mlxpipe.shards.models.progress import Progress
 from mlxpipe.shards.models.quantize import (QuantizeError, prepare, stage_units, write_config, write_mtp_unit,
                                             write_units)
 from mlxpipe.shards.models.store import mlxpipe_home
-from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
+from mlxpipe.shards.models import mtp_layout
+from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, tensor_files, units_for_range
 from mlxpipe.shards.params.quant import QuantSpec, quantized_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class QuantizedSource(WeightSource):
         fp = quantized_fingerprint(source_fingerprint, spec)
         folder = mlxpipe_home() / "quantized" / fp
         write_config(config, folder)
-        super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint, mtp=mtp)
+        has_mtp = mtp_layout.found(tensor_files(source), num_layers)[0] is not None  # (else: no embed for it)
+        super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint, mtp=mtp and has_mtp)
 
     def _prepare(self) -> dict:
         self._model, self._config = prepare(self.source, self.spec)
