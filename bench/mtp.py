@@ -21,7 +21,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import httpx
 

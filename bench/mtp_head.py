@@ -15,7 +15,6 @@ mask), as the last stage runs it.
 from __future__ import annotations
 
 import json
-import logging
 import random
 import time
 from pathlib import Path
@@ -27,8 +26,6 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from mlxpipe.shards.models import mtp, mtp_layout
-
-logger = logging.getLogger(__name__)
 
 # Chat prompts the head learns from (the bench measures on others).
 TRAIN_PROMPTS = [

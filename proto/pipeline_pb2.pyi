@@ -458,7 +458,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped", "mtp_positions", "mtp_drafts")
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped")
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -471,8 +471,6 @@ class StageStats(_message.Message):
     DISK_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
-    MTP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     busy_seconds: float
     uptime_seconds: float
     frames: int
@@ -485,9 +483,7 @@ class StageStats(_message.Message):
     disk_blocks_read: int
     disk_blocks_written: int
     disk_blocks_dropped: int
-    mtp_positions: int
-    mtp_drafts: int
-    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ..., mtp_positions: _Optional[int] = ..., mtp_drafts: _Optional[int] = ...) -> None: ...
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
     __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")

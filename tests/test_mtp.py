@@ -13,7 +13,6 @@ trims of state caches) runs.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest

@@ -29,7 +29,7 @@ model's load (its sanitize drops only DeepSeek's layer 61 by number).
 from __future__ import annotations
 
 import dataclasses
-import logging
+import importlib
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +43,6 @@ from mlx_lm.models.cache import KVCache
 
 from mlxpipe.shards.models import mtp_layout
 from mlxpipe.shards.models.weights import tensor_files
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -244,8 +242,6 @@ def load_mtp(folder: Path, model: nn.Module, config: dict) -> Tuple[Optional[Mtp
         loaded = mx.load(str(folder / file))
         arrays.update({n: loaded[k] for n, k in first.items() if names[k] == file and k in loaded})
     try:
-        import importlib
-
         block = family.block(importlib.import_module(type(model).__module__), model.args, 0)
         layer = MtpLayer(block, int(model.args.hidden_size), float(getattr(model.args, "rms_norm_eps", 1e-6)),
                          family.embed_first)

@@ -43,17 +43,11 @@ KEEP = 64       # rows kept before the first entry not yet made, for trims to ma
 CATCH_UP = 64   # rows a sequence decoding without drafts lets wait before its entries are made
 
 
-@dataclass
-class DraftStats:
-    positions: int = 0   # entries the MTP layer made (and drafting steps)
-    drafts: int = 0      # tokens it drafted
-
-
 class SeqDrafts:
     """One sequence's MTP cache and the rows it is made from."""
 
-    def __init__(self, head: MtpHead, start: int, stats: DraftStats):
-        self.head, self.stats = head, stats
+    def __init__(self, head: MtpHead, start: int):
+        self.head = head
         self.cache = head.make_cache()
         self.base = self.done = self.first = start  # rows and tokens cover positions [first, length)
         self.rows: Optional[mx.array] = None       # [n, D]
@@ -80,7 +74,6 @@ class SeqDrafts:
             at = self.done - self.first
             self.head(self.rows[at : upto - self.first], self.tokens[at + 1 : upto - self.first + 1], self.done,
                       self.cache)
-            self.stats.positions += upto - self.done
             self.done, self.used = upto, None
             mx.async_eval(kinds.arrays(self.cache))
         self._forget()
@@ -109,8 +102,6 @@ class SeqDrafts:
                 z = self.head(z[0, -1:], drafts[-1:], position + j + 1, self.cache)
         if k > 1:
             self.cache.trim(k - 1)
-        self.stats.positions += k
-        self.stats.drafts += k
         self._forget()
         return drafts
 
@@ -155,14 +146,13 @@ def accepted(inputs: Sequence[int], samples: Sequence[int]) -> int:
 
 
 class Drafting:
-    """The last stage's MTP head and what it did; hands each sequence its ``SeqDrafts``."""
+    """The last stage's MTP head; hands each sequence its ``SeqDrafts``."""
 
     def __init__(self, head: MtpHead):
         self.head = head
-        self.stats = DraftStats()
 
     def start(self, offset: int) -> SeqDrafts:
-        return SeqDrafts(self.head, offset, self.stats)
+        return SeqDrafts(self.head, offset)
 
     def begin(self) -> None:
         """A frame's forward is about to run: its hidden states are the next taken."""
