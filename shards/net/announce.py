@@ -48,7 +48,7 @@ def addresses(host: str) -> List[str]:
 
 
 # The TXT record's text fields and the most characters each may hold (what ``properties`` writes fits).
-TEXT_FIELDS = {"name": 63, "chip": 63, "ver": 32, "mlx": 32, "mlxlm": 32}
+TEXT_FIELDS = {"name": 63, "chip": 63, "ver": 64, "mlx": 64, "mlxlm": 64}
 CLUSTER_ID = re.compile(r"[0-9a-f]{16}")   # hello.cluster_id's form
 MAX_MEMORY_DIGITS = 18                     # bytes offered: up to an exabyte
 
