@@ -69,7 +69,7 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
     from mlxpipe.server.cluster.assembly import Cluster
 
     metrics = Metrics()
-    cluster = await Cluster(config, observer=metrics).start()
+    cluster = await Cluster(config, observer=metrics, listening=[sock.getsockname()[:2]]).start()
     try:
         api = replace(options, model_id=model_id(config.model, cluster.model_path), aliases=(config.model,))
         app = create_app(cluster, api, metrics)

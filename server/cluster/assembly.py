@@ -42,9 +42,11 @@ class Cluster:
     """A started pipeline with its engine and tokenizer, and the means to rebuild
     it after a fault (``rebuild``, which the engine calls)."""
 
-    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None):
+    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None,
+                 listening: Sequence[Tuple[str, int]] = ()):
         self.config = config
         self.observer = observer  # handed to the engine (e.g. metrics.Metrics)
+        self.listening = list(listening)  # the head's own sockets (its HTTP API): discovery never dials them
         self.local: Optional[LocalStages] = None
         self.engine: Optional[Engine] = None  # owns the running pipeline
         self.model: Optional[Model] = None
@@ -209,7 +211,11 @@ class Cluster:
         if cfg.discover:
             await self._discover()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
-        refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
+        found = set(self.discovery.usable()) if self.discovery is not None else set()
+        listed = await vet([a for a in self.addresses if a not in found], self.security)
+        # (a node found on the LAN proves the secret again before it is sent any)
+        proved = await vet([a for a in self.addresses if a in found], self.security, need_proof=True)
+        refused = {a: why for a, why in {**listed, **proved}.items() if why}
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
 
@@ -304,7 +310,11 @@ class Cluster:
         if not self.security.secret:
             raise ValueError("--discover needs the cluster secret (--secret-file or $MLXPIPE_SECRET): nodes are "
                              "found, and proved, by it")
-        self.discovery = await Discovery(self.security, self._found, self._lost).start()
+        listening = list(self.listening)
+        if self.config.join_listen:
+            host, _, port = self.config.join_listen.rpartition(":")
+            listening.append((host.strip("[]"), int(port) if port.isdigit() else 0))
+        self.discovery = await Discovery(self.security, self._found, self._lost, listening=listening).start()
         want = max(self.config.wait_nodes, 1) - len(self.addresses)
         for address in await self.discovery.wait(max(want, 0)):
             if address not in self.addresses:
