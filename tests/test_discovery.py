@@ -284,9 +284,12 @@ def test_forged_announcements_on_a_lan_get_no_connection_from_a_waiting_head(tmp
         while "still looking" not in log_path.read_text():
             assert time.monotonic() - looking < 30, log_path.read_text()
             time.sleep(0.2)
-        time.sleep(max(0.0, looking + 16 - time.monotonic()))  # 16 watch intervals of the head's
+        time.sleep(max(0.0, looking + 60 - time.monotonic()))  # the 60 s: 60 watch intervals of the head's
         counts = {w: _accepts(accepted, w) for w in (far, other, stranger)}
-        assert counts == {far: 1, other: 1, stranger: 1}, counts  # the test's own, the test's own, one Hello
+        assert counts[far] == 1 and counts[other] == 1, counts  # the test's own: never the head's
+        # An on-link announcement of this cluster may be asked to prove the secret: one Hello, again
+        # after 30 s when it did not answer (it never learns the secret either way).
+        assert 1 <= counts[stranger] <= 3, counts
         assert _queued(lan, HTTP_PORT) == 1  # the test's own: never the head's
         text = log_path.read_text()
         assert "\x1b" not in text and not [l for l in text.splitlines() if l.startswith("FORGED")], text
