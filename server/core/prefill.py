@@ -8,7 +8,7 @@ of every such step that comes back (``observe``). The rules:
   cached prefix) is cut into about two chunks per stage in flight, never under
   ``min_chunk``, so that every stage works on it at once.
 - With ``max_stall`` > 0, a chunk holds the slowest stage at most ``max_stall``
-  seconds at its measured cost (``FrameCost``), never cut under ``min_chunk``
+  seconds at its measured cost (``StageFit``), never cut under ``min_chunk``
   (Sarathi-Serve's stall-free batching, alone too: whoever arrives next waits for
   the chunks in flight). Unbounded until a prefill step has been timed.
 - No chunk crosses its sequence's KV switch (``Seq.kv_at``: its caches turn
