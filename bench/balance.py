@@ -9,8 +9,8 @@ import asyncio
 
 from mlxpipe.bench.common import add_common_arguments
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 
 async def bench_balance(args) -> dict:

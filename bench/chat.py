@@ -31,8 +31,8 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (HttpServer, add_common_arguments, long_text, median, percentile,
                                   pin_flags, progress_bar, stream_chat)
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 QUESTION = "Summarize the passage above in one sentence."
 

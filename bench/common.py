@@ -18,7 +18,7 @@ import httpx
 import mlx.core as mx
 from tqdm import tqdm
 
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 
 DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
 FILLER = ("The history of the river valley is a long story of farms, floods, bridges, markets and the "

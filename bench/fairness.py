@@ -19,8 +19,8 @@ import httpx
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import HttpServer, add_common_arguments, long_text, median, pin_flags
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 
 @dataclass

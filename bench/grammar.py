@@ -22,11 +22,11 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import median, percentile, progress_bar
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.grammar import Constraint, tokenizer_from_json
-from mlxpipe.shards.sampling import SeqSampler, pick_batch
-from mlxpipe.shards.sampling_params import Sampling
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.grammar import Constraint, tokenizer_from_json
+from mlxpipe.shards.models.store import resolve_model
+from mlxpipe.shards.params.sampling import Sampling
+from mlxpipe.shards.worker.sampler import SeqSampler, pick_batch
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24},

@@ -3,7 +3,7 @@
 For each KV setting (16: as the model computes, 8, 4 bits) and each context
 length, every stage of an even split gets a sequence's caches (the stage's own,
 ``SlicedModel.make_cache``; quantized ones as a stage turns them,
-``quantized_cache.py``) holding that many positions, and reports:
+``shards/cache/quantized.py``) holding that many positions, and reports:
 
 - the MLX active memory the caches hold on each stage (what freeing them gives
   back, buffers allocated ahead included), beside the bytes of their arrays;
@@ -35,13 +35,13 @@ import mlx.core as mx
 
 from mlxpipe.bench.common import median
 from mlxpipe.server.cli.options import table
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.splits import even_split
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.kv_quant import KvQuant
-from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.slicing import load_stage, read_weights
-from mlxpipe.shards.store import models_dir, resolve_model, text_config
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.layers import with_sizes
+from mlxpipe.shards.models.slicing import load_stage, read_weights
+from mlxpipe.shards.models.store import models_dir, resolve_model, text_config
+from mlxpipe.shards.params.kv import KvQuant
 
 
 def shape_model(like: Path, context: int, dtype: str = "bfloat16") -> Path:

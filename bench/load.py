@@ -21,8 +21,8 @@ from mlx_lm.utils import load_tokenizer
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
                                   decode_window, long_text, measured_mix, median, percentile, pin_flags,
                                   progress_bar, window_rate)
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 
 @dataclass

@@ -89,7 +89,7 @@ class NodePool:
 
     def _spawn(self, i: int) -> None:
         env = dict(os.environ, MLXPIPE_HOME=str(self.home), MLXPIPE_SECRET=SECRET)
-        proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", self.addresses[i],
+        proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker.node", "--listen", self.addresses[i],
                                  "--models-dir", str(self.models_dir), "--log-level", "ERROR"],
                                 stdout=subprocess.PIPE, text=True, env=env)
         line = proc.stdout.readline()
@@ -137,8 +137,8 @@ async def _tokens(stream) -> List[int]:
 
 def _cluster_config(path: Path, nodes: List[str]):
     from mlxpipe.proto.rpc import Security
-    from mlxpipe.server.cluster.config import ClusterConfig
-    from mlxpipe.server.core.engine import Supervision
+    from mlxpipe.server.config import ClusterConfig
+    from mlxpipe.server.core.supervision import Supervision
 
     return ClusterConfig(model=str(path), nodes=nodes, split="even", chunk_size=8, rejoin_timeout_s=60.0,
                          supervision=Supervision(health_interval_s=0.5, health_timeout_s=1.5),
@@ -216,7 +216,7 @@ async def check_type(model_type: str, path: Path, pool: NodePool, stages: int, r
     """All scenarios of one type at ``stages`` stages (or the refusal of its Load)."""
     from mlxpipe.server.cluster.assembly import Cluster
     from mlxpipe.server.core.transport import PipelineError
-    from mlxpipe.shards.slicing import UNSUPPORTED
+    from mlxpipe.shards.models.slicing import UNSUPPORTED
 
     outcome = Outcome(model_type, stages)
     t0 = time.monotonic()
@@ -250,7 +250,7 @@ def _cell(o: Outcome, scenario: str) -> str:
 def table(outcomes: List[Outcome], not_here: Dict[str, str]) -> str:
     """The matrix as a Markdown table (docs/models.md), and what it adds up to."""
     from mlxpipe.bench import tiny
-    from mlxpipe.shards.slicing import UNSUPPORTED
+    from mlxpipe.shards.models.slicing import UNSUPPORTED
 
     lines = ["| model type | caches | stages | " + " | ".join(SCENARIOS) + " |",
              "| --- | --- | --- |" + " --- |" * len(SCENARIOS)]
@@ -269,7 +269,7 @@ def table(outcomes: List[Outcome], not_here: Dict[str, str]) -> str:
                   "another stage holds; other cuts run):", ""]
         lines += [f"- {o.model_type} at {o.stages} stages: {o.refused.split('_ARGUMENT: ')[-1]}" for o in refused]
         lines.append("")
-    lines += ["Refused at Load for any cut (a pipeline of one stage runs them; `shards/slicing.py` "
+    lines += ["Refused at Load for any cut (a pipeline of one stage runs them; `shards/models/slicing.py` "
               "`UNSUPPORTED`):", ""]
     lines += [f"- {t}: {why}" for t, why in sorted(UNSUPPORTED.items())]
     lines += ["", "Not run here (`bench/tiny.py` `NOT_HERE`):", ""]
@@ -306,7 +306,7 @@ async def bench_models(args) -> dict:
     import logging
 
     from mlxpipe.bench import tiny
-    from mlxpipe.shards.store import resolve_model
+    from mlxpipe.shards.models.store import resolve_model
 
     logging.getLogger("mlxpipe.server").setLevel(logging.ERROR)  # each replay's recovery is expected
 

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.bench.common import Baseline, add_common_arguments, decode_window, median, pin_to, window_rate
-from mlxpipe.server.core.budget import STAGE_PARTS, KindTotals
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import mlxpipe_home, resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.budget import STAGE_PARTS, KindTotals
+from mlxpipe.shards.models.store import mlxpipe_home, resolve_model
 
 TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=6,
             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,

@@ -11,9 +11,9 @@ from typing import Dict, List
 
 from mlxpipe.bench.common import Baseline, add_common_arguments, chat_prompt, long_text, median, pipeline_run
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.planner import Workload
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 
 async def bench_prefill(args) -> dict:

@@ -4,7 +4,7 @@ setting: ``lm_eval_task.py``).
 
 The model (default: the embedded SmolLM2-135M-Instruct, dequantized once into a
 bf16 folder that serves as the full-precision source) is quantized the way a
-stage does it (``shards/quantize.py``) at each setting asked for, and scored
+stage does it (``shards/models/quantize.py``) at each setting asked for, and scored
 on ``quality.txt`` (public-domain and plain prose, in the repository) with the
 model's own tokenizer: perplexity is exp of the mean negative log-likelihood
 of each token given the ones before it, in one forward pass (activations in
@@ -34,14 +34,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.bits import plan_bits
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.cluster.cost import load_model_cost
 from mlxpipe.server.cluster.planner import NodeSpec
-from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.quantize import quantize_range
-from mlxpipe.shards.store import DEFAULT_MODEL, models_dir, pull_default, resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.quantize import quantize_range
+from mlxpipe.shards.models.store import DEFAULT_MODEL, models_dir, pull_default, resolve_model
+from mlxpipe.shards.params.quant import QuantSpec
 
 logger = logging.getLogger(__name__)
 

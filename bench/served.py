@@ -17,8 +17,8 @@ import httpx
 
 from mlxpipe.bench.common import (DEFAULT_PROMPT, HttpServer, add_common_arguments, measured_mix, median,
                                   pin_flags, progress_bar, stream_chat)
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 PARTS = "\n".join(f"{i + 1}. {name}: {qty} x part {1000 + 37 * i}" for i, (name, qty) in enumerate([
     ("hex bolt M6x20", 40), ("washer M6", 80), ("lock nut M6", 40), ("aluminium bracket", 8),

@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Tuple
 import httpx
 
 from mlxpipe.bench.common import HttpServer
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 WORDS = ("river stone light paper garden window music number silver north winter letter field "
          "engine mountain question morning story ocean bridge").split()

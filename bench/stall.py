@@ -25,8 +25,8 @@ from typing import Dict, List
 from mlxpipe.bench import tiny
 from mlxpipe.bench.common import add_common_arguments, median, pipeline_run
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.store import resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import resolve_model
 
 WARM = 64  # tokens of a first, different prompt: kernels compiled and prefill frames timed, as on a served head
 

@@ -23,9 +23,9 @@ import mlx.core as mx
 from mlxpipe.bench.common import (DEFAULT_PROMPT, Baseline, RunResult, add_common_arguments, chat_prompt, median,
                                   pipeline_run, progress_bar)
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.node_options import add_launch_ahead
-from mlxpipe.shards.store import mlxpipe_home, resolve_model
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.store import mlxpipe_home, resolve_model
+from mlxpipe.shards.worker.node_options import add_launch_ahead
 
 RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", "known_for": '
           '["Analytical Engine", "first algorithm", "poetical science"], "languages": ["English", "French"], '

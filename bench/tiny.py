@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxpipe.shards.layers import layer_list
+from mlxpipe.shards.models.layers import layer_list
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LAYERS = 6      # every stage of a 2- or 3-stage split holds two or three

@@ -69,7 +69,7 @@ REPLAN_WAIT_S = 300.0  # how long a Join waits for the re-plan it causes: the no
 
 SECRET_ENV = "MLXPIPE_SECRET"
 # Ping (liveness) and Hello (who a node is, and its proof that it holds the secret: a head
-# asks before it trusts a node it discovered with the secret; shards/hello.py).
+# asks before it trusts a node it discovered with the secret; shards/net/hello.py).
 UNAUTHENTICATED_METHODS = ("/mlxpipe.v1.Stage/Ping", "/mlxpipe.v1.Stage/Hello")
 
 
@@ -198,7 +198,7 @@ _REQUEST_BYTES = {
     "Have": 64 << 20,                     # safetensors headers of a stage's layers, config files
     "Load": 64 << 20,                     # the last stage's tokenizer (for grammars): vocabulary, merges, template
     "Fetch": 4 << 20,                     # prefix-block keys, 9 bytes each: a prefix of millions of tokens
-    "Echo": (16 << 20) + (64 << 10),      # a prefill-sized probe of a hop (shards/links.py: MAX_PROBE)
+    "Echo": (16 << 20) + (64 << 10),      # a prefill-sized probe of a hop (shards/net/links.py: MAX_PROBE)
 }
 _OTHER_REQUEST_BYTES = 64 << 10           # Profile, Free, Health, Results, Join: a few fields
 

@@ -29,7 +29,7 @@ def _private_home() -> Path:
     (pulled there once): its files are linked into the fresh home's folder."""
     import tempfile
 
-    from mlxpipe.shards.store import mlxpipe_home
+    from mlxpipe.shards.models.store import mlxpipe_home
 
     shared = mlxpipe_home()
     home = Path(tempfile.mkdtemp(prefix="mlxpipe-test-home-"))
@@ -44,7 +44,7 @@ TEST_HOME = _private_home()
 def _link_default_model() -> Path:
     """The default model in the test home: a real folder (node paths must stay
     inside their models directory), its files links to the shared copy."""
-    from mlxpipe.shards.store import default_model_dir, pull_default
+    from mlxpipe.shards.models.store import default_model_dir, pull_default
 
     mine = default_model_dir()
     shared = Path(os.environ["MLXPIPE_SHARED_HOME"]) / mine.relative_to(TEST_HOME)
@@ -200,7 +200,7 @@ def node_process(home: Path, *args, secret=None):
     import subprocess
 
     env = dict(os.environ, MLXPIPE_HOME=str(home), MLXPIPE_SECRET=secret or SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker.node", "--listen", "127.0.0.1:0",
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     line = proc.stdout.readline()

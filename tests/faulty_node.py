@@ -1,4 +1,4 @@
-"""A real stage worker (``python -m mlxpipe.shards.node`` with its own arguments)
+"""A real stage worker (``python -m mlxpipe.shards.worker.node`` with its own arguments)
 whose MLX thread fails on every frame that carries one token id: a fault of the
 stage's own computation, for tests of how far such a fault reaches (the frame's
 sequences take the blame, the head notices at once, replays, and fails a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from mlxpipe.shards import node, stage
+from mlxpipe.shards.worker import node, stage
 
 POISON = int(sys.argv.pop(1))
 _launch = stage.Shard.launch

@@ -13,12 +13,12 @@ from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.caches import kv_switch
-from mlxpipe.shards.disk_cache import DiskTier
-from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.quantized_cache import KvSwitch
-from mlxpipe.shards.slicing import load_stage, warm_up
-from mlxpipe.shards.stage import ShardLimits, Shard
+from mlxpipe.shards.cache.disk import DiskTier
+from mlxpipe.shards.cache.kinds import kv_switch
+from mlxpipe.shards.cache.quantized import KvSwitch
+from mlxpipe.shards.models.layers import with_sizes
+from mlxpipe.shards.models.slicing import load_stage, warm_up
+from mlxpipe.shards.worker.stage import ShardLimits, Shard
 
 
 class WiredScheduler:
@@ -102,7 +102,7 @@ class InProcess:
         """Greedy (or ``sampling``: one, or one per prompt) tokens of every prompt, run
         together; and their Sequences. ``replay_after``: after that many results the
         stages lose every sequence and the scheduler replays them (as after a fault)."""
-        from mlxpipe.shards.sampling_params import Sampling
+        from mlxpipe.shards.params.sampling import Sampling
 
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         seqs = []

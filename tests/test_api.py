@@ -405,7 +405,7 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     from mlxpipe.server.api.generation import Generator
     from mlxpipe.server.api.ollama import GenerateBody, request_of
     from mlxpipe.server.api.request import GenerationRequest
-    from mlxpipe.server.cluster.config import ApiOptions
+    from mlxpipe.server.api.options import ApiOptions
     from mlxpipe.server.core.engine import Engine
 
     def budget(req, prompt_len, kv=1 << 20, **options):

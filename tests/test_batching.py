@@ -10,7 +10,7 @@ from conftest import run_async, until
 from server_proc import ServerProcess
 
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
 
 

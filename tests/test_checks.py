@@ -10,7 +10,7 @@ from conftest import SECRET, node_process, run_async, stage_stub
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster import checks
-from mlxpipe.shards import hello, links
+from mlxpipe.shards.net import hello, links
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ def test_the_suite_runs_in_a_home_of_its_own(default_model):
     import tempfile
     from pathlib import Path
 
-    from mlxpipe.shards.store import mlxpipe_home
+    from mlxpipe.shards.models.store import mlxpipe_home
 
     home = mlxpipe_home()
     assert Path(os.environ["MLXPIPE_HOME"]) == home and home.is_relative_to(tempfile.gettempdir())

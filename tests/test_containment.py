@@ -28,9 +28,9 @@ from conftest import SECRET, run_async
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import SequenceFailed
+from mlxpipe.server.core.supervision import Supervision
 
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 
@@ -205,7 +205,7 @@ def _faulty_node(poison: int, models_dir: Path):
 
 
 def _node(models_dir: Path):
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker.node", "--listen", "127.0.0.1:0",
                              "--models-dir", str(models_dir), "--log-level", "ERROR"],
                             stdout=subprocess.PIPE, text=True, env=os.environ | {"MLXPIPE_SECRET": SECRET})
     line = proc.stdout.readline()

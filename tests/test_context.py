@@ -147,7 +147,7 @@ def test_a_smaller_pipeline_fails_what_it_cannot_hold_and_shortens_the_rest():
     over the new budget still waits its turn, alone, and never overflows it."""
     from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
     from mlxpipe.server.core.sequence import Seq
-    from mlxpipe.shards.sampling_params import Sampling
+    from mlxpipe.shards.params.sampling import Sampling
 
     s = Scheduler(SchedulerConfig(max_kv_tokens=1000))
     held = Seq(seq_id=1, prompt=[5] * 400, max_tokens=500, sampling=Sampling(seed=0), max_context=1000)

@@ -16,7 +16,7 @@ from tiny_models import GEMMA4_SHARED, build_gemma4_shared
 from mlxpipe.bench import tiny
 from mlxpipe.server.cluster import planner as P
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
-from mlxpipe.shards.cuts import Cuts, of_config
+from mlxpipe.shards.models.cuts import Cuts, of_config
 
 
 @pytest.fixture(scope="session")

@@ -20,11 +20,11 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards import disk_cache
-from mlxpipe.shards.block_file import decode, encode
-from mlxpipe.shards.disk_cache import DiskTier
-from mlxpipe.shards.disk_service import DiskService
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.cache import disk as disk_cache
+from mlxpipe.shards.cache.block_file import decode, encode
+from mlxpipe.shards.cache.disk import DiskTier
+from mlxpipe.shards.worker.disk_service import DiskService
+from mlxpipe.shards.worker.sampler import Sampling
 
 B = 4  # block tokens in the pure tests
 
@@ -86,7 +86,7 @@ def test_missing_truncated_and_corrupt_files_are_dropped_with_a_log_line(tmp_pat
     corrupt = bytearray(files[4].read_bytes())
     corrupt[-3] ^= 0x40
     files[4].write_bytes(bytes(corrupt))
-    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.cache.disk"):
         got = tier.read([1, 2, 3, 4])  # (read in parallel: the ones after the first failure may be read too)
         assert [(k, why) for k, _, why in got][:2] == [(1, ""), (2, "its file is missing")]
         assert mx.array_equal(got[0][1]["kv"][0][0], _block(1)["kv"][0][0]).item()
@@ -140,7 +140,7 @@ def test_a_full_disk_stops_writing_and_never_fails_a_read(tmp_path, monkeypatch,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(disk_cache, "open", full, raising=False)
-    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.cache.disk"):
         tier.put(2, _block(2), False, 0)
         tier.flush()
     assert not tier.writable and any("stops writing" in r.getMessage() for r in caplog.records)
@@ -152,7 +152,7 @@ def test_a_full_disk_stops_writing_and_never_fails_a_read(tmp_path, monkeypatch,
 
 
 def test_two_processes_never_write_one_directory(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from mlxpipe.shards.disk_cache import DiskTier; "
+    code = ("import sys, time; from pathlib import Path; from mlxpipe.shards.cache.disk import DiskTier; "
             "t = DiskTier(Path(sys.argv[1]), 0, 4, limit=1 << 20); print(t.dir.name, flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -314,7 +314,7 @@ def test_greedy_tokens_from_blocks_on_disk_equal_mlx_lm(dsv3_model, reference, t
                    key=os.path.getmtime)
     files[1].write_bytes(files[1].read_bytes()[:100])  # truncated: among the first prompt's blocks
     pipe = InProcess(path, again, config, eos=tok.eos_token_ids, disk=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="mlxpipe.shards.cache.disk"):
         (out2,), (seq,) = pipe.generate([first], 10)
     assert out2 == reference(path, first, 10)
     assert any("truncated" in r.getMessage() for r in caplog.records)
@@ -343,7 +343,7 @@ def test_a_tiny_memory_tier_leaves_the_hits_to_the_disk(dsv3_model, reference, t
 
 
 def test_a_block_read_back_is_counted_while_memory_holds_it():
-    from mlxpipe.shards.prefix import BlockStore
+    from mlxpipe.shards.cache.prefix import BlockStore
 
     store = BlockStore(B, slots=[0])
     block = store._block(_block(1.0))  # as the Fetch RPC stages it
@@ -356,7 +356,7 @@ def test_a_block_read_back_is_counted_while_memory_holds_it():
 
 
 def test_the_head_sizes_the_disk_tier_from_every_stage_and_none_turns_it_off():
-    from mlxpipe.server.cluster.config import disk_blocks
+    from mlxpipe.server.cluster.sizing import disk_blocks
 
     loads = [pb.LoadReply(block_tokens=16, kv_bytes_per_token=100, disk_limit_bytes=10_000_000, disk_block_bytes=2000),
              pb.LoadReply(block_tokens=16, kv_bytes_per_token=100, disk_limit_bytes=1_000_000, disk_block_bytes=2500)]
@@ -375,7 +375,7 @@ def test_quantized_kv_blocks_go_to_disk_as_they_are(default_model, reference, tm
     from mlx_lm.utils import load_tokenizer
     from tiny_models import build_llama_source
 
-    from mlxpipe.shards.kv_quant import KvQuant
+    from mlxpipe.shards.params.kv import KvQuant
 
     path = build_llama_source(tmp_path / "llama", default_model, max_position_embeddings=4096)
     eos = load_tokenizer(path).eos_token_ids

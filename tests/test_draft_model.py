@@ -17,11 +17,11 @@ from faultproxy import FaultProxy
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.draft_model import DraftModelError, load_draft_model
-from mlxpipe.server.core.engine import Supervision
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.server.core.supervision import Supervision
+from mlxpipe.shards.params.sampling import Sampling
 
 NEW_TOKENS = 32
 

@@ -10,7 +10,7 @@ import pytest
 from inproc import InProcess
 
 from mlxpipe.server.core.scheduler import SchedulerConfig
-from mlxpipe.shards.sampling import Sampling
+from mlxpipe.shards.worker.sampler import Sampling
 
 TEXT = "The old lighthouse keeper climbed the stairs every evening and lit the lamp for the boats."
 

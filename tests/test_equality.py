@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPTS, REPEAT_CODE, run_async
 
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
 
 NEW_TOKENS = 32

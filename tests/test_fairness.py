@@ -23,7 +23,7 @@ from mlxpipe.bench.common import long_text
 from mlxpipe.server.core.plan import Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def _seq(i: int, prompt_len: int, max_tokens: int = 2) -> Seq:

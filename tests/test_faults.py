@@ -23,10 +23,10 @@ from server_proc import ServerProcess
 
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.server.core.engine import Supervision
-from mlxpipe.server.core.streams import collect
 from mlxpipe.server.cluster.stage_client import Pipeline
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
+from mlxpipe.server.core.supervision import Supervision
 
 STREAMS = 8
 NEW_TOKENS = 60
@@ -233,7 +233,7 @@ def test_kill_9_one_of_three_replans_onto_two(dsv3_model, reference):
 def _node(listen: str, models_dir, netns: str = "") -> tuple:
     """A stage worker process the head did not start (it cannot restart it)."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "mlxpipe.shards.node", "--listen", listen,
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "mlxpipe.shards.worker.node", "--listen", listen,
                              "--models-dir", str(models_dir), "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, text=True, env=os.environ | {"MLXPIPE_SECRET": SECRET})
     line = proc.stdout.readline()
@@ -514,7 +514,7 @@ def test_a_pipeline_lost_mid_stream_ends_with_an_error_event_and_health_503(dsv3
     import uvicorn
 
     from mlxpipe.server.api.app import create_app
-    from mlxpipe.server.cluster.config import ApiOptions
+    from mlxpipe.server.api.options import ApiOptions
 
     async def main():
         cfg = ClusterConfig(model=str(dsv3_model), stages=1, restart=False, supervision=FAST)

@@ -7,8 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlxpipe.shards import gguf
-from mlxpipe.shards.store import ModelNotFound, resolve_model
+from mlxpipe.shards.models import gguf
+from mlxpipe.shards.models.store import ModelNotFound, resolve_model
 
 
 def _llama_cpp_permute(w, n_head):

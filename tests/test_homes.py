@@ -5,7 +5,8 @@
   ours) loads neither MLX, the grammar engine nor gRPC (nor the HTTP stack); the
   config tree loads no other module of the cluster's room. A command the CLI names
   by string never imports the CLI (an edge no import statement shows).
-- Each default of the config tree (``server/cluster/config.py``) is written once:
+- Each default of the config tree (``server/config.py``, and its API section in
+  ``server/api/options.py``) is written once:
   no other place of the head or the benchmarks binds the knob's name to the same
   literal value (a field, a parameter's default, a keyword, an option's default),
   no help text writes a default out by hand, and every command's option of a
@@ -29,12 +30,16 @@ from typing import Dict, Iterator, List, Set, Tuple
 import pytest
 
 import mlxpipe.server
-from mlxpipe.server.cluster import config as tree
+from mlxpipe.server import config as tree
+from mlxpipe.server.api import options as api_options
 
 REPO = Path(mlxpipe.server.__path__[0]).parent
 HEAVY = ("mlx", "mlx_lm", "llguidance", "grpc", "transformers", "fastapi", "starlette", "uvicorn")
+# The vocabulary both sides agree on: every module of shards/params/ but its wire form.
+PARAMS = sorted("mlxpipe.shards.params." + p.stem for p in (REPO / "shards" / "params").glob("*.py")
+                if p.stem not in ("__init__", "wire"))
 PURE = sorted(["mlxpipe.server.core." + p.stem for p in (REPO / "server" / "core").glob("*.py")
-               if p.stem != "__init__"] + ["mlxpipe.shards.sampling_params", "mlxpipe.server.cluster.config"])
+               if p.stem != "__init__"] + PARAMS + ["mlxpipe.server.config", "mlxpipe.server.api.schemas"])
 
 # One interpreter, nothing of ours loaded; each module imported in a child forked from it.
 _LOADED = """
@@ -75,10 +80,20 @@ def test_pure_modules_load_no_mlx_grammar_or_grpc():
     loaded = _loaded(PURE)
     heavy = {m: sorted(n for n in mods if n.split(".")[0] in HEAVY)[:6] for m, mods in loaded.items()}
     assert not any(heavy.values()), {m: h for m, h in heavy.items() if h}
-    config = "mlxpipe.server.cluster.config"  # the tree is a leaf of its room
-    others = sorted(m for m in loaded[config] if m.startswith(("mlxpipe.server.cluster.", "mlxpipe.server.api",
-                                                               "mlxpipe.server.cli")) and m != config)
+    config = "mlxpipe.server.config"  # the tree is a leaf of the head
+    others = sorted(m for m in loaded[config] if m.startswith(("mlxpipe.server.cluster", "mlxpipe.server.api",
+                                                               "mlxpipe.server.cli", "mlxpipe.server.core.engine",
+                                                               "mlxpipe.server.core.scheduler.")))
+    others += [m for m in loaded[config] if m == "mlxpipe.server.core.scheduler"]
     assert not others, f"the config tree imports {others}"
+
+
+def test_the_api_schemas_and_the_vocabulary_load_no_protobuf():
+    """What the HTTP edge validates a body with, and the parameters it fills in, need no wire."""
+    loaded = _loaded(["mlxpipe.server.api.schemas", *PARAMS])
+    wire = {m: sorted(n for n in mods if n.split(".")[0] in ("google", "grpc") or n.endswith("_pb2"))[:4]
+            for m, mods in loaded.items()}
+    assert not any(wire.values()), {m: w for m, w in wire.items() if w}
 
 
 def _imported(path: Path) -> Set[str]:
@@ -218,20 +233,19 @@ def _renderings(value) -> Set[str]:
 def _facts() -> List[Tuple[str, Set[str], object, str]]:
     """(knob, names it goes by, default, the file that writes the literal: the tree, or
     the module whose field or constant the tree takes it from)."""
-    source = (REPO / "server/cluster/config.py").read_text()
-    parsed = ast.parse(source)
-    imported = {a.asname or a.name: n.module for n in ast.walk(parsed) if isinstance(n, ast.ImportFrom)
-                for a in n.names}
-    expr = {n.target.id: n.value.args[0] for n in ast.walk(parsed) if isinstance(n, ast.AnnAssign)
-            and isinstance(n.target, ast.Name) and isinstance(n.value, ast.Call) and n.value.args}
-
-    def home(node) -> str:
-        root = node.value if isinstance(node, ast.Attribute) else node
-        module = imported.get(getattr(root, "id", ""), "mlxpipe.server.cluster.config")
-        return "/".join(module.split(".")[1:]) + ".py"
-
     facts = []
-    for section in (tree.ClusterConfig, tree.ApiOptions, tree.Listen):
+    for section, module in ((tree.ClusterConfig, tree), (api_options.ApiOptions, api_options), (tree.Listen, tree)):
+        rel = "/".join(module.__name__.split(".")[1:]) + ".py"
+        parsed = ast.parse((REPO / rel).read_text())
+        imported = {a.asname or a.name: n.module for n in ast.walk(parsed) if isinstance(n, ast.ImportFrom)
+                    for a in n.names}
+        expr = {n.target.id: n.value.args[0] for n in ast.walk(parsed) if isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name) and isinstance(n.value, ast.Call) and n.value.args}
+
+        def home(node) -> str:
+            root = node.value if isinstance(node, ast.Attribute) else node
+            return "/".join(imported.get(getattr(root, "id", ""), module.__name__).split(".")[1:]) + ".py"
+
         for f in dataclasses.fields(section):
             if f.default is dataclasses.MISSING or _trivial(f.default):
                 continue
@@ -242,7 +256,7 @@ def _facts() -> List[Tuple[str, Set[str], object, str]]:
             facts.append((f"{section.__name__}.{f.name}", names, f.default, home(expr.get(f.name))))
     for name, value in vars(tree).items():
         if name.isupper() and not name.startswith("_") and isinstance(value, (int, float, str)) and not _trivial(value):
-            facts.append((name, {name} | ALIASES.get(name, set()), value, "server/cluster/config.py"))
+            facts.append((name, {name} | ALIASES.get(name, set()), value, "server/config.py"))
     return facts
 
 

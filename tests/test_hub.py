@@ -18,7 +18,7 @@ from fake_hub import FakeHub
 from server_proc import ServerProcess
 from tiny_models import DSV3_CONFIG
 
-from mlxpipe.shards.weights import model_units, unit_file, units_for_range
+from mlxpipe.shards.models.weights import model_units, unit_file, units_for_range
 
 REPO = "fake-org/tiny"
 BIG = "fake-org/big"

@@ -13,16 +13,17 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.proto.errors import FrameError
 from mlxpipe.server.core.kv_budget import KvBudget
 from mlxpipe.server.core.plan import Sample
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.errors import FrameError
-from mlxpipe.shards.kv_quant import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant,
+from mlxpipe.shards.cache.quantized import BatchQuantizedKVCache, KvSwitch, merge
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.kv import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, PREFILL_STEP, KvQuant,
                                      quantize_at)
-from mlxpipe.shards.quant_spec import kv_bytes
-from mlxpipe.shards.quantized_cache import BatchQuantizedKVCache, KvSwitch, merge
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.quant import kv_bytes
+from mlxpipe.shards.params.sampling import Sampling
 
 H, D = 2, 64  # KV heads, head dimension
 
@@ -190,7 +191,7 @@ def test_bad_settings_are_refused():
     for bits, group, start in ((3, 64, 0), (8, 48, 0), (4, 64, -1)):
         with pytest.raises(ValueError):
             KvQuant(bits, group, start)
-    assert KvQuant.of(None) is None and KvQuant.of(16) is None and KvQuant.from_wire(pb.KvQuantization()) is None
+    assert KvQuant.of(None) is None and KvQuant.of(16) is None and wire.kv_from_wire(pb.KvQuantization()) is None
 
 
 def test_stage_refuses_frames_across_the_switch():
@@ -323,7 +324,7 @@ def test_prefix_blocks_are_kept_and_filled_back_quantized():
     ones (from its own cache, or its row of a batch); a sequence that starts after both
     gets a quantized cache holding exactly what the writer held, one after the first only
     a full-precision one."""
-    from mlxpipe.shards.prefix import BlockStore
+    from mlxpipe.shards.cache.prefix import BlockStore
 
     kv = KvQuant(4, 64, 32)
     store = BlockStore(16, kv)

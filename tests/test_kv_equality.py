@@ -4,7 +4,7 @@
 
 The start is 64, past these prompts (34 to 45 tokens) and inside their generations, so
 streams switch at different steps of one decode group (mlx-lm switches each where its
-``generate_step`` would: ``shards/kv_quant.py``). The matrix runs in one process
+``generate_step`` would: ``shards/params/kv.py``). The matrix runs in one process
 (``inproc.py``: real shards and scheduler, frames handed over without gRPC); the default
 model at 2 stages and 4 bits runs through real stage processes."""
 
@@ -17,11 +17,11 @@ from conftest import PROMPTS, REPEAT_CODE, run_async
 from inproc import InProcess
 
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.shards.kv_quant import KvQuant
-from mlxpipe.shards.caches import kv_switch
+from mlxpipe.shards.cache.kinds import kv_switch
+from mlxpipe.shards.params.kv import KvQuant
 
 pytestmark = pytest.mark.extended  # the quantized-KV matrix: CI's second run (`pytest -m extended`)
 

@@ -38,8 +38,8 @@ TESTS = Path(__file__).parent
 
 def _node(lan: Lan, host: str, home: Path, secret: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, MLXPIPE_HOME=str(home / host), MLXPIPE_SECRET=secret)
-    proc = subprocess.Popen(lan.command(host, sys.executable, "-m", "mlxpipe.shards.node", "--announce", "--name",
-                                        host, "--log-level", "WARNING", *extra),
+    proc = subprocess.Popen(lan.command(host, sys.executable, "-m", "mlxpipe.shards.worker.node", "--announce",
+                                        "--name", host, "--log-level", "WARNING", *extra),
                             stdout=subprocess.PIPE, text=True, env=env)
     assert "listening on" in proc.stdout.readline()
     return proc

@@ -1,4 +1,4 @@
-"""A frame in two halves on the MLX thread (``shards/launch.py``, ``shards/mlx_thread.py``):
+"""A frame in two halves on the MLX thread (``shards/worker/launch.py``, ``shards/worker/mlx_thread.py``):
 the thread launches the next independent frame before it finishes the last, and
 what comes out is exactly what running the frames one after the other gives."""
 
@@ -12,11 +12,11 @@ from mlx.utils import tree_flatten
 
 from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards.clock import BusyClock
-from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.mlx_thread import MlxThread
-from mlxpipe.shards.slicing import load_stage
-from mlxpipe.shards.stage import Shard, ShardLimits
+from mlxpipe.shards.models.layers import with_sizes
+from mlxpipe.shards.models.slicing import load_stage
+from mlxpipe.shards.worker.clock import BusyClock
+from mlxpipe.shards.worker.mlx_thread import MlxThread
+from mlxpipe.shards.worker.stage import Shard, ShardLimits
 
 
 class _Job:

@@ -85,7 +85,7 @@ def _mlx_lm(path, kv_bits: int) -> List[int]:
 
 def _config(path, nodes: List[str], kv_bits: int):
     from mlxpipe.proto.rpc import Security
-    from mlxpipe.server.cluster.config import ClusterConfig
+    from mlxpipe.server.config import ClusterConfig
 
     kv = {} if kv_bits == 16 else dict(kv_bits=kv_bits, kv_group_size=KV_GROUP, quantized_kv_start=0)
     return ClusterConfig(model=str(path), nodes=nodes, split="even", chunk_size=CHUNK,

@@ -1,4 +1,4 @@
-"""A stage's memory (shards/memory.py): what a shard needs before it loads, the refusal of one
+"""A stage's memory (shards/worker/memory.py): what a shard needs before it loads, the refusal of one
 that does not fit, and the process's real peak at two shard sizes."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from conftest import stage_stub
 from tiny_models import tensor_bytes
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards import memory
-from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.shards.params.quant import QuantSpec
+from mlxpipe.shards.worker import memory
 
 MiB = 1 << 20
 # What a stage process holds besides its shard: the interpreter and its libraries
-# (about 90 MiB here), MLX's allocator and warm-up's one token; see shards/memory.py.
+# (about 90 MiB here), MLX's allocator and warm-up's one token; see shards/worker/memory.py.
 FIXED = 160 * MiB
 
 

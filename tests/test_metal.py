@@ -1,4 +1,4 @@
-"""The platform boundary (shards/metal.py): which MLX calls a stage makes, with which values.
+"""The platform boundary (shards/models/metal.py): which MLX calls a stage makes, with which values.
 
 Driven by a fake of the few calls it makes (``MlxCalls``): nothing here pretends to run
 Metal. On this machine (no Metal) the real calls make it a no-op."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxpipe.shards.metal import CLOSE, MIN_CACHE, Metal, MlxCalls
+from mlxpipe.shards.models.metal import CLOSE, MIN_CACHE, Metal, MlxCalls
 
 GB = 1 << 30
 

@@ -18,9 +18,9 @@ from mlxpipe.server.core.drafting import PromptLookup
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, snapshot_every
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards import caches as kinds
-from mlxpipe.shards.sampling_params import Sampling
-from mlxpipe.shards.slicing import UNSUPPORTED
+from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.slicing import UNSUPPORTED
+from mlxpipe.shards.params.sampling import Sampling
 
 # One of each kind: attention only (llama; DeepSeek-V3's latent attention), sliding
 # windows (gemma3_text; gpt-oss), hybrid linear attention (qwen3_next, qwen3_5), a pure
@@ -66,7 +66,7 @@ def test_architecture_equals_mlx_lm(zoo, model_type, stages):
 def test_a_range_whose_blocks_need_more_than_the_hidden_state_is_refused_at_load(zoo):
     """rwkv7's blocks hand each other their first block's values: no cut is possible, and
     the head says why before any stage loads (the tracing forward found it, not a list of
-    names: shards/cuts.py)."""
+    names: shards/models/cuts.py)."""
     pool, model, ref = zoo
     outcome = run_async(matrix.check_type("rwkv7", model("rwkv7"), pool, 2, ref), timeout=120)
     assert "block 3 reads what block 2 returns besides the hidden state" in outcome.refused, outcome
@@ -102,7 +102,7 @@ def test_verify_frames_of_several_positions_rewind_exactly(zoo, model_type):
 
 
 def test_sizes_and_blocks_under_their_architectures_names():
-    from mlxpipe.shards.layers import layer_list, with_sizes
+    from mlxpipe.shards.models.layers import layer_list, with_sizes
 
     assert with_sizes({"n_embd": 64, "n_layer": 6, "vocab_size": 9}) | {} == {
         "n_embd": 64, "n_layer": 6, "vocab_size": 9, "hidden_size": 64, "num_hidden_layers": 6}

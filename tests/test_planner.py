@@ -16,8 +16,8 @@ from mlxpipe.server.cluster import bits as B
 from mlxpipe.server.cluster import context as C
 from mlxpipe.server.cluster import planner as P
 from mlxpipe.server.cluster.cost import LayerCost, ModelCost, load_model_cost
-from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.sizes import expand_list, parse_bandwidth, parse_size
+from mlxpipe.shards.params.quant import QuantSpec
+from mlxpipe.shards.params.sizes import expand_list, parse_bandwidth, parse_size
 
 CONFIGS = Path(__file__).parent / "configs"
 GB = 10**9
@@ -430,11 +430,11 @@ LLAMA = CONFIGS / "llama_3_1_405b.json"
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_bytes_are_what_mlx_lms_quantized_cache_holds(bits):
-    """The formula (quant_spec.kv_bytes) against the arrays of mlx-lm's own QuantizedKVCache."""
+    """The formula (params/quant.py kv_bytes) against the arrays of mlx-lm's own QuantizedKVCache."""
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlxpipe.shards.quant_spec import kv_bytes
+    from mlxpipe.shards.params.quant import kv_bytes
 
     cache = QuantizedKVCache(group_size=64, bits=bits)
     keys = mx.random.normal((1, 4, 256, 128)).astype(mx.float16)  # 4 KV heads x 128, 256 positions
@@ -577,17 +577,18 @@ def test_plan_context_takes_the_declared_or_the_longest_that_fits():
 def test_one_kv_bits_knob_quantizes_the_stages_and_sizes_the_plan(capsys):
     """serve's --kv-bits/--kv-group-size/--quantized-kv-start are what the stages load with and
     what the scheduler switches at; plan's same options price the KV cache by the one formula."""
-    from mlxpipe.server.cluster import config as tree
-    from mlxpipe.shards.kv_quant import KvQuant
+    from mlxpipe.server import config as tree
+    from mlxpipe.server.cluster import sizing
+    from mlxpipe.shards.params.kv import KvQuant
 
     p = argparse.ArgumentParser()
     tree.add_arguments(p, tree.ClusterConfig)
     cfg = tree.from_args(tree.ClusterConfig, p.parse_args(["--kv-bits", "8", "--kv-group-size", "32",
                                                             "--quantized-kv-start", "100"]))
-    assert tree.stage_limits(cfg, 1 << 30).kv == KvQuant(8, 32, 100)
-    assert tree.scheduler_config(cfg, 2, 1000, 0, 1.0).kv_start == 100
+    assert sizing.stage_limits(cfg, 1 << 30).kv == KvQuant(8, 32, 100)
+    assert sizing.scheduler_config(cfg, 2, 1000, 0, 1.0).kv_start == 100
     plain = tree.from_args(tree.ClusterConfig, p.parse_args([]))
-    assert plain.kv_bits == 16 and tree.kv_quant(plain) is None and tree.stage_limits(plain, 1 << 30).kv is None
+    assert plain.kv_bits == 16 and sizing.kv_quant(plain) is None and sizing.stage_limits(plain, 1 << 30).kv is None
     args = ("--model", str(DSV3), "--nodes", "3x144GB", "--bits", "4", "--json")
     rows = {}
     for group in ("32", "64"):

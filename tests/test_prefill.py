@@ -12,7 +12,7 @@ from mlxpipe.server.core.plan import Sample, StepKind, StepResult
 from mlxpipe.server.core.prefill import PrefillPolicy, StageFit
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def _seq(prompt_len: int, sent: int = 0, kv_at=None) -> Seq:

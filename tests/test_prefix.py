@@ -10,7 +10,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 B = 4  # block tokens in the pure tests
 

@@ -11,8 +11,8 @@ from conftest import SECRET, run_async, stage_stub
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.local import LocalStages
+from mlxpipe.server.config import ClusterConfig
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -16,13 +16,14 @@ from mlx.utils import tree_flatten
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.cost import load_model_cost
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.shards.quant_spec import RECIPES, QuantSpec, quantized_fingerprint
-from mlxpipe.shards.quantize import QuantizeError, quantize_range, stage_units
-from mlxpipe.shards.store import fingerprint
-from mlxpipe.shards.weights import model_units, unit_of, units_for_range
+from mlxpipe.shards.models.quantize import QuantizeError, quantize_range, stage_units
+from mlxpipe.shards.models.store import fingerprint
+from mlxpipe.shards.models.weights import model_units, unit_of, units_for_range
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.quant import RECIPES, QuantSpec, quantized_fingerprint
 
 NEW_TOKENS = 24
 _loaded = {}
@@ -85,7 +86,7 @@ def test_each_stage_range_is_bit_identical_to_convert(case, sources, converted, 
 def test_only_the_range_is_read(sources, converted, tmp_path):
     """Garble every source tensor that layers [0, 2) do not need: their quantized tensors
     are still convert's of the clean source (nothing else was read)."""
-    from mlxpipe.shards.weights import read_header
+    from mlxpipe.shards.models.weights import read_header
 
     bad = tmp_path / "garbled"
     shutil.copytree(sources("dsv3-fp8"), bad)
@@ -219,7 +220,7 @@ def test_stage_peak_memory_is_its_share_plus_under_one_full_layer(tmp_path, defa
     proc, address = node_process(tmp_path / "home", "--models-dir", str(tmp_path / "models"))
     try:
         reply = stage_stub(address).Load(pb.LoadRequest(model=str(src), start=3, end=5,
-                                                        quantization=QuantSpec("4").to_wire()), timeout=120)
+                                                        quantization=wire.quant_to_wire(QuantSpec("4"))), timeout=120)
     finally:
         proc.kill()
         proc.wait()
@@ -280,8 +281,8 @@ def test_recipes_are_mlx_lms():
 
 def test_spec_round_trips_and_refuses_what_mlx_cannot_do():
     spec = QuantSpec("4", 64, ("3", "mixed_3_6", "4"))
-    assert QuantSpec.from_wire(spec.to_wire()) == spec
-    assert QuantSpec.from_wire(pb.Quantization()) is None
+    assert wire.quant_from_wire(wire.quant_to_wire(spec)) == spec
+    assert wire.quant_from_wire(pb.Quantization()) is None
     assert QuantSpec("4", 64, ("4", "4")).layer_bits is None  # uniform has one spelling
     assert quantized_fingerprint("ab" * 8, spec) != quantized_fingerprint("ab" * 8, QuantSpec("4"))
     for bad in ("7", "16", "mixed_5_9", "four"):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxpipe.shards.sampling import SeqSampler, pick_batch
-from mlxpipe.shards.sampling_params import Sampling, SamplingError
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.sampling import Sampling, SamplingError
+from mlxpipe.shards.worker.sampler import SeqSampler, pick_batch
 
 V = 64
 
@@ -82,8 +83,8 @@ def test_wire_round_trip_keeps_every_parameter():
                  repetition_context_size=30, presence_penalty=0.5, frequency_penalty=-0.5,
                  penalty_context_size=40, seed=(1 << 64) - 1, logprobs=True, top_logprobs=4,
                  logit_bias={3: -5.0}, grammar="start: \"x\"")
-    assert Sampling.from_wire(s.to_wire()) == s
-    assert Sampling.from_wire(Sampling().to_wire()) == Sampling()
+    assert wire.sampling_from_wire(wire.sampling_to_wire(s)) == s
+    assert wire.sampling_from_wire(wire.sampling_to_wire(Sampling())) == Sampling()
 
 
 def _peaked(dtype):

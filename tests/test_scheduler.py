@@ -8,7 +8,7 @@ from inproc import WiredScheduler as Scheduler  # (the scheduler's steps as fram
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def seq(i, prompt_len=5, max_tokens=4, eos=()):

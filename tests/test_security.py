@@ -23,9 +23,9 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import CHANNEL_OPTIONS, Security
 from mlxpipe.server.cli.certs import make_cluster
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.server.core.streams import collect
 from mlxpipe.server.cluster.local import LocalStages
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
 
 HIDDEN = 576
 
@@ -35,7 +35,7 @@ def _node(models_dir, *args, secret=SECRET, cwd=None):
     env.pop("MLXPIPE_SECRET", None)
     if secret:
         env["MLXPIPE_SECRET"] = secret
-    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.node", "--models-dir", str(models_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "mlxpipe.shards.worker.node", "--models-dir", str(models_dir),
                              "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=cwd)
     line = proc.stdout.readline()

@@ -13,7 +13,7 @@ from mlxpipe.server.core.drafting import PromptLookup
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, Seq
 from mlxpipe.server.core.speculation import verify_positions
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def test_prompt_lookup_continues_the_latest_match():

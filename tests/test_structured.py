@@ -10,10 +10,11 @@ import jsonschema_rs
 import pytest
 from inproc import InProcess
 
-from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.api.structured import response_format_grammar, tokenizer_json
-from mlxpipe.shards.grammar import tokenizer_from_json
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.server.core.scheduler import SchedulerConfig
+from mlxpipe.shards.models.grammar import tokenizer_from_json
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.sampling import Sampling
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -72,10 +73,11 @@ def test_constrained_sequences_do_not_speculate(chat_model, tok):
 
 def test_the_last_stage_refuses_what_it_cannot_enforce(chat_model, tok):
     from mlxpipe.proto import pipeline_pb2 as pb
-    from mlxpipe.shards.stage import FrameError
+    from mlxpipe.shards.worker.stage import FrameError
 
     def prefill(grammar):
-        entry = pb.SeqEntry(seq_id=1, offset=0, num_tokens=2, sample=True, sampling=constrained(0).to_wire())
+        entry = pb.SeqEntry(seq_id=1, offset=0, num_tokens=2, sample=True,
+                            sampling=wire.sampling_to_wire(constrained(0)))
         entry.sampling.grammar = grammar
         return pb.Frame(frame_id=1, kind=pb.Frame.PREFILL, seqs=[entry], tokens=[1, 2])
 

@@ -17,10 +17,10 @@ from conftest import SECRET, node_process, run_async
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster import weights
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.shards.store import fingerprint
-from mlxpipe.shards.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
+from mlxpipe.shards.models.store import fingerprint
+from mlxpipe.shards.models.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
 
 PROMPT = [5, 77, 901, 33, 12]
 TOKENS = 20

@@ -10,12 +10,12 @@ from conftest import run_async
 
 from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.assembly import Cluster
-from mlxpipe.server.cluster.config import ClusterConfig
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.plan import Entry, Opening, Step, StepKind
 from mlxpipe.server.core.streams import collect
 from mlxpipe.server.core.workload import WorkloadMeter
-from mlxpipe.shards.sampling_params import Sampling
-from mlxpipe.shards.store import fingerprint
+from mlxpipe.shards.models.store import fingerprint
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def test_the_meter_counts_computed_prompt_tokens_rows_and_verified_positions_and_forgets_slowly():

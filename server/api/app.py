@@ -25,7 +25,7 @@ from mlxpipe.server.api.errors import add_error_handlers
 from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.middleware import add_middleware
-from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.api.options import ApiOptions
 
 STATIC = Path(__file__).parent / "static"
 # Each adds its routes: add_routes(app, generator, options).

@@ -19,18 +19,18 @@ from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
-from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
 from mlxpipe.server.api import tenants
+from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
 from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import TextChunk, stream_text
-from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
-from mlxpipe.shards.grammar import in_worker
+from mlxpipe.shards.models.grammar import in_worker
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # server-sent events, unbuffered

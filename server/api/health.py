@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mlxpipe.server.api.metrics import Metrics
-from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.api.options import ApiOptions
 
 
 def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:

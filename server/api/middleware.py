@@ -14,9 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxpipe.server.api.errors import error_response
 from mlxpipe.server.api.metrics import Metrics
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request_log import RequestLog, ResponseWatch
 from mlxpipe.server.api.tenants import Keys, serving
-from mlxpipe.server.cluster.config import ApiOptions
 
 logger = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
 from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import Tool, stop_strings
-from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 VERSION = "0.12.0"  # the Ollama API this follows (clients check that /api/version answers)
 # Ollama's options that are sampling parameters, by their name in ``Sampling``.

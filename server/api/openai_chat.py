@@ -8,9 +8,9 @@ from fastapi import FastAPI, Request
 
 from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.openai_objects import ChatFormat, respond
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.schemas import ChatCompletionRequest
-from mlxpipe.server.cluster.config import ApiOptions
 
 
 def chat_request(req: ChatCompletionRequest, options: ApiOptions) -> GenerationRequest:

@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.openai_objects import TextFormat, respond
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.schemas import CompletionRequest
-from mlxpipe.server.cluster.config import ApiOptions
 
 
 def completion_request(req: CompletionRequest, options: ApiOptions) -> GenerationRequest:

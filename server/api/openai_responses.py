@@ -29,9 +29,9 @@ from pydantic import BaseModel
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
-from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 
 MAX_STORED = 1024

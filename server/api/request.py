@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mlxpipe.server.cluster.config import ApiOptions
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 def request_sampling(options: ApiOptions, **given) -> Sampling:

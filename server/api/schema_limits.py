@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Tuple
 
-from mlxpipe.shards.grammar import GrammarError
+from mlxpipe.shards.models.grammar import GrammarError
 
 
 @dataclass(frozen=True)

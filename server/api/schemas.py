@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import request_sampling
-from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
-from mlxpipe.shards.sampling_params import INT32, Sampling
+from mlxpipe.shards.params.sampling import INT32, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256

@@ -4,7 +4,7 @@ A request's ``response_format`` (``json_object``, ``json_schema``) or forced
 ``tool_choice`` (``required``, a named function) becomes an llguidance grammar
 string here (objects that list their properties allow no others unless the
 schema says so: ``schema_limits.closed_objects``); it travels with the sequence's sampling parameters and the last
-stage enforces it (``shards/grammar.py``). A schema or grammar that cannot be
+stage enforces it (``shards/models/grammar.py``). A schema or grammar that cannot be
 enforced raises ``GrammarError`` while the request can still get a 400.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 import llguidance as llg
 
 from mlxpipe.server.api.schema_limits import check_schema, check_schemas, closed_objects
-from mlxpipe.shards.grammar import GrammarError, check_output, tokenizer_from_json
-from mlxpipe.shards.tokenizer_json import tokenizer_json  # (re-exported: bench and tests take it from here)
+from mlxpipe.shards.models.grammar import GrammarError, check_output, tokenizer_from_json
+from mlxpipe.shards.models.tokenizer_json import tokenizer_json  # (re-exported: bench and tests take it from here)
 
 # One separator style and no free whitespace: a sampled model cannot pad with
 # spaces or newlines until it runs out of tokens.

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.config import ClusterConfig, knob
+from mlxpipe.server import config as tree
+from mlxpipe.server.config import ClusterConfig, knob
 
 log = logging.getLogger("mlxpipe")
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
     from mlxpipe.server.api.textgen import stream_text  # (deferred: `generate --help` needs none of them)
     from mlxpipe.server.cluster.assembly import Cluster
-    from mlxpipe.shards.sampling_params import Sampling
+    from mlxpipe.shards.params.sampling import Sampling
 
     async with Cluster(config) as cluster:
         for line in cluster.describe():

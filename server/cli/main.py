@@ -17,7 +17,7 @@ COMMANDS = (
     ("serve", "mlxpipe.server.cli.serve", "the OpenAI-compatible HTTP API over a pipeline "
                                           "(no arguments: 2 local stages of the default model on 127.0.0.1:8000)"),
     ("generate", "mlxpipe.server.cli.generate", "generate text from one prompt through the pipeline"),
-    ("node", "mlxpipe.shards.node", "run one stage worker that a head can drive"),
+    ("node", "mlxpipe.shards.worker.node", "run one stage worker that a head can drive"),
     ("plan", "mlxpipe.server.cli.plan", "plan a split of a model over nodes, from its config alone (no weights)"),
     ("status", "mlxpipe.server.cli.status", "the cluster as a table: stages, layers, memory, health, load"),
     ("nodes", "mlxpipe.server.cli.nodes",
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
-    logging.getLogger("mlxpipe.shards.progress").setLevel(logging.INFO)  # lines only where no bar shows
+    logging.getLogger("mlxpipe.shards.models.progress").setLevel(logging.INFO)  # lines only where no bar shows
     try:
         return args.fn(args)
     except (ValueError, PipelineError, GenerationFailed) as err:

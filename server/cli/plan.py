@@ -10,16 +10,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from mlxpipe.server import config as tree
 from mlxpipe.server.cli.options import table
-from mlxpipe.server.cluster import config as tree
 from mlxpipe.server.cluster.bits import BitsChoice, plan_bits
-from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
-from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.context import STREAMS, at_kv_bits, context_table, plan_context
-from mlxpipe.server.cluster.config import KV_MARGIN
+from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, fits, plan
-from mlxpipe.shards.quant_spec import AUTO_RUNGS, DEFAULT_GROUP_SIZE, QuantSpec
-from mlxpipe.shards.sizes import expand_list, gb, parse_bandwidth, parse_size
+from mlxpipe.server.cluster.sizing import KV_MARGIN
+from mlxpipe.server.config import ClusterConfig, PLANNED_CONTEXT
+from mlxpipe.shards.params.quant import AUTO_RUNGS, DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.params.sizes import expand_list, gb, parse_bandwidth, parse_size
 
 DEFAULT_BANDWIDTH = 800e9      # bytes/s that `mlxpipe plan` assumes without --bandwidth
 DEFAULT_FLOPS = 25e12          # flop/s it assumes without --flops (about an M2/M3 Ultra's GPU at 16 bits)
@@ -108,7 +108,7 @@ class _Planned:
     context: int
     clamped: bool             # the model's own context did not fit: the longest that does
     most: int                 # the model's own context
-    cuts: object = None       # where the model can be cut (``shards/cuts.py``)
+    cuts: object = None       # where the model can be cut (``shards/models/cuts.py``)
     links: Optional[List[str]] = None  # with --link: the chosen split with every hop priced, in words
 
 
@@ -307,8 +307,8 @@ def _config(model: str) -> dict:
 
 
 def model_cuts(model: str):
-    """Where the model of ``--model`` can be cut (``shards/cuts.py``)."""
-    from mlxpipe.shards.cuts import of_config
+    """Where the model of ``--model`` can be cut (``shards/models/cuts.py``)."""
+    from mlxpipe.shards.models.cuts import of_config
 
     config = _config(model)
     return of_config(json.loads((Path(model) / "config.json" if Path(model).is_dir() else Path(model)).read_text()),

@@ -6,7 +6,7 @@ import argparse
 
 from huggingface_hub.utils import disable_progress_bars
 
-from mlxpipe.shards.store import DEFAULT_MODEL, pull_default, resolve_model
+from mlxpipe.shards.models.store import DEFAULT_MODEL, pull_default, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

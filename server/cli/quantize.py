@@ -1,12 +1,12 @@
-"""``mlxpipe quantize``: a quantized folder, made one layer at a time (``shards/quantize.py``)."""
+"""``mlxpipe quantize``: a quantized folder, made one layer at a time (``shards/models/quantize.py``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from mlxpipe.server.cluster.config import ClusterConfig
-from mlxpipe.shards.quant_spec import QuantSpec
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.params.quant import QuantSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     layer_bits = [b for b in args.layer_bits.split(",")] if args.layer_bits else None
     spec = QuantSpec.parse(args.bits, args.group_size, layer_bits)
-    from mlxpipe.shards.quantize import quantize_folder  # (deferred: MLX and mlx-lm, seconds to import)
-    from mlxpipe.shards.store import resolve_model
+    from mlxpipe.shards.models.quantize import quantize_folder  # (deferred: MLX and mlx-lm, seconds to import)
+    from mlxpipe.shards.models.store import resolve_model
 
     config = quantize_folder(resolve_model(args.model), Path(args.out), spec)
     own = sum(isinstance(v, dict) for v in config["quantization"].values())

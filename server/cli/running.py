@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from mlxpipe.shards.store import mlxpipe_home
+from mlxpipe.shards.models.store import mlxpipe_home
 
 logger = logging.getLogger(__name__)
 

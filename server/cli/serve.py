@@ -12,10 +12,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from mlxpipe.server import config as tree
+from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.cli.running import announced, reachable
-from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.config import ApiOptions, ClusterConfig, Listen
-from mlxpipe.shards.store import is_repo_id
+from mlxpipe.server.config import ClusterConfig, Listen
+from mlxpipe.shards.models.store import is_repo_id
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
     from mlxpipe.server.cluster.assembly import Cluster
 
     metrics = Metrics()
-    cluster = await Cluster(config, observer=metrics).start()
+    cluster = await Cluster(config, observer=metrics, listening=[sock.getsockname()[:2]]).start()
     try:
         api = replace(options, model_id=model_id(config.model, cluster.model_path), aliases=(config.model,))
         app = create_app(cluster, api, metrics)

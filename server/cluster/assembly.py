@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster.config import (ClusterConfig, disk_blocks, kv_quant, kv_token_budget, prefix_blocks,
-                                           scheduler_config, stage_limits)
 from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
@@ -23,15 +21,19 @@ from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
 from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
+from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budget, prefix_blocks, scheduler_config,
+                                           stage_limits)
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.core.engine import Engine, Observer, Rebuilt
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.engine import Engine, Observer
+from mlxpipe.server.core.supervision import Rebuilt
 from mlxpipe.server.core.transport import PipelineError
-from mlxpipe.shards.links import probe_sizes
-from mlxpipe.shards.profile import offered_memory
-from mlxpipe.shards.quant_spec import quantized_fingerprint
-from mlxpipe.shards.store import fingerprint
+from mlxpipe.shards.models.profile import offered_memory
+from mlxpipe.shards.models.store import fingerprint
+from mlxpipe.shards.net.links import probe_sizes
+from mlxpipe.shards.params.quant import quantized_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +42,11 @@ class Cluster:
     """A started pipeline with its engine and tokenizer, and the means to rebuild
     it after a fault (``rebuild``, which the engine calls)."""
 
-    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None):
+    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None,
+                 listening: Sequence[Tuple[str, int]] = ()):
         self.config = config
         self.observer = observer  # handed to the engine (e.g. metrics.Metrics)
+        self.listening = list(listening)  # the head's own sockets (its HTTP API): discovery never dials them
         self.local: Optional[LocalStages] = None
         self.engine: Optional[Engine] = None  # owns the running pipeline
         self.model: Optional[Model] = None
@@ -207,7 +211,11 @@ class Cluster:
         if cfg.discover:
             await self._discover()
         await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
-        refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
+        found = set(self.discovery.usable()) if self.discovery is not None else set()
+        listed = await vet([a for a in self.addresses if a not in found], self.security)
+        # (a node found on the LAN proves the secret again before it is sent any)
+        proved = await vet([a for a in self.addresses if a in found], self.security, need_proof=True)
+        refused = {a: why for a, why in {**listed, **proved}.items() if why}
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
 
@@ -302,7 +310,11 @@ class Cluster:
         if not self.security.secret:
             raise ValueError("--discover needs the cluster secret (--secret-file or $MLXPIPE_SECRET): nodes are "
                              "found, and proved, by it")
-        self.discovery = await Discovery(self.security, self._found, self._lost).start()
+        listening = list(self.listening)
+        if self.config.join_listen:
+            host, _, port = self.config.join_listen.rpartition(":")
+            listening.append((host.strip("[]"), int(port) if port.isdigit() else 0))
+        self.discovery = await Discovery(self.security, self._found, self._lost, listening=listening).start()
         want = max(self.config.wait_nodes, 1) - len(self.addresses)
         for address in await self.discovery.wait(max(want, 0)):
             if address not in self.addresses:

@@ -8,8 +8,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, PlanInfeasible, plan
-from mlxpipe.shards.quant_spec import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
-from mlxpipe.shards.sizes import gb
+from mlxpipe.shards.params.quant import AUTO_RUNGS, BITS, DEFAULT_GROUP_SIZE, QuantSpec
+from mlxpipe.shards.params.sizes import gb
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def plan_bits(cost_of: Callable[[QuantSpec], ModelCost], nodes: Sequence[NodeSpe
               group_size: int = DEFAULT_GROUP_SIZE, rungs: Sequence[str] = AUTO_RUNGS, **plan_args) -> BitsChoice:
     """The most bits that fit: ``--bits auto``.
 
-    Rungs (``quant_spec.AUTO_RUNGS``: 8, 6, 4 and 3 bits and mlx-lm's mixed
+    Rungs (``params.quant.AUTO_RUNGS``: 8, 6, 4 and 3 bits and mlx-lm's mixed
     recipes between them) are tried from the largest model down; the first whose
     plan fits every node's budget is ``lower``. If a larger rung exists, layers
     are raised to it one by one from the ends inward (the embedding and head

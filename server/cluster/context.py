@@ -1,5 +1,5 @@
 """Context planned with the weights: the KV cache at a precision (``at_kv_bits``: mlx-lm's
-quantized KV cache, ``quant_spec.kv_bytes``), the context a plan is for (``plan_context``:
+quantized KV cache, ``params.quant.kv_bytes``), the context a plan is for (``plan_context``:
 the one declared, or the model's own clamped to the longest that fits), and for each KV
 precision the longest context 1 and 4 streams may hold (``context_table``, ``mlxpipe
 plan``'s table). Pure Python, over ``planner.fits``."""
@@ -12,11 +12,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, PlanInfeasible, fits
-from mlxpipe.shards.quant_spec import DEFAULT_GROUP_SIZE, KV_BITS, kv_bytes
+from mlxpipe.shards.params.quant import DEFAULT_GROUP_SIZE, KV_BITS, kv_bytes
 
 
 def at_kv_bits(cost: ModelCost, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> ModelCost:
-    """``cost`` (at 16-bit KV) with its KV cache at ``bits`` (``quant_spec.kv_bytes``)."""
+    """``cost`` (at 16-bit KV) with its KV cache at ``bits`` (``params.quant.kv_bytes``)."""
     if cost.kv_bits != 16:
         raise ValueError("a KV precision is taken from the 16-bit cost")
     if bits == 16:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from mlxpipe.shards.quant_spec import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
-from mlxpipe.shards.store import text_config
-from mlxpipe.shards.weights import LAYER_RE, read_header
+from mlxpipe.shards.models.store import text_config
+from mlxpipe.shards.models.weights import LAYER_RE, read_header
+from mlxpipe.shards.params.quant import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
-from mlxpipe.shards.store import ModelNotFound, resolve_model
+from mlxpipe.shards.models.store import ModelNotFound, resolve_model
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Nodes that join: the head's side of ``mlxpipe node --join HEAD:PORT``.
 
 The head runs a small gRPC service (``Head.Join``, behind the same cluster
-secret as every node). A node that joins (``shards/node.py`` dials in) offers
+secret as every node). A node that joins (``shards/worker/node.py`` dials in) offers
 its address, memory and measured bandwidth; the head adds it to the nodes it
 plans over and re-plans (live sequences pause and replay, as after a fault).
 ``mlxpipe nodes`` lists who joined. Manual ``--nodes`` always works too; no

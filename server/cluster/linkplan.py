@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cluster.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, _Problem
+from mlxpipe.server.config import ClusterConfig, PLANNED_CONTEXT
 
 ORDERS_PLANNED = 6   # orders planned in full, besides the one given
 MAX_REORDER = 7      # more nodes than this: the order given

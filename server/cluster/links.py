@@ -1,6 +1,6 @@
 """Every link of a pipeline, measured and kept current; the slow ones named.
 
-When the head builds a pipeline it times its hop to every stage (``shards/links.py``:
+When the head builds a pipeline it times its hop to every stage (``shards/net/links.py``:
 round trips of a decode-sized and a prefill-sized message), and has every stage
 time its hop to the next one (``TimeNextHop``), one link after the other. Then the figures
 follow the live cluster: the head re-times its latency to each stage every few seconds,
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.shards import links as probe
+from mlxpipe.shards.net import links as probe
 
 logger = logging.getLogger(__name__)
 

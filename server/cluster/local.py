@@ -58,7 +58,7 @@ class LocalStages:
 
     def spawn(self, i: int, listen: Optional[str] = None) -> subprocess.Popen:
         """Start stage process ``i`` (on a free port unless ``listen`` is given)."""
-        cmd = [sys.executable, "-m", "mlxpipe.shards.node", "--listen", listen or f"{self.host}:0",
+        cmd = [sys.executable, "-m", "mlxpipe.shards.worker.node", "--listen", listen or f"{self.host}:0",
                "--log-level", self.log_level, "--exit-with-parent", "--models-dir", str(self.models_dir)]
         if self.cpus:
             cmd += ["--cpu", str(self.cpus[i % len(self.cpus)])]

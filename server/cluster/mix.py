@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from mlxpipe.server.cluster import planner
-from mlxpipe.shards.store import mlxpipe_home
+from mlxpipe.shards.models.store import mlxpipe_home
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The model a head serves: where it is, its config, its tokenizer, how it is quantized.
 
-Resolved (``shards/store.py``: a folder, a Hugging Face repo id, or the embedded
+Resolved (``shards/models/store.py``: a folder, a Hugging Face repo id, or the embedded
 default) and checked against the options before anything starts: a quantized
 model given ``--bits``, ``--bits auto`` without the planner, a ``--split`` that
 does not fit the model are refused at once.
@@ -17,13 +17,13 @@ from mlx_lm.utils import load_config, load_tokenizer
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster.config import ClusterConfig
 from mlxpipe.server.cluster.splits import fixed_ranges
-from mlxpipe.shards.cuts import Cuts, of_config
-from mlxpipe.shards.layers import with_sizes
-from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.store import resolve_model, text_config
-from mlxpipe.shards.tokenizer_json import tokenizer_json
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.shards.models.cuts import Cuts, of_config
+from mlxpipe.shards.models.layers import with_sizes
+from mlxpipe.shards.models.store import resolve_model, text_config
+from mlxpipe.shards.models.tokenizer_json import tokenizer_json
+from mlxpipe.shards.params.quant import QuantSpec
 
 
 def read_config(path: Path) -> dict:

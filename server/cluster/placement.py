@@ -21,15 +21,16 @@ import grpc
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.cluster import linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
-from mlxpipe.server.cluster.config import ClusterConfig, planned_context
 from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.mix import effective_ratio
 from mlxpipe.server.cluster.model import Model
+from mlxpipe.server.cluster.sizing import planned_context
 from mlxpipe.server.cluster.stage_client import Pipeline
+from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.transport import PipelineError
-from mlxpipe.shards.links import measure
-from mlxpipe.shards.quant_spec import AUTO_RUNGS, QuantSpec
+from mlxpipe.shards.net.links import measure
+from mlxpipe.shards.params.quant import AUTO_RUNGS, QuantSpec
 
 logger = logging.getLogger(__name__)
 

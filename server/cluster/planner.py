@@ -24,9 +24,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlxpipe.server.cluster.config import KV_MARGIN, PLANNED_CONTEXT, PROMPT_RATIO, ClusterConfig
+from mlxpipe.server.cluster.sizing import KV_MARGIN
+
 from mlxpipe.server.cluster.cost import ModelCost
-from mlxpipe.shards.sizes import gb
+from mlxpipe.server.config import ClusterConfig, PLANNED_CONTEXT, PROMPT_RATIO
+from mlxpipe.shards.params.sizes import gb
 
 
 @dataclass(frozen=True)
@@ -359,7 +361,7 @@ def plan(cost: ModelCost, nodes: Sequence[NodeSpec], *, context: int = PLANNED_C
     stage's time also counts its prefill of ``prompt_ratio`` prompt tokens, on
     nodes whose prefill is costed (``NodeSpec.flops_per_s``). Raises
     ``PlanInfeasible`` when nothing fits. ``cuts``: where the model may be cut (its valid
-    cut points, ``shards/cuts.py``; None: after any layer).
+    cut points, ``shards/models/cuts.py``; None: after any layer).
     """
     points = None if cuts is None else frozenset({0, cost.num_layers, *cuts})
     units = cost.num_layers if points is None else len(points) - 1

@@ -1,6 +1,6 @@
 """Fixed layer splits: ``--split even`` and ``--split 18,12``. Ranges are half-open
 ``[start, end)``; the planner (``planner.py``) makes the balanced ones. Only the
-model's valid cuts (``shards/cuts.py``) may bound a range: an even split snaps to
+model's valid cuts (``shards/models/cuts.py``) may bound a range: an even split snaps to
 the nearest valid one and says so; explicit sizes that cut elsewhere are refused."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional, Sequence, Tuple
 
-from mlxpipe.shards.cuts import Cuts
+from mlxpipe.shards.models.cuts import Cuts
 
 logger = logging.getLogger(__name__)
 

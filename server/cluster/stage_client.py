@@ -22,13 +22,14 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import Security, culprits_of
 from mlxpipe.server.cluster.budget import FrameBudget
-from mlxpipe.server.cluster.config import StageLimits
 from mlxpipe.server.cluster.links import LinkTable
+from mlxpipe.server.cluster.sizing import StageLimits
 from mlxpipe.server.cluster.weights import WeightSource, send_weights
 from mlxpipe.server.core.transport import PipelineError, StageCaches
-from mlxpipe.shards.progress import Progress
-from mlxpipe.shards.quant_spec import QuantSpec
-from mlxpipe.shards.weights import CHUNK_BYTES
+from mlxpipe.shards.models.progress import Progress
+from mlxpipe.shards.models.weights import CHUNK_BYTES
+from mlxpipe.shards.params import wire
+from mlxpipe.shards.params.quant import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class Pipeline:
                       quant: Optional[QuantSpec] = None) -> List[pb.ProfileReply]:
         """Ask stages (by index) to time the model (quantized by ``quant``), for the planner."""
         request = pb.ProfileRequest(model=self.model, batch=batch,
-                                    quantization=quant.to_wire() if quant else None)
+                                    quantization=wire.quant_to_wire(quant) if quant else None)
 
         async def one(i: int) -> pb.ProfileReply:
             try:
@@ -134,9 +135,9 @@ class Pipeline:
             req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
                                  max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
-                                 quantization=quant.to_wire() if quant else None,
+                                 quantization=wire.quant_to_wire(quant) if quant else None,
                                  tokenizer=self.tokenizer if not nxt else None,
-                                 kv_cache=lim.kv.to_wire() if lim.kv else None)
+                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None)
             if lim.disk_bytes is not None:
                 req.prefix_disk_bytes = lim.disk_bytes
             try:
@@ -187,7 +188,7 @@ class Pipeline:
             while True:
                 frame = await self._outbox.get()
                 self.budget.sent(frame)
-                frame.sent_us = time.time_ns() // 1000  # for stage 0's view of this hop (shards/links.py)
+                frame.sent_us = time.time_ns() // 1000  # for stage 0's view of this hop (shards/net/links.py)
                 await self._forward.write(frame)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
             # The stream broke; watch_forward reports why.

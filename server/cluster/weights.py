@@ -1,7 +1,7 @@
 """Weights for nodes that lack the model: the head's sources and the transfer.
 
 Before ``Load``, the head offers each remote node the units of its range
-(``Have``, ``shards/weights.py``); the node answers which chunks it lacks and
+(``Have``, ``shards/models/weights.py``); the node answers which chunks it lacks and
 the head streams them (``Receive``), each with its SHA-256, at most ``rate``
 bytes a second, and sends again what fails its checksum. With ``--bits`` what
 travels is quantized (``QuantizedSource``).
@@ -21,11 +21,11 @@ from typing import List, Optional
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.transport import PipelineError
-from mlxpipe.shards.progress import Progress
-from mlxpipe.shards.quant_spec import QuantSpec, quantized_fingerprint
-from mlxpipe.shards.quantize import QuantizeError, prepare, stage_units, write_config, write_units
-from mlxpipe.shards.store import mlxpipe_home
-from mlxpipe.shards.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
+from mlxpipe.shards.models.progress import Progress
+from mlxpipe.shards.models.quantize import QuantizeError, prepare, stage_units, write_config, write_units
+from mlxpipe.shards.models.store import mlxpipe_home
+from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
+from mlxpipe.shards.params.quant import QuantSpec, quantized_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ TIMEOUT_S = 900.0  # one Have or Receive call, at most
 
 @dataclass
 class WeightSource:
-    """The head's copy of the model, for nodes that lack it (shards/weights.py)."""
+    """The head's copy of the model, for nodes that lack it (shards/models/weights.py)."""
 
     folder: Path
     fingerprint: str
@@ -56,7 +56,7 @@ class QuantizedSource(WeightSource):
     """The head's full-precision model, quantized by ``spec`` for nodes that lack it.
 
     Units are quantized when a node first needs them, one at a time
-    (``shards/quantize.py``: the head never holds the full-precision model), into
+    (``shards/models/quantize.py``: the head never holds the full-precision model), into
     ``$MLXPIPE_HOME/quantized/<fingerprint>/``, a folder keyed by the source's
     fingerprint and the spec; from there they travel like any folder's units.
     One thread of its own does the MLX work (MLX arrays belong to the thread

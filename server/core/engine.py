@@ -5,8 +5,9 @@ of text (``api/textgen.py`` turns its streams into text) or of gRPC: it drives a
 The engine runs on the event loop and owns the ``Scheduler``. Every change
 (a request, a cancel, a result) is followed by ``_pump``: ask the scheduler for frames and
 queue them for stage 0, and have stages read back prefix blocks they hold on disk only
-(``_fetch``). A supervisor task reads the last stage's Results, hands each token to its
-request's queue, watches the stages' health, and rebuilds the pipeline when it breaks.
+(``_fetch``). Its supervisor (``supervision.py``) runs the pipeline: the last stage's
+Results are handed to each request's queue (``read_results``), the stages' health is
+watched, and the pipeline is rebuilt when it breaks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer, prompt_scores
@@ -26,8 +27,9 @@ from mlxpipe.server.core.prefix_index import snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
-from mlxpipe.server.core.transport import PipelineError, StageHealth, Transport
-from mlxpipe.shards.sampling_params import INT32, Sampling
+from mlxpipe.server.core.supervision import Rebuild, Rebuilt, Supervision, Supervisor
+from mlxpipe.server.core.transport import StageHealth, Transport
+from mlxpipe.shards.params.sampling import INT32, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -36,32 +38,6 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     recoveries: int = 0  # pipelines rebuilt after a fault
     generated_tokens: int = 0  # tokens delivered to requests since start (the page's tok/s chart)
-
-
-class Replan(RuntimeError):
-    """Not a fault: the cluster changed (a node joined) and the layers are re-planned."""
-
-
-class StageDown(RuntimeError):
-    """A health check found a stage dead, stalled or not ready."""
-
-    def __init__(self, message: str, suspects: Sequence[str]):
-        super().__init__(message)
-        self.suspects = list(suspects)
-
-
-@dataclass
-class Rebuilt:
-    """What a rebuild changed: the new pipeline, and the KV positions its stages hold."""
-
-    pipeline: Transport
-    max_kv_tokens: int
-    prefix_blocks: int  # blocks each stage may keep for the prefix cache
-    disk_blocks: int = 0  # ... and on its disk (0: some stage has no disk tier)
-
-
-# rebuild(why, addresses of suspect stages) -> a loaded pipeline without the fault, or raises.
-Rebuild = Callable[[str, Sequence[str]], Awaitable[Rebuilt]]
 
 
 class Observer(Protocol):
@@ -74,25 +50,10 @@ class Observer(Protocol):
     def token(self, since_previous: Optional[float]) -> None: ...
 
 
-@dataclass
-class Supervision:
-    health_interval_s: float = 1.0   # how often every stage's health is checked
-    health_timeout_s: float = 2.0    # a stage that does not answer within this is down
-    recovery_timeout_s: float = 120.0  # one rebuild (restart or wait, re-plan, reload) at most
-    retry_interval_s: float = 5.0    # after a failed recovery, try again this often
-
-
 class Engine:
-    """Runs generation over a pipeline, and keeps it running.
-
-    A supervisor task watches three things: the Results stream, the Forward
-    stream and, every second, every stage's health. When one fails the engine
-    stops sending, hands the fault to ``rebuild`` (which restarts, waits for or
-    leaves out the failed stages, re-plans and reloads), then replays every
-    live sequence from its prompt plus the tokens generated so far and goes on.
-    Clients see a pause. Only when no pipeline can be rebuilt do live requests
-    end, with ``GenerationFailed``.
-    """
+    """Runs generation over a pipeline; its ``Supervisor`` (``supervision.py``) keeps the
+    pipeline running and rebuilds it with ``rebuild`` when it breaks (clients see a pause).
+    Only when no pipeline can be rebuilt do live requests end, with ``GenerationFailed``."""
 
     def __init__(self, pipeline: Transport, config: SchedulerConfig,
                  eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
@@ -106,21 +67,17 @@ class Engine:
         self.model_context = max_context  # the model's context (or --context): what a request may hold at most
         self.context_source = "the model's maximum"  # what set model_context, in words
         self.vocab_size = vocab_size  # sampling parameters are checked against it (top_k, logit_bias)
-        self.rebuild = rebuild
-        self.supervision = supervision or Supervision()
+        self.supervisor = Supervisor(self, rebuild, supervision or Supervision())
         self.streams: Dict[int, RequestStream] = {}
         self.stats = EngineStats()
         self.observer = observer
         self.state = "ready"              # "ready", "recovering" or "failed"
         self.failure: Optional[str] = None  # why, while not ready
         self._ids = itertools.count(1)
-        self._supervisor: Optional[asyncio.Task] = None
-        self._replan = asyncio.Event()
-        self._replan_why = ""
-        self._rebuilt = asyncio.Event()  # set after each rebuild
+        self._supervising: Optional[asyncio.Task] = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self._stopping = False  # shutting down: a broken stream now is no fault to recover from
+        self.stopping = False  # shutting down: a broken stream now is no fault to recover from
         self._fetches: set = set()  # tasks having stages read prefix blocks back from disk
 
     def _drafter(self, seq: Seq) -> Drafter:
@@ -181,7 +138,7 @@ class Engine:
             self.draft_model.bind(asyncio.get_running_loop(), self._pump)
         self._held_blocks(self.scheduler.config.prefix_blocks, self.scheduler.config.prefix_disk_blocks)
         await self.pipeline.open()
-        self._supervisor = asyncio.ensure_future(self._supervise())
+        self._supervising = asyncio.ensure_future(self.supervisor.run())
 
     def _held_blocks(self, capacity: int, disk_capacity: int = 0) -> None:
         """Tell the scheduler what the stages' Load replies say of their caches: prefix blocks in memory and
@@ -199,7 +156,7 @@ class Engine:
     def shut_down(self, why: str = "the server is shutting down") -> None:
         """Stop taking work: every live request ends now with ``why`` (an error event
         in a stream), and nothing that breaks from here on is recovered."""
-        self._stopping = True
+        self.stopping = True
         self.state, self.failure = "stopping", why
         for seq_id, stream in list(self.streams.items()):
             stream.queue.put_nowait(GenerationFailed(why))
@@ -207,11 +164,11 @@ class Engine:
         self.streams.clear()
 
     async def stop(self) -> None:
-        self._stopping = True
+        self.stopping = True
         await self._cancel_fetches()
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self._supervising is not None:
+            self._supervising.cancel()
+            await asyncio.gather(self._supervising, return_exceptions=True)
         if self.draft_model is not None:
             self.draft_model.close()
         await self.pipeline.close()
@@ -263,7 +220,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - nothing read: the sequence computes it all, it never waits on
             logger.exception("reading prefix blocks back from the stages' disks")
             results = [([], []) for _ in fetch.keys]
-        if not self._stopping:
+        if not self.stopping:
             self.scheduler.fetched(fetch, results)
             self._pump()
 
@@ -342,103 +299,47 @@ class Engine:
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
 
-    # -- supervision -------------------------------------------------------------
-
     def _scored(self, scores: List[PromptScores]) -> None:
         for s in scores:
             stream = self.streams.get(s.seq_id)
             if stream is not None:
                 stream.scored(s.start, s.logprobs, s.top)
 
-    async def _read(self) -> None:
+    async def read_results(self) -> None:
+        """Hand every result of the last stage to its request, until the stream ends."""
         async for result in self.pipeline.results():
             self._scored(prompt_scores(result))  # a prompt's last scores come with its first token: first
             self._deliver(self.framer.on_result(result))
             self._pump()
 
-    async def _monitor(self) -> None:
-        sup = self.supervision
-        while True:
-            await asyncio.sleep(sup.health_interval_s)
-            down = []
-            for i, (st, reply, err) in enumerate(await self.pipeline.health(timeout=sup.health_timeout_s)):
-                if reply is None or reply.state != "ready":
-                    down.append((st.address, f"stage {i} at {st.address} is "
-                                    + (f"unreachable ({err})" if reply is None else f"{reply.state}: {reply.detail}")))
-            if down:
-                raise StageDown("; ".join(d for _, d in down), [a for a, _ in down])
+    # -- what the supervisor does to the engine (``supervision.py``) ------------------------
 
     async def request_replan(self, why: str, timeout: float = 300.0) -> None:
         """Rebuild the pipeline over the cluster's current nodes (live sequences pause and
         replay); returns when the new pipeline runs."""
-        self._rebuilt.clear()
-        self._replan_why = why
-        self._replan.set()
-        await asyncio.wait_for(self._rebuilt.wait(), timeout)
+        await self.supervisor.request_replan(why, timeout)
 
-    async def _await_replan(self) -> None:
-        await self._replan.wait()
-        self._replan.clear()
-        raise Replan(self._replan_why)
+    def fail_culprits(self, culprits: Sequence[int], why: str) -> None:
+        """End the sequences a stage named as the cause of its failure (never replayed)."""
+        self._deliver(self.scheduler.fail_culprits(culprits, why))
 
-    async def _run_pipeline(self) -> Tuple[str, List[str], bool, List[int]]:
-        """Run until the pipeline breaks or a re-plan is asked for; return why,
-        which stages are suspect, whether it was a fault, and the sequences whose
-        frame a stage failed on (when it said)."""
-        tasks = [asyncio.ensure_future(c) for c in (self._read(), self._monitor(), self.pipeline.watch_forward(),
-                                                    self._await_replan())]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        err = next(iter(done)).exception()
-        if isinstance(err, Replan):
-            return f"re-plan: {err}", [], False, []
-        if isinstance(err, (StageDown, PipelineError)):
-            return str(err), list(err.suspects), True, list(getattr(err, "culprits", []))
-        if err is None:
-            return "the pipeline's streams closed", [], True, []
-        logger.error("engine failure", exc_info=err)
-        return f"{type(err).__name__}: {err}", [], True, []
+    async def pause(self) -> List[Seq]:
+        """The pipeline broke: close it; every live sequence will be replayed (returned)."""
+        await self._cancel_fetches()
+        await self.pipeline.close()
+        return self.scheduler.replay_all()
 
-    async def _supervise(self) -> None:
-        sup = self.supervision
-        while True:
-            why, suspects, fault, culprits = await self._run_pipeline()
-            if self._stopping:
-                return
-            logger.warning("%s: %s", "pipeline broke" if fault else "rebuilding", why)
-            self._deliver(self.scheduler.fail_culprits(culprits, why))
-            if self.rebuild is None:
-                self._fail(why)
-                return
-            self.state, self.failure = "recovering", why
-            await self._cancel_fetches()
-            await self.pipeline.close()
-            live = self.scheduler.replay_all()
-            logger.warning("recovering; %d live sequences will be replayed", len(live))
-            while True:
-                try:
-                    rebuilt = await asyncio.wait_for(self.rebuild(why, suspects), sup.recovery_timeout_s)
-                    self.pipeline = rebuilt.pipeline
-                    self._deliver(self.scheduler.resize(rebuilt.max_kv_tokens))
-                    self._held_blocks(rebuilt.prefix_blocks, rebuilt.disk_blocks)
-                    await self.pipeline.open()
-                    break
-                except Exception as err:  # noqa: BLE001 - any failure to rebuild ends the live requests
-                    reason = f"{why}; no pipeline could be rebuilt: {err}"
-                    if self.state != "failed":
-                        self._fail(reason)
-                    await asyncio.sleep(sup.retry_interval_s)
-            self.state, self.failure = "ready", None
-            self.stats.recoveries += fault
-            logger.warning("running again: %d stages", len(self.pipeline.stages))
-            self._rebuilt.set()
-            self._pump()
+    async def swap_pipeline(self, rebuilt: Rebuilt) -> None:
+        """Run on ``rebuilt``'s pipeline from now on: its KV budget and what its stages hold."""
+        self.pipeline = rebuilt.pipeline
+        self._deliver(self.scheduler.resize(rebuilt.max_kv_tokens))
+        self._held_blocks(rebuilt.prefix_blocks, rebuilt.disk_blocks)
+        await self.pipeline.open()
 
-    def _fail(self, why: str) -> None:
+    def resume(self) -> None:
+        self._pump()
+
+    def fail(self, why: str) -> None:
         """No pipeline: every live request ends with a clear error, never a hang."""
         logger.error("pipeline failed: %s", why)
         self.state, self.failure = "failed", why

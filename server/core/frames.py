@@ -16,6 +16,7 @@ from mlxpipe.server.core.plan import Entry, PromptScores, Sample, Step, StepKind
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
 from mlxpipe.server.core.workload import WorkloadMeter
+from mlxpipe.shards.params import wire
 
 _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
           StepKind.VERIFY: pb.Frame.VERIFY, StepKind.CONTROL: pb.Frame.CONTROL}
@@ -29,7 +30,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.spill.extend(e.spill)
         out.snap = e.snap
     if e.opening is not None:
-        out.sampling.CopyFrom(e.opening.sampling.to_wire())
+        out.sampling.CopyFrom(wire.sampling_to_wire(e.opening.sampling))
         out.reuse.extend(e.opening.reuse)
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)

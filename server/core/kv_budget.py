@@ -13,7 +13,7 @@ state they keep: a step that starts exactly at a block's end asks for it
 
 With KV quantization (``set_kv``), positions are counted at what a quantized
 one costs: a sequence's positions before its switch point (``Seq.kv_at``,
-``shards/kv_quant.py``), held at full precision until then, count ``kv_ratio``
+``shards/params/kv.py``), held at full precision until then, count ``kv_ratio``
 times, and so do the blocks kept from them (stages keep a block in the form
 its sequence's caches had). A block that ends past its sequence's switch point
 is keyed with that point too: what it holds was computed against quantized
@@ -38,7 +38,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
 from mlxpipe.server.core.sequence import Seq
-from mlxpipe.shards.kv_quant import quantize_at
+from mlxpipe.shards.params.kv import quantize_at
 
 
 @dataclass

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 class StepKind(enum.Enum):

@@ -12,7 +12,7 @@ of every such step that comes back (``observe``). The rules:
   (Sarathi-Serve's stall-free batching, alone too: whoever arrives next waits for
   the chunks in flight). Unbounded until a prefill step has been timed.
 - No chunk crosses its sequence's KV switch (``Seq.kv_at``: its caches turn
-  quantized there, ``shards/kv_quant.py``).
+  quantized there, ``shards/params/kv.py``).
 - Where stages have state caches (``snapshot_every`` > 0), a chunk ends at a block
   boundary, and at the prompt's last one, so that the next step can ask them to
   keep the state there (``snap``, ``kv_budget.py``).

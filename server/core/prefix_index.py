@@ -2,7 +2,7 @@
 
 Chat UIs and agents resend the same long prefix every turn. Every stage keeps
 the KV of computed prefixes in blocks of ``block_tokens`` positions
-(``shards/prefix.py``), keyed by a chained hash of token ids: block k's key
+(``shards/cache/prefix.py``), keyed by a chained hash of token ids: block k's key
 covers tokens ``[0, (k + 1) * block_tokens)``, so equal keys mean equal
 prefixes. This index is the one truth about which stage holds which block:
 the scheduler asks it where a sequence may start (``match``: blocks that

@@ -34,7 +34,7 @@ Rules:
 - KV quantization (``kv_start``, once the stages say they quantize): a
   sequence's caches turn quantized where mlx-lm's ``generate_step`` would
   turn them for its prompt (``kv_at``, named in its first step:
-  ``shards/kv_quant.py``); no prefill chunk and no VERIFY step crosses it,
+  ``shards/params/kv.py``); no prefill chunk and no VERIFY step crosses it,
   and its KV reservation counts the positions before it at full precision.
 - Speculative decoding (when ``speculate``): see ``speculation.py``.
 - A sequence with a grammar ends when the last stage says its grammar is

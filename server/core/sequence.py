@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, Drafter
-from mlxpipe.shards.sampling_params import Sampling
+from mlxpipe.shards.params.sampling import Sampling
 
 
 class QueueFull(RuntimeError):
@@ -80,7 +80,7 @@ class Seq:
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
-    kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/kv_quant.py)
+    kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/params/kv.py)
 
     @property
     def tokens(self) -> List[int]:

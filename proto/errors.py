@@ -1,0 +1,12 @@
+"""A frame refused: what every part of a stage that checks a frame raises, and the gRPC
+status the stage answers it with (``Forward`` turns it into that status for the head)."""
+
+from __future__ import annotations
+
+
+class FrameError(ValueError):
+    """A frame this stage refuses. ``code`` names the gRPC status to answer with."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,56 @@
+"""The HTTP API's section of the config tree (``ApiOptions``), and the API key file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from mlxpipe.server.config import count, knob
+
+def read_api_keys(path: str) -> Tuple[str, ...]:
+    """An API key file's keys: one a line (blank lines and lines starting with # left out)."""
+    from mlxpipe.proto.rpc import read_secret
+
+    keys = tuple(k for k in (line.strip() for line in read_secret(path, "--api-key-file").splitlines())
+                 if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys
+
+
+def _api_keys(path: Optional[str]) -> Tuple[str, ...]:
+    """--api-key-file, else $MLXPIPE_API_KEY, else no key."""
+    if path:
+        return read_api_keys(path)
+    key = os.environ.get("MLXPIPE_API_KEY", "").strip()
+    return (key,) if key else ()
+
+
+@dataclass
+class ApiOptions:
+    """The HTTP API."""
+
+    model_id: str = knob(help="the name /v1/models lists (the folder's name, or the repo id as given)", flag=None)
+    aliases: Tuple[str, ...] = knob((), "other names accepted in `model`", flag=None)
+    default_max_tokens: Optional[int] = knob(None, "tokens a reply may run to when its request names no limit "
+                                             "(default: none, to the end of the context, as OpenAI's)",
+                                             flag="--max-tokens", type=count)
+    default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
+                                      "OpenAI)", flag="--temp", type=float)
+    api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "
+                                     "<key>', one a line: one per user or app, each key's prompts cached apart "
+                                     "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
+                                     parse=_api_keys, cli_default=None)
+    cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
+                                         flag="--cors-origin", action="append", parse=tuple, cli_default=[])
+    max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)
+    max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
+                                            "context)", type=count)
+    max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
+                                           "context)", type=count)
+    log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
+                              "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
+                              action=argparse.BooleanOptionalAction)
+    retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)

@@ -1,0 +1,3 @@
+"""The stage worker: the node process, its gRPC services, the MLX thread, a stage's sequences and
+frames, token choice.
+"""
