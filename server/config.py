@@ -160,7 +160,7 @@ class ClusterConfig:
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage, so that "
                             "requests that decode or arrive meanwhile wait no longer (default %(default)s; chunks "
-                            "shrink to fit, at the measured cost of a prompt token; 0: chunks of --chunk-size "
+                            "shrink to fit, at each stage's measured cost of a frame; 0: chunks of --chunk-size "
                             "regardless)", type=seconds)
     groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
     max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",

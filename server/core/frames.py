@@ -52,7 +52,8 @@ def step_result(result: pb.Result) -> StepResult:
     """The last stage's result as the scheduler takes it."""
     return StepResult(result.frame_id, [
         Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
-               t.done, t.error) for t in result.tokens])
+               t.done, t.error) for t in result.tokens],
+        [(t.decode_us + t.compute_us + t.encode_us) / 1e6 for t in result.timings])
 
 
 def prompt_scores(result: pb.Result) -> List[PromptScores]:

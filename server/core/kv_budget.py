@@ -276,17 +276,3 @@ class KvBudget:
         if not every or upto * self.block_tokens != offset:
             return False
         return upto % every == 0 or upto == (len(seq.feed) - 1) // self.block_tokens
-
-    def chunk_end(self, seq: Seq, n: int, body: int) -> int:
-        """A prefill chunk of ``n`` tokens from ``seq.sent``, shortened where stages
-        have state caches so that it ends at a block boundary (and at the body's last
-        one): the next step can then ask for the state there (``snap``)."""
-        b = self.block_tokens
-        if not self.snapshot_every or self.prefix is None:
-            return n
-        end, last = seq.sent + n, body // b * b
-        if end < body and end - end % b > seq.sent:
-            end -= end % b
-        if seq.sent < last < end:
-            end = last
-        return end - seq.sent
