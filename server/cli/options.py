@@ -1,6 +1,6 @@
 """What the client commands share (``status``, ``nodes``, ``plan``, ``bench``): the
 head's API key and the plain-text table they print. The server's options are the
-config tree's (``cluster/config.py``)."""
+config tree's (``server/config.py``)."""
 
 from __future__ import annotations
 
