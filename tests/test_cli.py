@@ -91,6 +91,8 @@ BAD_ARGUMENTS = [
     (["serve", "--prompt-ratio", "-1"], "argument --prompt-ratio: must be 0 or more, got -1"),
     (["serve", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 16, 8, 4)"),
     (["serve", "--quantized-kv-start", "-1"], "argument --quantized-kv-start: must be 0 or more, got -1"),
+    # It used to pass, and fail at the first Load with "Value out of range" (a uint32 on the wire).
+    (["serve", "--quantized-kv-start", "4294967296"], "argument --quantized-kv-start: must be at most 4294967295"),
     (["node", "--kv-group-size", "48"], "argument --kv-group-size: invalid choice: 48"),
     # The port is taken before the model is looked for, let alone loaded.
     (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
