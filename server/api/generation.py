@@ -26,7 +26,7 @@ from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
-from mlxpipe.server.api.textgen import TextChunk, stream_text
+from mlxpipe.server.api.textgen import CONTEXT_TOKENS, TextChunk, stream_text
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
@@ -119,10 +119,13 @@ class Generation:
         """(choice index, chunk) from all n streams, as they come; the streams are
         cancelled when this ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
+        # A continued prompt's last tokens lead the detokenizer in, so the reply's first
+        # space is kept (``stream_text``); a chat reply starts a text, as mlx-lm's server's.
+        context = self.prompt[-CONTEXT_TOKENS:] if self.req.continues else ()
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for c in stream_text(self.tokenizer, stream, self.req.stop):
+                async for c in stream_text(self.tokenizer, stream, self.req.stop, context):
                     await queue.put((i, c))
             except Exception as err:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, err))

@@ -66,6 +66,11 @@ class GenerationRequest:
     cache_salt: Optional[str] = None
 
     @property
+    def continues(self) -> bool:
+        """A text or token-id prompt: the reply continues its text (a chat reply starts anew)."""
+        return self.messages is None
+
+    @property
     def forced_tool_call(self) -> bool:
         return self.tool_choice not in (None, "auto", "none")
 

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
-    from mlxpipe.server.api.textgen import stream_text  # (deferred: `generate --help` needs none of them)
+    from mlxpipe.server.api.textgen import CONTEXT_TOKENS, stream_text  # (deferred: `generate --help` needs none)
     from mlxpipe.server.cluster.assembly import Cluster
     from mlxpipe.shards.sampling_params import Sampling
 
@@ -43,14 +43,15 @@ async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
         for line in cluster.describe():
             log.info(line)
         tok = cluster.tokenizer
-        if opts.no_chat or not tok.has_chat_template:
+        continues = opts.no_chat or not tok.has_chat_template  # the reply continues the text (its first space kept)
+        if continues:
             prompt = tok.encode(opts.prompt)
         else:
             prompt = tok.apply_chat_template([{"role": "user", "content": opts.prompt}], add_generation_prompt=True)
         sampling = Sampling(temperature=opts.temp, top_p=opts.top_p, seed=opts.seed)
         stream = cluster.engine.submit(prompt, opts.max_tokens, sampling)
         n = 0
-        async for chunk in stream_text(tok, stream):
+        async for chunk in stream_text(tok, stream, context=prompt[-CONTEXT_TOKENS:] if continues else ()):
             n += len(chunk.tokens)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
