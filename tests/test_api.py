@@ -286,6 +286,19 @@ BAD_REQUESTS = [
 ]
 
 
+def test_a_prompt_past_the_context_is_named_by_the_field_that_holds_it(server):
+    """A completions prompt past the context was refused naming ``param: "messages"``."""
+    for path, body, param in [
+            ("completions", {"prompt": LONG}, "prompt"),
+            ("completions", {"prompt": [5] * 9000}, "prompt"),
+            ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+            ("responses", {"input": LONG}, "input")]:
+        r = httpx.post(f"{server.base_url}/{path}", json={"model": "default"} | body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (param, "context_length_exceeded"), (path, err)
+
+
 @pytest.mark.parametrize("what,route,body,status,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests_get_a_clear_4xx(server, what, route, body, status, message):
     url = f"{server.base_url}/{'chat/completions' if route == 'chat' else 'completions'}"
@@ -409,6 +422,7 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     from mlxpipe.server.api.errors import ApiError
     from mlxpipe.server.api.generation import Generator
     from mlxpipe.server.api.ollama import GenerateBody, request_of
+    from mlxpipe.server.api.keys import LOCAL
     from mlxpipe.server.api.request import GenerationRequest
     from mlxpipe.server.cluster.config import ApiOptions
     from mlxpipe.server.core.engine import Engine
@@ -422,12 +436,14 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
         gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)
         return Generator.budget(gen, req, prompt_len)
 
-    free = GenerationRequest(text="x")
+    me = LOCAL.tenant(None)
+    free = GenerationRequest(text="x", tenant=me)
     assert budget(free, 100) == 8192 - 100  # not 512
     assert budget(free, 100, kv=4000) == 4000 - 100  # ... within what the KV caches hold
     assert budget(free, 100, default_max_tokens=64) == 64
-    assert budget(GenerationRequest(text="x", max_tokens=300), 100, default_max_tokens=64) == 300
+    assert budget(GenerationRequest(text="x", max_tokens=300, tenant=me), 100, default_max_tokens=64) == 300
     with pytest.raises(ApiError, match="maximum context length"):
-        budget(GenerationRequest(text="x", max_tokens=10_000), 100)
-    ollama = request_of(GenerateBody(model="m", prompt="x", options={"num_predict": 10_000}), ApiOptions(model_id="m"))
+        budget(GenerationRequest(text="x", max_tokens=10_000, tenant=me), 100)
+    ollama = request_of(GenerateBody(model="m", prompt="x", options={"num_predict": 10_000}), ApiOptions(model_id="m"),
+                        me)
     assert budget(ollama, 100) == 8192 - 100

@@ -80,7 +80,8 @@ def busy_port():
 
 def _files(tmp_path):
     (tmp_path / "empty").write_text("\n")
-    return {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "missing")}
+    (tmp_path / "keys").write_text("# a key and its fields a line\nkey-one role=operator\nkey-two rol=user\n")
+    return {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "missing"), "KEYFILE": str(tmp_path / "keys")}
 
 
 BAD_ARGUMENTS = [
@@ -98,6 +99,7 @@ BAD_ARGUMENTS = [
     (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
     (["serve", "--api-key-file", "EMPTY"], "--api-key-file EMPTY is empty"),
     (["serve", "--api-key-file", "MISSING"], "--api-key-file MISSING: No such file"),
+    (["serve", "--api-key-file", "KEYFILE"], "API key 2: 'rol=user' is not a field"),
     (["serve", "--secret-file", "EMPTY", "--nodes", "127.0.0.1:1"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "EMPTY"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "MISSING"], "--secret-file MISSING: No such file"),

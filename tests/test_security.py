@@ -319,10 +319,14 @@ OK = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_
 COMPLETION = {"model": "default", "prompt": "hi", "max_tokens": 2}
 
 
+KEYS = 64  # the key file lists 64: each key's share of the Responses store is 1/64 (16 responses, 1 MiB)
+
+
 @pytest.fixture(scope="module")
 def guarded(dsv3_model, tmp_path_factory):
     key = tmp_path_factory.mktemp("key") / "key"
-    key.write_text(f"# one key a line\n{API_KEY}\n\n{OTHER_KEY}\n")
+    others = "".join(f"unused-key-{i}\n" for i in range(KEYS - 2))
+    key.write_text(f"# a key and its fields a line\n{API_KEY} role=operator\n\n{OTHER_KEY}\n{others}")
     srv = ServerProcess("--model", str(dsv3_model), "--stages", "2", "--split", "even", "--api-key-file", str(key),
                         "--max-body-bytes", "65536", "--max-tokens-limit", "16", "--max-prompt-tokens", "512",
                         headers={"Authorization": f"Bearer {API_KEY}"}, capture_log=True)
@@ -616,6 +620,63 @@ def test_guarded_server_serves_with_the_key_and_sends_no_cors_headers(guarded):
     assert "access-control-allow-origin" not in r.headers
     assert httpx.get(f"{guarded.root}/health").status_code == 401
     assert httpx.get(f"{guarded.root}/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+# -- each key's own: counters --------------------------------------------------------------------
+
+
+def _families(text: str) -> set:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def _requests(text: str, route: str) -> float:
+    """The HTTP requests /metrics counts on ``route``, all statuses."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mlxpipe_http_requests_total{") and f'route="{route}"' in line)
+
+
+def test_a_key_sees_its_own_activity_and_an_operator_everyones(guarded):
+    """/metrics and /health counted every key's activity for every key: another key
+    could watch when, what and how much its neighbours asked."""
+    def get(path, key):
+        r = httpx.get(f"{guarded.root}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r
+
+    before = {key: (get("/health", key).json()["generated_tokens"], get("/metrics", key).text)
+              for key in (API_KEY, OTHER_KEY)}
+    operators = _post(guarded, "completions", COMPLETION, key=API_KEY).json()["usage"]["completion_tokens"]
+    own = _post(guarded, "chat/completions", OK, key=OTHER_KEY).json()["usage"]["completion_tokens"]
+    health, everyones = get("/health", OTHER_KEY).json(), get("/health", API_KEY).json()
+    assert health["generated_tokens"] - before[OTHER_KEY][0] == own
+    assert everyones["generated_tokens"] - before[API_KEY][0] == own + operators
+    stage = health["stages"][0]
+    assert stage["state"] == "ready" and not {"tokens", "frames", "busy_seconds", "prefix_hit_rate"} & set(stage)
+    assert {"tokens", "frames", "busy_seconds"} <= set(everyones["stages"][0])
+    assert "speculation" not in health and "speculation" in everyones
+    theirs, everyone = get("/metrics", OTHER_KEY).text, get("/metrics", API_KEY).text
+    for route, key_moved, all_moved in [("/v1/completions", 0, 1), ("/v1/chat/completions", 1, 1)]:
+        assert _requests(theirs, route) - _requests(before[OTHER_KEY][1], route) == key_moved, route
+        assert _requests(everyone, route) - _requests(before[API_KEY][1], route) == all_moved, route
+    assert not any(f.startswith("mlxpipe_stage_") for f in _families(theirs))
+    assert {"mlxpipe_stage_prompt_tokens_computed_total", "mlxpipe_generated_tokens_total"} <= _families(everyone)
+    assert "mlxpipe_generated_tokens_total" in _families(theirs)
+
+
+def test_the_bearer_scheme_is_any_case_on_every_route(guarded):
+    """RFC 9110: the scheme is case-insensitive; "bearer KEY" used to be a 401."""
+    routes = [("GET", "/v1/models", None), ("GET", "/health", None), ("GET", "/metrics", None),
+              ("POST", "/v1/chat/completions", OK), ("POST", "/v1/completions", COMPLETION),
+              ("POST", "/v1/responses", RESPONSES | {"input": "hi"}), ("POST", "/v1/messages", ANTHROPIC | {"messages": U}),
+              ("POST", "/api/chat", {"model": "m", "messages": U, "stream": False, "options": {"num_predict": 2}})]
+    for method, path, body in routes:
+        for header in ({"Authorization": f"bearer {OTHER_KEY}"}, {"Authorization": f"BEARER  {API_KEY}"},
+                       {"x-api-key": OTHER_KEY}):
+            r = httpx.request(method, guarded.root + path, json=body, headers=header, timeout=60)
+            assert r.status_code == 200, (method, path, header, r.text)
+        for header in ({"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"bearer{API_KEY}"},
+                       {"Authorization": f"bearer {API_KEY}x"}):
+            assert httpx.request(method, guarded.root + path, json=body, headers=header, timeout=60).status_code == 401
 
 
 # -- what a stranger's messages cost a node -------------------------------------------------------

@@ -29,8 +29,10 @@ from pydantic import BaseModel
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.cluster.config import ApiOptions
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 
@@ -119,7 +121,8 @@ def _response_format(text: Optional[TextConfig]):
                                                    "strict": fmt.strict}}
 
 
-def to_request(req: ResponsesRequest, history: list, options: ApiOptions) -> Tuple[GenerationRequest, list]:
+def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
+               tenant: Tenant) -> Tuple[GenerationRequest, list]:
     """The internal request, and the conversation's items (to store)."""
     conversation = history + req.items()
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(conversation)
@@ -129,7 +132,7 @@ def to_request(req: ResponsesRequest, history: list, options: ApiOptions) -> Tup
         messages=messages, tools=functions or None, sampling=sampling, max_tokens=req.max_output_tokens,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
-        parallel_tool_calls=req.parallel_tool_calls, cache_salt=req.cache_salt), conversation
+        parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input"), conversation
 
 
 def _echo(value):
@@ -306,7 +309,7 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
         if body.previous_response_id:
             items, previous = store.get(body.previous_response_id)
             history = items + _output_items(previous["output"])
-        req, conversation = to_request(body, history, options)
+        req, conversation = to_request(body, history, options, caller_of(request).tenant(body.cache_salt))
         resp = _Response(body, await generator.start(req))
 
         def stored(obj: dict) -> None:

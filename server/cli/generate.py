@@ -1,4 +1,8 @@
-"""``mlxpipe generate``: text from one prompt through the pipeline, streamed to stdout."""
+"""``mlxpipe generate``: text from one prompt through the pipeline, streamed to stdout.
+
+It runs as the local user (``api/keys.LOCAL``: the one tenant of a server without
+keys), said explicitly where it submits, so its prefixes are that tenant's in the
+stages' prefix cache (whose disk tier outlives the process), as a keyless serve's are."""
 
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
-    from mlxpipe.server.api.textgen import CONTEXT_TOKENS, stream_text  # (deferred: `generate --help` needs none)
+    from mlxpipe.server.api.keys import LOCAL  # (deferred: `generate --help` needs none of them)
+    from mlxpipe.server.api.textgen import CONTEXT_TOKENS, stream_text
     from mlxpipe.server.cluster.assembly import Cluster
     from mlxpipe.shards.sampling_params import Sampling
 
@@ -49,7 +54,7 @@ async def generate(config: ClusterConfig, opts: GenerateOptions) -> None:
         else:
             prompt = tok.apply_chat_template([{"role": "user", "content": opts.prompt}], add_generation_prompt=True)
         sampling = Sampling(temperature=opts.temp, top_p=opts.top_p, seed=opts.seed)
-        stream = cluster.engine.submit(prompt, opts.max_tokens, sampling)
+        stream = cluster.engine.submit(prompt, opts.max_tokens, sampling, cache_salt=LOCAL.tenant(None).salt())
         n = 0
         async for chunk in stream_text(tok, stream, context=prompt[-CONTEXT_TOKENS:] if continues else ()):
             n += len(chunk.tokens)
