@@ -141,7 +141,7 @@ def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine, 
         # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
         # and the origin is what CORS guards. Retry-After is read by SDKs that back off.
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)
     if options.log_requests:
         app.add_middleware(RequestLog)  # outermost: it sees the status Outcomes answers
