@@ -150,6 +150,8 @@ class Generation:
                     raise item
                 else:
                     self.completion_tokens += len(item.tokens)
+                    if self.meter is not None:
+                        self.meter.generated_tokens(len(item.tokens))
                     yield i, item
         finally:
             self.cancel()
@@ -157,7 +159,7 @@ class Generation:
                 t.cancel()
             if self.meter is not None:
                 u = self.usage()
-                self.meter.finished(u.completion_tokens, u.cached_tokens - u.cached_disk_tokens, u.cached_disk_tokens)
+                self.meter.cached_prompt(u.cached_tokens - u.cached_disk_tokens, u.cached_disk_tokens)
 
     async def events(self) -> AsyncIterator[Event]:
         """Each choice's text as it streams. Raises ``GenerationFailed`` or

@@ -141,9 +141,11 @@ class KeyMeter:
     def started(self, generation) -> None:
         self.running.add(generation)
 
-    def finished(self, completion_tokens: int, memory_tokens: int, disk_tokens: int) -> None:
-        self.generated += completion_tokens
-        self.tokens.inc(completion_tokens)
+    def generated_tokens(self, n: int) -> None:
+        self.generated += n
+        self.tokens.inc(n)
+
+    def cached_prompt(self, memory_tokens: int, disk_tokens: int) -> None:
         self.cached.labels(tier="memory").inc(memory_tokens)
         self.cached.labels(tier="disk").inc(disk_tokens)
 
