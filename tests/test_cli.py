@@ -87,6 +87,7 @@ def _files(tmp_path):
 BAD_ARGUMENTS = [
     (["serve", "--stages", "0"], "argument --stages: must be at least 1"),
     (["generate", "--stages", "-1", "hi"], "argument --stages: must be at least 1"),
+    (["generate", "--max-tokens", "-1", "hi"], "argument --max-tokens: must be at least 1"),
     (["serve", "--port", "99999"], "argument --port: a port is 0 to 65535"),
     (["serve", "--max-batch", "0"], "argument --max-batch: must be at least 1"),
     (["serve", "--prompt-ratio", "-1"], "argument --prompt-ratio: must be 0 or more, got -1"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mlxpipe.server.cluster import config as tree
-from mlxpipe.server.cluster.config import ClusterConfig, knob
+from mlxpipe.server.cluster.config import ClusterConfig, count, knob
 
 log = logging.getLogger("mlxpipe")
 
@@ -25,7 +25,7 @@ class GenerateOptions:
     """What ``mlxpipe generate`` takes beside the pipeline's options."""
 
     prompt: str = knob(help="the prompt (a user message, through the model's chat template)", flag="prompt")
-    max_tokens: int = knob(256, "tokens to generate, at most (default %(default)s)", type=int)
+    max_tokens: int = knob(256, "tokens to generate, at most (default %(default)s)", type=count)
     temp: float = knob(0.0, "sampling temperature (0: greedy)", type=float)
     top_p: float = knob(1.0, "nucleus sampling: the smallest set of tokens holding this much probability "
                         "(default %(default)s: off)", type=float)
