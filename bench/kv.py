@@ -38,8 +38,9 @@ from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.splits import even_split
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.digest import read_weights
 from mlxpipe.shards.models.layers import with_sizes
-from mlxpipe.shards.models.slicing import load_stage, read_weights
+from mlxpipe.shards.models.slicing import load_stage
 from mlxpipe.shards.models.store import models_dir, resolve_model, text_config
 from mlxpipe.shards.params.kv import KvQuant
 
