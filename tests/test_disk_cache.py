@@ -23,6 +23,7 @@ from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.cache import disk as disk_cache
 from mlxpipe.shards.cache.block_file import decode, encode
 from mlxpipe.shards.cache.disk import DiskTier
+from mlxpipe.shards.models.digest import WeightsDigest
 from mlxpipe.shards.worker.disk_service import DiskService
 from mlxpipe.shards.worker.sampler import Sampling
 
@@ -402,6 +403,7 @@ def test_quantized_kv_blocks_go_to_disk_as_they_are(default_model, reference, tm
     # A node keeps each KV quantization's blocks apart (the same keys hold other bits at 4).
     tiers = DiskService(1 << 20)
     load = pb.LoadRequest(start=0, end=2, block_tokens=16)
-    roots = {tiers.for_load(load, "model", q).base for q in (kv, KvQuant(4, 32, 0), None)}
-    assert len(roots) == 3 and tiers.for_load(load, "model", kv).base in roots
+    weights = WeightsDigest({"config": "c", "layer-00000": "0", "layer-00001": "1"})
+    roots = {tiers.for_load(load, weights, q).base for q in (kv, KvQuant(4, 32, 0), None)}
+    assert len(roots) == 3 and tiers.for_load(load, weights, kv).base in roots
     tiers.close()
