@@ -191,6 +191,26 @@ def test_a_stage_whose_range_shrinks_still_reads_the_layers_it_keeps(tmp_path):
     again.close()
 
 
+def test_a_replanned_stage_reads_the_tiers_of_ranges_with_its_weights(tmp_path, monkeypatch):
+    """A node's tier is the directory of the stage's weights digest (its range's): loaded with
+    fewer layers, it writes a directory of its own and reads the files of the ranges that
+    hold its layers with the same digests, never those of other weights."""
+    monkeypatch.setenv("MLXPIPE_HOME", str(tmp_path))
+    units = {"config": "c", "layer-00000": "0", "layer-00001": "1", "layer-00002": "2"}
+    wide = WeightsDigest(units)
+    other = WeightsDigest(dict(units, **{"layer-00001": "changed in place"}))
+    tiers = DiskService(1 << 20)
+    for weights, key in ((wide, 1), (other, 2)):
+        tier = tiers.for_load(pb.LoadRequest(start=0, end=3, block_tokens=4), weights)
+        tier.put(key, _block(key), False, 0)
+        assert tier.flush()
+    narrow = WeightsDigest({u: units[u] for u in ("config", "layer-00001")})
+    tier = tiers.for_load(pb.LoadRequest(start=1, end=2, block_tokens=4), narrow)
+    assert tier.base.parent.name == narrow.stage != wide.stage and tier.blocks() == ([1], [])
+    assert tier.own_bytes == 0 and mx.array_equal(tier.read([1])[0][1]["kv"][0][0], _block(1)["kv"][0][0]).item()
+    tiers.close()
+
+
 # -- the head's index of both tiers ----------------------------------------------------------
 
 
