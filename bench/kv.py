@@ -167,7 +167,7 @@ async def bench_kv(args) -> dict:
     stages = []
     for a, b in even_split(layers, args.stages):
         st, _ = load_stage(Path(path), a, b)
-        read_weights(st)
+        read_weights(st).result()
         stages.append(st)
     kv = sorted({int(b) for b in args.kv.split(",")}, reverse=True)
     rows = [r for context in contexts for r in measure(stages, hidden, kv, context, args)]

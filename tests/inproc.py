@@ -58,7 +58,7 @@ class InProcess:
         self.digests = []    # what each stage computes with (as its Load reply says: models/digest.py)
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
-            self.digests.append(read_weights(model, cfg))
+            self.digests.append(read_weights(model).result(cfg))
             cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             footprint = warm_up(model, int(cfg["hidden_size"]))

@@ -4,7 +4,7 @@ or sizes (issue 42, finding 1), and tier directories that stay inside the home (
 The attack as it was made: a copy of the default model whose second stage's
 ``k_proj`` scales are changed in place (the same files, names and sizes: the same
 ``fingerprint``) served with the first model's $MLXPIPE_HOME, its disk tier full of
-the first model's blocks (``extended``: three servers). In the default run: the digests
+the first model's blocks (``extended``: two servers). In the default run: the digests
 themselves (a changed tensor in one stage's range, a re-plan, other bits), the same
 attack in one process on one shared disk directory, and symlinks planted in the tier."""
 
@@ -81,7 +81,7 @@ def _chats(srv: ServerProcess, **extra):
     return out
 
 
-@pytest.mark.extended  # three servers of the default model: CI's second run
+@pytest.mark.extended  # two servers of the default model, twelve chats: CI's second run
 def test_a_model_changed_in_place_never_reads_another_models_blocks(default_model, tmp_path):
     home = tmp_path / "home"
     swapped = changed_in_place(default_model, tmp_path / "swapped" / "model", range(15, 30))  # stage 1's layers
@@ -113,7 +113,7 @@ def _digests(path: Path, ranges, quant=None):
     out = []
     for start, end in ranges:
         stage, config = load_stage(path, start, end, quant=quant)
-        out.append(read_weights(stage, config))
+        out.append(read_weights(stage).result(config))
     return out
 
 

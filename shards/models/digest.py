@@ -5,9 +5,9 @@ A stage's tensors fall into units (``weights.py``: one per layer, ``embed``, ``h
 layers', ``embed`` if it is first (or last, with a head tied to the embedding) and ``head``
 if last (``stage_units``). ``read_weights`` evaluates them one unit at a time on the MLX
 thread and hands each to a ``Digester``, whose threads hash it while the MLX thread reads
-the next: MLX reads every byte from disk once, and the threads hash it from memory
-(SHA-256, a tensor in pieces of ``PIECE_BYTES`` hashed in parallel, with its name, dtype
-and shape). What is hashed is what the stage computes with: a range quantized on load,
+the next (and then warms the stage up): MLX reads every byte from disk once, and the
+threads hash it from memory (SHA-256, a tensor in pieces of ``PIECE_BYTES`` hashed in
+parallel, with its name, dtype and shape). What is hashed is what the stage computes with: a range quantized on load,
 quantized; weights received from the head, as received; every model after mlx-lm's
 ``sanitize``. A layer's tensors are named as in their block, so a layer's digest is the
 same on any stage. The config the model was built from is one more unit (``config``):
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20  # one hashing job: a larger tensor is hashed in pieces, on several threads
-THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # hashing threads beside the MLX thread
+THREADS = min(8, max(1, (os.cpu_count() or 2) - 2))  # hashing threads beside the MLX thread (and its readers)
 CONFIG = "config"       # the unit of the config
 
 
@@ -93,10 +93,11 @@ def _raw(arr: mx.array):
 class Digester:
     """Hashes evaluated tensors on threads of its own, unit by unit (module docstring)."""
 
-    def __init__(self, threads: int = THREADS):
+    def __init__(self, threads: int = THREADS, label: str = "weights"):
         self._pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="weights-digest")
         self._units: Dict[str, List[Tuple[str, str, Tuple[int, ...], List[Future]]]] = {}
         self.nbytes = 0
+        self.label = label  # what it hashes, for the log line
 
     def add(self, unit: str, tensors: Mapping[str, mx.array]) -> None:
         """Hash ``tensors`` (evaluated, by name) as part of ``unit`` (on the MLX thread: the
@@ -111,7 +112,7 @@ class Digester:
             self.nbytes += len(raw)
 
     def result(self, config: Optional[dict] = None) -> WeightsDigest:
-        """Every unit's digest (and the ``config``'s), once the threads are done."""
+        """Every unit's digest (and the ``config``'s), once the threads are done (once only)."""
         t0 = time.perf_counter()
         units = {}
         try:
@@ -126,7 +127,10 @@ class Digester:
             self.close()
         if config is not None:
             units[CONFIG] = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-        return WeightsDigest(units, self.nbytes, time.perf_counter() - t0)
+        digest = WeightsDigest(units, self.nbytes, time.perf_counter() - t0)
+        logger.info("%s: weights digest %s, %.1f MB hashed (waited %.2f s for it)", self.label, digest.stage,
+                    digest.nbytes / 1e6, digest.wait_s)
+        return digest
 
     def close(self) -> None:
         """Let the threads go (what they were still to hash is dropped)."""
@@ -151,14 +155,14 @@ def stage_units(stage: "SlicedModel") -> Dict[str, Dict[str, mx.array]]:
     return units
 
 
-def read_weights(stage: "SlicedModel", config: Optional[dict] = None, progress: bool = False,
-                 threads: int = THREADS) -> WeightsDigest:
+def read_weights(stage: "SlicedModel", progress: bool = False, threads: int = THREADS) -> Digester:
     """Read the stage's units from disk one at a time (``progress``: saying how far in
-    layers), each hashed on ``threads`` threads while the next is read; returns their
-    digest, with that of ``config`` (the config the model was built from)."""
+    layers), each hashed on ``threads`` threads while the next is read. Returns the
+    ``Digester``, still hashing: its ``result`` (with the config the model was built
+    from) waits for the last, so that a caller may warm the stage up meanwhile."""
     shown = Progress(f"reading layers [{stage.start}, {stage.end})", "layers", total=len(stage.blocks)) \
         if progress else None
-    digester = Digester(threads)
+    digester = Digester(threads, f"layers [{stage.start}, {stage.end})")
     try:
         for unit, tensors in stage_units(stage).items():
             mx.eval(list(tensors.values()))
@@ -171,7 +175,4 @@ def read_weights(stage: "SlicedModel", config: Optional[dict] = None, progress: 
     finally:
         if shown is not None:
             shown.close()
-    digest = digester.result(config)
-    logger.info("layers [%d, %d): weights digest %s, %.1f MB hashed (%.2f s after the reading)", stage.start,
-                stage.end, digest.stage, digest.nbytes / 1e6, digest.wait_s)
-    return digest
+    return digester

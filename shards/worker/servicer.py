@@ -174,11 +174,10 @@ class StageServicer(pb_grpc.StageServicer):
         stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
-        digest = read_weights(stage, config, progress=self.progress)
+        hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
-        hidden = int(text["hidden_size"])
-        vocab = int(text["vocab_size"])
+        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
         switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
@@ -196,6 +195,7 @@ class StageServicer(pb_grpc.StageServicer):
         if request.HasField("tokenizer") and stage.last:
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
+        digest = hashing.result(config)
         shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
                       self.disk.for_load(request, digest, switch.kv if switch.slots else None))
         reply = pb.LoadReply(
