@@ -320,7 +320,14 @@ class LoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "unit_digests", "weights_digest")
+    class UnitDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +354,8 @@ class LoadReply(_message.Message):
     KV_NOTE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
+    UNIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -373,7 +382,9 @@ class LoadReply(_message.Message):
     kv_note: str
     mlx_peak_bytes: int
     memory_warning: str
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ...) -> None: ...
+    unit_digests: _containers.ScalarMap[str, str]
+    weights_digest: str
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

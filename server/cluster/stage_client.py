@@ -250,7 +250,7 @@ class Pipeline:
         return [StageCaches(list(r.blocks), list(r.starts) + list(r.disk_starts) if r.state_bytes else None,
                             r.kv_bytes_per_token, r.state_bytes, r.max_rewind,
                             r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0, list(r.disk_blocks),
-                            list(r.disk_starts)) for r in (st.load for st in self.stages)]
+                            list(r.disk_starts), dict(r.unit_digests)) for r in (st.load for st in self.stages)]
 
     async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
         """Have each stage read ``keys[i]`` back from its disk (all at once); per stage,

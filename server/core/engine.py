@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.plan import PromptScores
-from mlxpipe.server.core.prefix_index import snapshot_every
+from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
@@ -148,6 +148,7 @@ class Engine:
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every,
                                     [c.disk_blocks for c in caches], disk_capacity)
+        self.scheduler.kv.set_model(model_salt(c.digests for c in caches), self.scheduler.seqs.values())
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
         quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
         self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)

@@ -9,8 +9,10 @@ the scheduler asks it where a sequence may start (``match``: blocks that
 *every* stage holds, since activations for the positions after them must flow
 through every stage), records what it told stages to keep (``add``) and picks
 what to drop (least recently used first). The chain starts from a salt
-(``chain_root``): sequences of different tenants (API keys) or ``cache_salt``s
-have different keys for the same tokens, so one never reuses another's blocks. Stages follow the head's word, so
+(``chain_root``): that of the model the stages loaded (``model_salt``: the digests of
+what they compute with), then the sequence's own, so sequences of different tenants
+(API keys) or ``cache_salt``s have different keys for the same tokens and never reuse
+each other's blocks, and no block computed under other weights is ever a hit. Stages follow the head's word, so
 they never disagree; after a fault each stage reports what it still holds
 (``reset``), which may differ from stage to stage.
 
@@ -40,7 +42,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 _ROOT = 0
 MAX_SNAPSHOT_EVERY = 16  # blocks between state snapshots, at most (a reuse may start this far back)
@@ -59,6 +61,18 @@ def snapshot_every(block_tokens: int, stages: Sequence[Tuple[int, int]]) -> int:
 def block_cost(block_tokens: int, kv_bytes_per_token: int, state_bytes: int, every: int) -> int:
     """Bytes a cached block costs a stage, its share of the snapshots included."""
     return block_tokens * kv_bytes_per_token + (state_bytes // every if every else 0)
+
+
+def model_salt(stages: Iterable[Mapping[str, str]]) -> bytes:
+    """What every chain starts from besides a sequence's own salt: the units every stage
+    computes with and their digests (``LoadReply.unit_digests``: each layer's tensors as
+    loaded, the embedding, the head, the config), whichever stage holds which layers.
+    Another model, a changed tensor anywhere, another quantization or config: another salt,
+    so no block of one is ever a hit for the other. Empty when no stage says."""
+    pairs = sorted({(unit, digest) for units in stages for unit, digest in units.items()})
+    if not pairs:
+        return b""
+    return hashlib.sha256("".join(f"{u}={d}\n" for u, d in pairs).encode()).digest()
 
 
 def chain_root(salt: bytes) -> int:

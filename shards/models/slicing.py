@@ -45,7 +45,6 @@ from mlx_lm.models.cache import KVCache
 
 from mlxpipe.shards.cache import kinds
 from mlxpipe.shards.models.layers import layer_list, with_sizes
-from mlxpipe.shards.models.progress import Progress
 from mlxpipe.shards.models.quantize import QuantizeError, quantize_range
 
 if TYPE_CHECKING:
@@ -376,7 +375,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
-    ``warm_up`` to read them now. ``strict=False`` for a folder holding only
+    ``digest.read_weights`` to read them now (and name them by their content). ``strict=False`` for a folder holding only
     this range's tensors (received from the head). With ``quant`` the folder
     holds a full-precision model and the range is read and quantized now, one
     module at a time (``quantize.py``); the config returned is the quantized one.
@@ -405,18 +404,6 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     except (ValueError, FileNotFoundError) as err:  # mlx-lm: missing or misshapen tensors, unknown model type
         raise BrokenModel(f"model folder {path} cannot be loaded: {err}") from err
     return SlicedModel(model, start, end), config
-
-
-def read_weights(stage: SlicedModel, progress: bool = False) -> None:
-    """Read the range's blocks from disk one at a time (``progress``: saying how far)."""
-    shown = Progress(f"reading layers [{stage.start}, {stage.end})", "layers", total=len(stage.blocks)) \
-        if progress else None
-    for block in stage.blocks:
-        mx.eval(block.parameters())
-        if shown is not None:
-            shown.update()
-    if shown is not None:
-        shown.close()
 
 
 def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":
