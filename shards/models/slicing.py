@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from mlxpipe.shards.cache import kinds
@@ -91,8 +92,8 @@ def _copy_plain(stand_in: nn.Module, block: nn.Module, depth: int) -> None:
     stand_in.__dict__.update({k: v for k, v in block.__dict__.items() if not k.startswith("_")})
     if depth:
         for k, v in block.items():
-            if isinstance(v, nn.Module):
-                stand_in[k] = _shell(v, depth - 1)
+            if isinstance(v, nn.Module):  # one without weights (a rotary embedding) is kept: the model may call it
+                stand_in[k] = v if not tree_flatten(v.parameters()) else _shell(v, depth - 1)
 
 
 _CLASSES: Dict[tuple, type] = {}
@@ -340,10 +341,12 @@ class SlicedModel:
         return [kinds.clone(self._template[k]) for k in self.own]
 
     def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list,
-                 lengths: Optional[Sequence[int]] = None) -> mx.array:
+                 lengths: Optional[Sequence[int]] = None, **extra) -> mx.array:
         """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D];
         ``lengths``: each row's positions before these (for caches of kinds this stage
-        does not hold, which some models read positions from).
+        does not hold, which some models read positions from); ``extra``: keywords the
+        model's call takes besides (a vision model's ``splice`` and ``positions``,
+        ``vision.TextPart``), passed where given.
 
         Returns activations [B, L, D], or logits [B, L, V] on the last stage.
         """
@@ -355,7 +358,7 @@ class SlicedModel:
             full[k] = caches[j] if j is not None else kinds.phantom(self._template[k], list(rows))
         self._inbox.hidden = hidden
         try:
-            return self.model(tokens, cache=full)
+            return self.model(tokens, cache=full, **{k: v for k, v in extra.items() if v is not None})
         except _Leave as leave:
             return leave.hidden
         finally:
