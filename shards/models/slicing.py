@@ -375,7 +375,7 @@ def refuse_cut(config: dict, start: int, end: int) -> None:
 
 
 def load_stage(path: Path, start: int, end: int, strict: bool = True,
-               quant: Optional["QuantSpec"] = None) -> tuple[SlicedModel, dict]:
+               quant: Optional["QuantSpec"] = None, vision: bool = False) -> tuple[SlicedModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
@@ -383,10 +383,14 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     this range's tensors (received from the head). With ``quant`` the folder
     holds a full-precision model and the range is read and quantized now, one
     module at a time (``quantize.py``); the config returned is the quantized one.
+    ``vision``: the model's language model as mlx-vlm's (``vision.TextPart``), which takes
+    images' rows and positions.
     """
     import json
 
     from mlx_lm.utils import load_config, load_model
+
+    from mlxpipe.shards.models.vision import load_text_part
 
     from mlxpipe.shards.models.store import BrokenModel
 
@@ -394,7 +398,9 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     try:
         refuse_cut(load_config(path), start, end)
         if quant is not None:
-            model, config = quantize_range(path, start, end, quant)
+            model, config = quantize_range(path, start, end, quant, vision)
+        elif vision:
+            model, config = load_text_part(path, strict=strict)
         else:
             model, config = load_model(path, lazy=True, strict=strict)
     except (QuantizeError, Unsupported):

@@ -36,12 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.shards.models.weights import is_vision, read_header
+
 logger = logging.getLogger(__name__)
-
-# Module names under which mlx-vlm keeps what only images use (never a stage's).
-VISION_MODULES = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector",
-                  "connector", "aligner", "vision_embed_tokens", "audio_tower", "audio_model")
-
 
 class NoVision(ValueError):
     """A model, or an install, that cannot take images; the message says why."""
@@ -87,21 +84,15 @@ def takes_images(path: Path) -> bool:
         return False
     if vision_model_type(config) is None:
         return False
-    return any(_is_vision_name(name) for name in _tensor_names(path))
-
-
-def _is_vision_name(name: str) -> bool:
-    return any(part in VISION_MODULES for part in name.split(".")[:3])
+    return any(is_vision(name) for name in _tensor_names(path))
 
 
 def _tensor_names(path: Path) -> List[str]:
-    from mlxpipe.shards.models.weights import read_header
-
     names: List[str] = []
     for f in sorted(path.glob("*.safetensors")):
         try:
             header, _ = read_header(f)
-        except ValueError:
+        except (OSError, ValueError):
             continue
         names += [k for k in header if k != "__metadata__"]
     return names
@@ -109,11 +100,21 @@ def _tensor_names(path: Path) -> List[str]:
 
 def load_vlm(path: Path, lazy: bool = True, strict: bool = True) -> Tuple[nn.Module, dict]:
     """mlx-vlm's whole model at ``path`` (lazily: nothing is read until used) and its config."""
+    if not mlx_vlm_installed():
+        raise NoVision("serving images needs mlx-vlm: pip install 'mlxpipe[vision]'")
     from mlx_vlm.utils import load_config, load_model
 
     config = load_config(path)
     model = load_model(Path(path), lazy=lazy, strict=strict)
     return model, config
+
+
+def load_text_part(path: Path, strict: bool = True) -> Tuple["TextPart", dict]:
+    """The language model of the vision-language model at ``path``, as a stage runs it
+    (lazily; ``strict=False``: a folder holding only some of its tensors, received from the
+    head). Its tower is never read."""
+    vlm, config = load_vlm(path, lazy=True, strict=strict)
+    return TextPart(vlm), config
 
 
 # -- the language model, as a stage runs it ---------------------------------------------------
@@ -186,5 +187,7 @@ class TextPart(nn.Module):
             else:
                 positions = mx.broadcast_to(mx.arange(int(offset), int(offset) + L)[None], (B, L))
         if positions.ndim == 2:
-            positions = mx.broadcast_to(positions[None], (3, B, L))
+            positions = positions[None]
+        if positions.shape[0] == 1:  # one position per token: the same on every axis
+            positions = mx.broadcast_to(positions, (3, B, L))
         return positions.astype(mx.int32)
