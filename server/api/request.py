@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from mlxpipe.server.api.images import ImageRef
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 from mlxpipe.shards.params.sampling import Sampling
@@ -64,6 +65,9 @@ class GenerationRequest:
     # The client's ``cache_salt`` (vLLM's field): prefixes are reused only between
     # requests with the same salt, under the same API key (``tenants.py``).
     cache_salt: Optional[str] = None
+    # Images the messages hold ({"type": "image"} content parts, in order): as the client sent
+    # them, checked and decoded by ``images.load_images`` (a vision model's; any other refuses them).
+    images: List[ImageRef] = field(default_factory=list)
 
     @property
     def forced_tool_call(self) -> bool:
