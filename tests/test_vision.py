@@ -1,0 +1,131 @@
+"""Vision-language models through the pipeline: greedy tokens equal single-process
+mlx-vlm's on the same weights (tiny random-weight Qwen2.5-VL, Gemma 3 and Mistral 3,
+built by ``bench/tiny_vision.py``), with one and two images, beside a text-only
+stream, and again from the prefix cache; another image behind the same placeholder
+text is no hit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_async
+
+pytest.importorskip("mlx_vlm")
+
+from mlxpipe.bench.tiny_vision import FAMILIES, build  # noqa: E402
+from mlxpipe.server.cluster.assembly import Cluster  # noqa: E402
+from mlxpipe.server.config import ClusterConfig  # noqa: E402
+from mlxpipe.server.core.streams import collect  # noqa: E402
+
+NEW_TOKENS = 12
+QUESTION = "What is in these images? Describe them."
+
+
+def picture(seed: int, size=(100, 120)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+
+
+def chat(images: int, question: str = QUESTION) -> list:
+    return [{"role": "user", "content": [{"type": "text", "text": "Look:"}] + [{"type": "image"}] * images
+             + [{"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="session")
+def vision_models(tmp_path_factory, default_model):
+    root = tmp_path_factory.mktemp("vision")
+    return {f: build(f, root / f, default_model) for f in FAMILIES}
+
+
+class Reference:
+    """mlx-vlm in this process: its prompt ids, and its greedy tokens (``generate_step``)."""
+
+    def __init__(self, path: Path):
+        from mlx_vlm import load
+
+        self.model, self.processor = load(str(path))
+
+    def ids(self, messages, images) -> list:
+        from mlx_vlm.utils import prepare_inputs
+
+        text = self.processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return prepare_inputs(self.processor, images=images or None, prompts=[text])
+
+    def tokens(self, messages, images) -> list:
+        from mlx_vlm.generate.ar import generate_step
+
+        inputs = self.ids(messages, images)
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        steps = generate_step(inputs["input_ids"], self.model, inputs.get("pixel_values"), inputs.get("attention_mask"),
+                              temperature=0.0, **extra)
+        return [t for (t, _), _ in zip(steps, range(NEW_TOKENS))]
+
+
+async def _prompt(cluster, messages, images):
+    """The prompt as the API makes it: the template, each image's marker expanded by the
+    processor, tokenized by the head; and its media (the tower's rows, positions)."""
+    vision = cluster.vision
+    text = cluster.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expanded = vision.expand(text, images) if images else None
+    ids = cluster.tokenizer.encode(expanded.text if expanded else text, add_special_tokens=False)
+    return ids, (await vision.media(ids, expanded) if expanded else None)
+
+
+async def _run(path: Path, stages: int, cases, other_image):
+    """Greedy tokens of ``cases`` ((messages, images)) run together, then the first again and
+    the first's text with ``other_image``; with each stream's cached prompt tokens."""
+    async with Cluster(ClusterConfig(model=str(path), stages=stages, chunk_size=8)) as cluster:
+        assert cluster.vision is not None and cluster.model_facts()["vision"]
+
+        async def run(batch):
+            made = [await _prompt(cluster, m, ims) for m, ims in batch]
+            streams = [cluster.engine.submit(ids, NEW_TOKENS, media=media) for ids, media in made]
+            outs = await asyncio.gather(*map(collect, streams))
+            return [[t.id for t in o] for o in outs], [s.cached_tokens for s in streams], [ids for ids, _ in made]
+
+        first = await run(cases)
+        again = await run([cases[0]])
+        other = await run([(cases[0][0], [other_image])])
+        await cluster.engine.drain()
+        return first, again, other
+
+
+def _check_family(family: str, path: Path, stages: int):
+    ref = Reference(path)
+    cases = [(chat(1), [picture(1)]), (chat(2), [picture(2), picture(3, (60, 90))]),
+             ([{"role": "user", "content": "Tell me about the sea."}], [])]
+    # Another image, new to this session's prefix caches (their disk tiers outlive a run).
+    fresh = picture(1000 + 10 * FAMILIES.index(family) + stages)
+    (outs, _, ids), (again, cached, _), (other, other_cached, other_ids) = run_async(_run(path, stages, cases, fresh))
+    for (messages, images), got, mine in zip(cases, outs, ids):
+        assert mine == ref.ids(messages, images)["input_ids"][0].tolist()  # mlx-vlm's prompt, token for token
+        assert got == ref.tokens(messages, images), (family, stages, len(images))
+    assert again[0] == outs[0]
+    cfg = ref.model.config
+    image_token = next(v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
+                       if v is not None)
+    first_image, last_image = (ids[0].index(image_token), len(ids[0]) - ids[0][::-1].index(image_token))
+    assert cached[0] >= last_image  # the same image: its blocks are hits
+    assert other_ids[0] == ids[0]  # the same placeholder tokens ...
+    assert other_cached[0] <= first_image  # ... another image: no hit past where it starts
+    assert other[0] == ref.tokens(cases[0][0], [fresh])
+    assert other[0] != outs[0]  # the image matters
+
+
+def test_greedy_tokens_equal_mlx_vlm(vision_models):
+    """The default run's case (about 20 s): Qwen2.5-VL, whose positions are its own, on 2 stages."""
+    _check_family("qwen2_5_vl", vision_models["qwen2_5_vl"], 2)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_mlx_vlm_every_family(family, stages, vision_models):
+    if (family, stages) == ("qwen2_5_vl", 2):
+        pytest.skip("the default run's case")
+    _check_family(family, vision_models[family], stages)
