@@ -129,3 +129,23 @@ def test_greedy_tokens_equal_mlx_vlm_every_family(family, stages, vision_models)
     if (family, stages) == ("qwen2_5_vl", 2):
         pytest.skip("the default run's case")
     _check_family(family, vision_models[family], stages)
+
+
+def test_media_gives_each_chunk_its_rows_and_positions():
+    """A sequence's images (``core/media.py``), cut by chunks as frames carry them: the rows of
+    the placeholder positions a chunk holds (an image may span chunks, a chunk two images),
+    positions past the prompt shifted, and the content of each block's images."""
+    from mlxpipe.server.core.media import ImageRows, Media
+
+    def image(tag: int, n: int) -> ImageRows:  # row i of image ``tag``: 4 bytes [tag, i, tag, i]
+        return ImageRows(bytes([tag]), n, b"".join(bytes([tag, i, tag, i]) for i in range(n)), "float32", 1)
+
+    media = Media(at=[2, 3, 4, 7, 8], images=[image(1, 3), image(2, 2)],
+                  positions=[[0, 1, 2, 2, 2, 5, 6, 7, 7, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], shift=-3)
+    at, data, dtype, width = media.rows(3, 8)
+    assert at == [0, 1, 4] and data == bytes([1, 1, 1, 1, 1, 2, 1, 2, 2, 0, 2, 0]) and (dtype, width) == ("float32", 1)
+    assert media.rows(5, 7) == ([], b"", "", 0)
+    assert media.positions_of(8, 12) == [7, 9, 7, 8, 8, 9, 7, 8]  # both axes of [8, 12): two past the prompt (10)
+    assert media.marks(4) == {0: b"\x01", 1: b"\x01\x02", 2: b"\x02"}
+    with pytest.raises(ValueError):
+        Media(at=[1, 2], images=[image(1, 3)])

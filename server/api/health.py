@@ -69,6 +69,8 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
                 "context_length": engine.max_context, "kv_tokens": engine.kv_tokens,
                 "speculation": engine.speculation()}
         body.update(_cluster(head))
+        if getattr(head, "vision", None) is not None:  # a vision model: its tower on the head, measured
+            body["vision"] = head.vision.report()
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)

@@ -171,8 +171,8 @@ def decode(ref: ImageRef, data: bytes, policy: ImagePolicy):
     try:
         im = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as err:
-        why = "its size is beyond what Pillow opens" if isinstance(err, Image.DecompressionBombError) else \
-            f"not an image ({', '.join(FORMATS)})"
+        why = (f"its header claims more pixels than Pillow opens; this server takes at most {policy.max_pixels}"
+               if isinstance(err, Image.DecompressionBombError) else f"not an image ({', '.join(FORMATS)})")
         raise _bad(ref, why) from None
     if im.format not in FORMATS:
         raise _bad(ref, f"a {im.format} image; this server takes {', '.join(FORMATS)}")
