@@ -28,10 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator, keepalive
-from mlxpipe.server.api.images import image_part
 from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 

@@ -274,7 +274,8 @@ class Generator:
         holds none); images are checked and decoded first, and refused where the model takes none."""
         if req.images:
             if self.vision is None:
-                raise ApiError(400, "images are not supported: this model takes text only", param=req.images[0].param,
+                first = req.images[0].param
+                raise ApiError(400, f"{first}: images are not supported: this model takes text only", param=first,
                                code="images_not_supported")
             pictures = await load_images(req.images, self.image_policy)
             made = []

@@ -31,24 +31,16 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 from urllib.parse import urljoin, urlsplit
 
 from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.request import ImageRef
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_REDIRECTS = 3
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """An image as a client sent it."""
-
-    source: str      # a data URL, an http(s) URL, or base64 (``base64``: it can be nothing else)
-    param: str       # where the request put it, for errors ("messages.0.content.1.image_url")
-    base64: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,9 +188,3 @@ async def load_images(refs: Sequence[ImageRef], policy: ImagePolicy) -> List:
                        param=refs[policy.max_images].param, code="too_many_images")
     raw = [await _bytes(ref, policy) for ref in refs]
     return await asyncio.to_thread(lambda: [decode(ref, data, policy) for ref, data in zip(refs, raw)])
-
-
-def image_part(images: List[ImageRef], source: Optional[str], param: str, is_base64: bool = False) -> dict:
-    """The content part a message holds for an image, and its ref appended to ``images``."""
-    images.append(ImageRef(source or "", param, is_base64))
-    return {"type": "image"}

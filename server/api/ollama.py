@@ -25,10 +25,9 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
-from mlxpipe.server.api.images import image_part
 from mlxpipe.server.api.json_body import Body, cache_salt_field
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.schemas import Tool, stop_strings
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 from mlxpipe.shards.params.sampling import Sampling

@@ -29,9 +29,8 @@ from pydantic import BaseModel
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
-from mlxpipe.server.api.images import image_part
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 

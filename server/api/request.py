@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mlxpipe.server.api.images import ImageRef
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 from mlxpipe.shards.params.sampling import Sampling
@@ -26,6 +25,21 @@ def request_sampling(options: ApiOptions, **given) -> Sampling:
     defaults for the rest."""
     given = {name: value for name, value in given.items() if value is not None}
     return Sampling(**{"temperature": options.default_temperature, **given})
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a client sent it (``images.load_images`` checks and decodes it)."""
+
+    source: str      # a data URL, an http(s) URL, or base64 (``base64``: it can be nothing else)
+    param: str       # where the request put it, for errors ("messages.0.content.1")
+    base64: bool = False
+
+
+def image_part(images: List[ImageRef], source: Optional[str], param: str, is_base64: bool = False) -> dict:
+    """The content part a message holds for an image, its ref appended to ``images``."""
+    images.append(ImageRef(source or "", param, is_base64))
+    return {"type": "image"}
 
 
 @dataclass

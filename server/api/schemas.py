@@ -18,10 +18,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from mlxpipe.server.api.images import image_part
 from mlxpipe.server.api.json_body import Body, cache_salt_field
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import request_sampling
+from mlxpipe.server.api.request import image_part, request_sampling
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
 from mlxpipe.shards.params.sampling import INT32, Sampling
 
@@ -145,7 +144,7 @@ class Message(BaseModel):
         text, or, where it holds images, its parts in order, each image's ref appended to ``images``."""
         m = {"role": self.role, "content": self.text()}
         if any(p.type == "image_url" for p in self.content or ()):
-            m["content"] = [image_part(images, p.image_url.url, f"{param}.content.{j}.image_url")
+            m["content"] = [image_part(images, p.image_url.url, f"{param}.content.{j}")
                             if p.type == "image_url" else {"type": "text", "text": p.text or p.refusal}
                             for j, p in enumerate(self.content)]
         for key in ("name", "tool_call_id"):
