@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from mlxpipe.bench.tiny_vision import build  # noqa: E402
 
 QUESTION = "What is in this image?"
 
@@ -79,18 +78,6 @@ def image_host():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
-
-
-@pytest.fixture(scope="module")
-def vision_server(tmp_path_factory, default_model):
-    from server_proc import ServerProcess
-
-    path = build("qwen2_5_vl", tmp_path_factory.mktemp("vision") / "qwen2_5_vl", default_model)
-    srv = ServerProcess("--model", str(path), "--stages", "2", "--max-tokens", "12", "--temp", "0",
-                        "--max-images", "3", "--max-image-bytes", str(1 << 20), "--max-image-pixels", "4000000",
-                        "--image-urls", "--image-private-urls", "--image-fetch-timeout-s", "0.3")
-    yield srv
-    srv.stop()
 
 
 def test_every_protocol_gives_the_same_answer(vision_server):

@@ -137,6 +137,8 @@ class Cluster:
             lines += self.placer.prediction
         kv = self.kv_line()
         lines.append(self.context_note())
+        if self.vision is not None:  # a vision model's tower, on this head
+            lines.append(self.vision.cost.line())
         return lines + ([kv] if kv else [])
 
     def kv_line(self) -> str:
@@ -240,8 +242,9 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory
-            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
+        if self.local is not None:  # local stages share this machine's memory (and the head's vision tower)
+            head = self.vision.planned_bytes if self.vision is not None else 0
+            cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.

@@ -35,20 +35,48 @@ logger = logging.getLogger(__name__)
 ROWS_CACHE_BYTES = 256 << 20  # images' rows the head keeps by content, at most
 
 
+PROBE_SIDE = 448  # the probe image's side, in pixels (a gray square, through the model's own processor)
+
+
+@dataclass
+class TowerCost:
+    """What the tower costs the head, as planned: its weights from the model folder's headers,
+    and the time and memory of an image, in proportion to its placeholder tokens, from one probe
+    image run as it starts (which also compiles its kernels)."""
+
+    weight_bytes: int = 0      # the vision unit's tensors, from the safetensors headers
+    probe_tokens: int = 0      # the probe image's placeholder tokens
+    probe_seconds: float = 0.0
+    probe_bytes: int = 0       # MLX's peak over what was in use before, while it ran the probe
+
+    def predict(self, tokens: int) -> Dict[str, float]:
+        """An image of ``tokens`` placeholders: seconds, and bytes at the peak (weights included)."""
+        share = tokens / max(self.probe_tokens, 1)
+        return {"seconds": self.probe_seconds * share, "bytes": self.weight_bytes + int(self.probe_bytes * share)}
+
+    def line(self) -> str:
+        return (f"vision tower on the head: {self.weight_bytes / 1e6:.1f} MB of weights; an image of "
+                f"{self.probe_tokens} tokens ({PROBE_SIDE}x{PROBE_SIDE} px) {self.probe_seconds * 1e3:.0f} ms, "
+                f"{self.probe_bytes / 1e6:.1f} MB more at the peak")
+
+
 @dataclass
 class TowerStats:
     """What the tower cost, measured (``/health``, ``mlxpipe bench vision``)."""
 
     weight_bytes: int = 0      # its weights, read on the head
-    peak_bytes: int = 0        # MLX's peak while it ran an image, over what was in use before
+    peak_bytes: int = 0        # MLX's peak while it ran an image, over what was in use before (the largest)
     images: int = 0            # images it turned into rows
     seconds: float = 0.0       # ... in all
     last_seconds: float = 0.0
+    last_tokens: int = 0
+    last_peak_bytes: int = 0
     cache_hits: int = 0        # images whose rows were kept from before
 
     def to_dict(self) -> dict:
         return {"weight_bytes": self.weight_bytes, "peak_bytes": self.peak_bytes, "images": self.images,
                 "seconds": round(self.seconds, 4), "last_seconds": round(self.last_seconds, 4),
+                "last_tokens": self.last_tokens, "last_peak_bytes": self.last_peak_bytes,
                 "cache_hits": self.cache_hits}
 
 
@@ -59,6 +87,7 @@ class VisionRunner:
         self.path = Path(path)
         self.cache_bytes = cache_bytes
         self.stats = TowerStats()
+        self.cost = TowerCost()
         self._rows: "OrderedDict[bytes, ImageRows]" = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()  # the rows cache (the event loop and the worker read it)
@@ -72,12 +101,30 @@ class VisionRunner:
     def _load(self) -> None:
         from mlxpipe.shards.models.tower import Processor, Tower
 
+        from mlxpipe.shards.models.weights import model_units
+
         self.processor = Processor(self.path)
         self.tower = Tower(self.path)
         self.stats.weight_bytes = self.tower.bytes
         self.image_token_id = self.tower.image_token_id
         self.multi_axis = self.tower.rope_index is not None
-        logger.info("vision tower of %s on the head: %.1f MB", self.path.name, self.tower.bytes / 1e6)
+        vision = model_units(self.path).get("vision")
+        self.cost.weight_bytes = vision.data_bytes if vision is not None else 0
+        self._probe()
+        logger.info("%s", self.cost.line())
+
+    def _probe(self) -> None:
+        """One gray image through the processor and the tower: what the plan says an image costs."""
+        import mlx.core as mx
+        from PIL import Image
+
+        image = self.processor.process(Image.new("RGB", (PROBE_SIDE, PROBE_SIDE), (128, 128, 128)))
+        self.tower.rows(image)  # compiles the kernels: the timed run is the second
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        _, seconds = self.tower.timed_rows(image)
+        self.cost.probe_tokens, self.cost.probe_seconds = image.tokens, seconds
+        self.cost.probe_bytes = max(mx.get_peak_memory() - before, 0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -117,10 +164,12 @@ class VisionRunner:
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         rows, seconds = self.tower.timed_rows(image)
-        self.stats.peak_bytes = max(self.stats.peak_bytes, mx.get_peak_memory() - before)
-        self.stats.images += 1
-        self.stats.seconds += seconds
-        self.stats.last_seconds = seconds
+        stats = self.stats
+        stats.last_peak_bytes = max(mx.get_peak_memory() - before, 0)
+        stats.peak_bytes = max(stats.peak_bytes, stats.last_peak_bytes)
+        stats.images += 1
+        stats.seconds += seconds
+        stats.last_seconds, stats.last_tokens = seconds, image.tokens
         wire = codec.encode(rows)
         out = ImageRows(image.digest, int(rows.shape[0]), wire.data, wire.dtype, int(rows.shape[1]))
         self._keep(out)
@@ -134,8 +183,19 @@ class VisionRunner:
                 _, old = self._rows.popitem(last=False)
                 self._held -= len(old.data)
 
+    @property
+    def planned_bytes(self) -> int:
+        """What the head holds for images beyond the tower's weights: an image's peak at the probe's
+        size, and the rows it keeps (on a machine that also runs stages, their KV cache has less)."""
+        return self.cost.probe_bytes + self.cache_bytes
+
     def report(self) -> Dict[str, object]:
-        return {**self.stats.to_dict(), "rows_cached": len(self._rows), "rows_cached_bytes": self._held}
+        """The tower as measured, and as planned (``/health``'s ``vision``)."""
+        planned = self.cost.predict(self.stats.last_tokens) if self.stats.last_tokens else {}
+        return {**self.stats.to_dict(), "rows_cached": len(self._rows), "rows_cached_bytes": self._held,
+                "planned": {"weight_bytes": self.cost.weight_bytes, "probe_tokens": self.cost.probe_tokens,
+                            "probe_seconds": round(self.cost.probe_seconds, 4),
+                            "probe_peak_bytes": self.cost.probe_bytes, "last_image": planned}}
 
 
 def load_vision(model) -> Optional[VisionRunner]:
