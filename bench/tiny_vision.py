@@ -89,8 +89,10 @@ def tiny_config(family: str, ids: Dict[str, int], vocab: int) -> dict:
             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab,
             "max_position_embeddings": 4096}
     if family == "qwen2_5_vl":
+        # Heads of 32 (a quantized KV cache groups 32 values at least), three rotary sections over its 16 pairs.
         return {"model_type": family, "architectures": ["Qwen2_5_VLForConditionalGeneration"], **text,
-                "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                "num_attention_heads": 2, "num_key_value_heads": 1,
+                "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
                 "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
                 "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
                 "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],

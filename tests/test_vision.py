@@ -56,14 +56,14 @@ class Reference:
         text = self.processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return prepare_inputs(self.processor, images=images or None, prompts=[text])
 
-    def tokens(self, messages, images) -> list:
+    def tokens(self, messages, images, n: int = NEW_TOKENS, **kw) -> list:
         from mlx_vlm.generate.ar import generate_step
 
         inputs = self.ids(messages, images)
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
         steps = generate_step(inputs["input_ids"], self.model, inputs.get("pixel_values"), inputs.get("attention_mask"),
-                              temperature=0.0, **extra)
-        return [t for (t, _), _ in zip(steps, range(NEW_TOKENS))]
+                              temperature=0.0, **extra, **kw)
+        return [t for (t, _), _ in zip(steps, range(n))]
 
 
 async def _prompt(cluster, messages, images):
@@ -149,3 +149,79 @@ def test_media_gives_each_chunk_its_rows_and_positions():
     assert media.marks(4) == {0: b"\x01", 1: b"\x01\x02", 2: b"\x02"}
     with pytest.raises(ValueError):
         Media(at=[1, 2], images=[image(1, 3)])
+
+
+class _Oracle:
+    """Drafts the reference's next tokens, every fourth one wrong (so some are taken back)."""
+
+    def __init__(self, expected):
+        self.expected, self.calls = list(expected), 0
+
+    def prepare(self, tokens):
+        pass
+
+    def propose(self, tokens, k, confirmed):
+        n = len(tokens)
+        if list(tokens) != self.expected[:n]:
+            return []
+        self.calls += 1
+        out = self.expected[n:n + k]
+        return out[:-1] + [out[-1] + 1] if out and self.calls % 4 == 0 else out
+
+    def close(self):
+        pass
+
+
+@pytest.mark.extended
+def test_an_image_through_drafts_and_a_lost_stage(vision_models):
+    """One Qwen2.5-VL stream with an image verifies drafts (VERIFY frames after the image,
+    their positions shifted by its grid; some drafts wrong, so positions are taken back);
+    stage 1 is killed with drafts in flight; the replay (the image's rows sent again from
+    the head) gives mlx-vlm's tokens."""
+    import os
+    import signal
+
+    from test_faults import FAST
+
+    path, n = vision_models["qwen2_5_vl"], 40
+    messages, images = chat(1), [picture(5)]
+    expected = Reference(path).tokens(messages, images, n)
+
+    async def main():
+        cfg = ClusterConfig(model=str(path), stages=2, chunk_size=8, supervision=FAST)
+        async with Cluster(cfg) as cluster:
+            drafts = cluster.engine.scheduler.drafts
+            ids, media = await _prompt(cluster, messages, images)
+            assert media.shift != 0  # positions after the image are not the tokens' offsets
+            cluster.engine.scheduler.speculator.drafters = lambda seq: _Oracle(ids + expected)
+            got, at = [], None
+            async for t in cluster.engine.submit(ids, n, media=media):
+                got.append(t.id)
+                if at is None and drafts.accepted >= 4 and cluster.engine.scheduler.solo:
+                    at = len(got)
+                    os.kill(cluster.local.procs[1].pid, signal.SIGKILL)
+            return got, at, drafts, cluster.engine.stats.recoveries
+
+    got, at, drafts, recoveries = run_async(main(), timeout=300)
+    assert at is not None and at < n - 8, "the fault must land while speculating"
+    assert recoveries == 1 and drafts.accepted >= 4 and drafts.judged > drafts.accepted
+    assert got == expected
+
+
+@pytest.mark.extended
+def test_an_image_with_a_quantized_kv_cache(vision_models):
+    """``--kv-bits 8`` from the first position: a two-image prompt gives mlx-vlm's tokens with the
+    same KV bits."""
+    from mlxpipe.server.core.streams import collect
+
+    path = vision_models["qwen2_5_vl"]
+    messages, images = chat(2), [picture(6), picture(7, (60, 90))]
+
+    async def main():
+        cfg = ClusterConfig(model=str(path), stages=2, chunk_size=8, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+        async with Cluster(cfg) as cluster:
+            ids, media = await _prompt(cluster, messages, images)
+            return [t.id for t in await collect(cluster.engine.submit(ids, NEW_TOKENS, media=media))]
+
+    got = run_async(main(), timeout=300)
+    assert got == Reference(path).tokens(messages, images, kv_bits=8, kv_group_size=32, quantized_kv_start=0)

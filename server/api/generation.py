@@ -274,9 +274,9 @@ class Generator:
         holds none); images are checked and decoded first, and refused where the model takes none."""
         if req.images:
             if self.vision is None:
-                first = req.images[0].param
-                raise ApiError(400, f"{first}: images are not supported: this model takes text only", param=first,
-                               code="images_not_supported")
+                first, why = req.images[0].param, getattr(self.head, "vision_note", "")
+                raise ApiError(400, f"{first}: images are not supported: this model takes text only"
+                               + (f" ({why})" if why else ""), param=first, code="images_not_supported")
             pictures = await load_images(req.images, self.image_policy)
             made = []
             expand = partial(_expand, self.vision, pictures, made)

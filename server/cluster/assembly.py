@@ -87,6 +87,11 @@ class Cluster:
         return self.model.quant if self.model is not None else None
 
     @property
+    def vision_note(self) -> str:
+        """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
+        return self.model.tower_note if self.model is not None and self.vision is None else ""
+
+    @property
     def plan_note(self) -> str:
         return self.placer.note if self.placer is not None else ""
 

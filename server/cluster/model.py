@@ -71,7 +71,7 @@ class Model:
         """Whether it is served as a vision-language model (``shards/models/vision.py``)."""
         return takes_images(self.path)
 
-    @property
+    @functools.cached_property
     def tower_note(self) -> str:
         """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
         if self.vision or not has_tower(load_config(self.path)):
