@@ -225,3 +225,46 @@ def test_an_image_with_a_quantized_kv_cache(vision_models):
 
     got = run_async(main(), timeout=300)
     assert got == Reference(path).tokens(messages, images, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+
+
+@pytest.mark.extended
+def test_quantized_on_load_and_streamed_to_nodes(vision_models, tmp_path):
+    """`--bits 4` over two nodes that lack the model: the head quantizes the language model's
+    units (the tower stays its own, as mlx-vlm's convert keeps it) and streams each node its
+    layers; the tokens are mlx-vlm's on `mlx_vlm.convert -q --q-bits 4` of the same folder."""
+    import importlib
+    import tempfile
+
+    from conftest import SECRET, node_process
+
+    from mlxpipe.proto.rpc import Security
+
+    src = vision_models["qwen2_5_vl"]
+    converted = tmp_path / "q4"
+    importlib.import_module("mlx_vlm.convert").convert(str(src), str(converted), quantize=True, q_bits=4,
+                                                       q_group_size=64)
+    messages, images = chat(2), [picture(8), picture(9, (60, 90))]
+    empty = tmp_path / "models"
+    empty.mkdir()
+    home = Path(tempfile.mkdtemp(prefix="mlxpipe-node-home-", dir=tmp_path))
+    nodes = [node_process(home, "--models-dir", str(empty)) for _ in range(2)]
+    try:
+        assert all(address for _, address in nodes)
+
+        async def main():
+            cfg = ClusterConfig(model=str(src), nodes=[a for _, a in nodes], split="even", bits="4", chunk_size=8,
+                                security=Security(secret=SECRET))
+            async with Cluster(cfg) as cluster:
+                ids, media = await _prompt(cluster, messages, images)
+                got = [t.id for t in await collect(cluster.engine.submit(ids, NEW_TOKENS, media=media))]
+                return got, [st.weights_sent for st in cluster.pipeline.stages]
+
+        got, sent = run_async(main(), timeout=600)
+    finally:
+        for proc, _ in nodes:
+            proc.kill()
+            proc.wait()
+    assert all(sent)  # each node received its layers
+    received = sorted(p.name for p in (home / "received").rglob("*.safetensors"))
+    assert received and not any("vision" in name for name in received)  # no stage needs the tower
+    assert got == Reference(converted).tokens(messages, images)
