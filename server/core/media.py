@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 class ImageRows:
     """One image's rows ``[tokens, hidden]``, as the tower made them."""
 
-    digest: bytes   # the image's content (its pixels as the model's processor made them)
+    digest: bytes   # the image's content (its decoded pixels: the same picture in any file format)
     tokens: int     # the placeholder positions it fills
     data: bytes     # the rows, little-endian, C order
     dtype: str      # their dtype's name (the wire's: float32, float16, bfloat16)

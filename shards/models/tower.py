@@ -56,7 +56,7 @@ class ProcessedImage:
     inputs: Dict[str, Any]   # the processor's arrays for this image alone (pixel_values, image_grid_thw, ...)
     expansion: str           # what the template's marker becomes for it
     tokens: int              # placeholder tokens it takes in the prompt
-    digest: bytes = b""      # its content (the processor's pixels): what the prefix cache and the rows cache key on
+    digest: bytes = b""      # its content (``digest``): what the prefix cache and the head's rows key on
 
 
 @dataclass
@@ -81,12 +81,10 @@ class _Recording:
         return {"input_ids": [[]], "attention_mask": [[]]}
 
 
-def _digest(inputs: Dict[str, Any]) -> bytes:
-    h = hashlib.sha256()
-    for k in sorted(inputs):
-        a = np.asarray(inputs[k])
-        h.update(f"{k}:{a.dtype}:{a.shape};".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
+def digest(image) -> bytes:
+    """An image's content: its size, mode and pixels (a PIL image), whatever file it came in."""
+    h = hashlib.sha256(f"{image.mode}:{image.size};".encode())
+    h.update(image.tobytes())
     return h.digest()
 
 
@@ -130,7 +128,7 @@ class Processor:
 
     def process(self, image) -> ProcessedImage:
         inputs, text = self._inputs(image)
-        return ProcessedImage(inputs, text, text.count(self.image_token), _digest(inputs))
+        return ProcessedImage(inputs, text, text.count(self.image_token), digest(image))
 
     def expand(self, text: str, images: Sequence) -> Expanded:
         """``text`` (a rendered prompt with one marker per image, in order) with each marker
