@@ -157,8 +157,9 @@ async def _bytes(ref: ImageRef, policy: ImagePolicy) -> bytes:
 
 
 def decode(ref: ImageRef, data: bytes, policy: ImagePolicy):
-    """The image in ``data``, RGB, decoded whole; its size checked from its header first."""
-    from PIL import Image, UnidentifiedImageError
+    """The image in ``data``, RGB and upright (its EXIF orientation applied), decoded whole; its
+    size checked from its header first."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         im = Image.open(io.BytesIO(data))
@@ -175,7 +176,7 @@ def decode(ref: ImageRef, data: bytes, policy: ImagePolicy):
         raise _bad(ref, f"the image is {w} x {h} pixels")
     try:
         im.load()
-        return im.convert("RGB")
+        return ImageOps.exif_transpose(im).convert("RGB")  # upright as a camera took it, as mlx-vlm's load_image
     except (OSError, ValueError, SyntaxError) as err:
         raise _bad(ref, f"the image data is truncated or corrupt ({err})") from None
 

@@ -40,16 +40,16 @@ from mlxpipe.shards.models.weights import is_vision, read_header
 
 logger = logging.getLogger(__name__)
 
+
 class NoVision(ValueError):
     """A model, or an install, that cannot take images; the message says why."""
 
 
 def mlx_vlm_installed() -> bool:
-    try:
-        import mlx_vlm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether mlx-vlm can be imported (without importing it: that takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_vlm") is not None
 
 
 def has_tower(config: dict) -> bool:
