@@ -78,6 +78,12 @@ def _shifted(starts: Sequence[int], shifts: Sequence[int], n: int) -> mx.array:
     return (base[:, None] + mx.arange(n, dtype=mx.int32)[None])[None]
 
 
+def shifted(start: int, n: int, shift: int) -> Dict[str, object]:
+    """The keywords of a call on ``n`` positions from ``start`` of a sequence shifted by ``shift``
+    (positions of a verify frame computed again after a rewind)."""
+    return {"positions": _shifted([start], [shift], n)} if shift else {}
+
+
 def extras(frame: pb.Frame, rows: Optional[mx.array], length: int) -> Dict[str, object]:
     """The keywords one sequence's PREFILL or VERIFY frame adds to its model call (none for
     a text sequence): image rows where its tokens are placeholders, and its positions

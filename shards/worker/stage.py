@@ -255,7 +255,7 @@ class Shard:
             self.prefix.discard(frame.discard)
         for e in frame.seqs:
             if e.trim:
-                self._trim(self.seqs[e.seq_id], e.trim)
+                self._trim(self.seqs[e.seq_id], e.trim, e.position_shift)
         self.stats.begin()
         self.publish()
         out = None  # a frame of no kind only frees and evicts
@@ -351,7 +351,7 @@ class Shard:
         logits = out[:, -1, :]
         return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
 
-    def _trim(self, seq: _Seq, n: int) -> None:
+    def _trim(self, seq: _Seq, n: int, shift: int = 0) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
         caches of its own while it verifies drafts."""
         if seq.rewind is None:
@@ -360,7 +360,8 @@ class Shard:
         else:
             def again(tokens, hidden, caches):  # accepted positions of a frame, computed again
                 start = seq.length - n - len(tokens)
-                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start])))
+                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start],
+                                                **images.shifted(start, len(tokens), shift))))
                 mx.eval(kinds.arrays(caches))
 
             seq.rewind.back(seq.caches, seq.length, n, again)
