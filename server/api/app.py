@@ -55,7 +55,8 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
         # The served context, as vLLM (max_model_len) and OpenRouter (context_length) report it.
         context = head.engine.max_context
         return {"id": options.model_id, "object": "model", "created": created, "owned_by": "mlxpipe",
-                "context_length": context, "max_model_len": context}
+                "context_length": context, "max_model_len": context,  # and what it reads (OpenRouter's field):
+                "input_modalities": ["text", "image"] if generator.vision is not None else ["text"]}
 
     @app.get("/v1/models")
     async def models():

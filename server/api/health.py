@@ -80,6 +80,8 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
         if caller.operator:
             body.update(live_requests=engine.live, generated_tokens=engine.generated_tokens,
                         speculation=engine.speculation(), **_cluster(head))
+            if getattr(head, "vision", None) is not None:  # a vision model: its tower on the head, measured
+                body["vision"] = head.vision.report()
         else:  # its own
             meter = metrics.key(caller.identity)
             body.update(live_requests=meter.live, generated_tokens=meter.generated)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -16,6 +17,7 @@ from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
+from mlxpipe.server.cluster.vision import load_vision
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -55,6 +57,7 @@ class Cluster:
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
+        self.vision = None  # vision.VisionRunner: a vision model's processor and tower, for the API
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
@@ -86,6 +89,11 @@ class Cluster:
         return self.model.quant if self.model is not None else None
 
     @property
+    def vision_note(self) -> str:
+        """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
+        return self.model.tower_note if self.model is not None and self.vision is None else ""
+
+    @property
     def plan_note(self) -> str:
         return self.placer.note if self.placer is not None else ""
 
@@ -97,7 +105,7 @@ class Cluster:
             bits = self.quant.bits
         return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
-                "bits": bits, "context_length": self.engine.max_context}
+                "bits": bits, "context_length": self.engine.max_context, "vision": self.vision is not None}
 
     def joined_nodes(self) -> List[dict]:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
@@ -136,6 +144,8 @@ class Cluster:
             lines += self.placer.prediction
         kv = self.kv_line()
         lines.append(self.context_note())
+        if self.vision is not None:  # a vision model's tower, on this head
+            lines.append(self.vision.cost.line())
         return lines + ([kv] if kv else [])
 
     def kv_line(self) -> str:
@@ -168,6 +178,7 @@ class Cluster:
         self.model = open_model(cfg)  # refuses what cannot apply before starting anything
         # A draft model that cannot draft for this one is refused before anything starts.
         self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.model.tokenizer)
+        self.vision = await asyncio.to_thread(load_vision, self.model)  # None: the model takes no images
         pipeline = None
         try:
             await self._gather_stages()
@@ -242,15 +253,16 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory
-            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
+        if self.local is not None:  # local stages share this machine's memory (and the head's vision tower)
+            head = self.vision.planned_bytes if self.vision is not None else 0
+            cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.
         probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
                                                                      self.config.chunk_size)
-        return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec, probe=probe)
+        limits = replace(stage_limits(self.config, cap), vision=self.model.vision)  # a vision model: mlx-vlm's
+        return Pipeline(addresses, name, self.security, limits, tokenizer=self.model.tokenizer_spec, probe=probe)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -365,6 +377,8 @@ class Cluster:
             self.local.stop()
         for source in self._quantized.values():
             source.close()
+        if self.vision is not None:
+            self.vision.close()
 
     async def __aenter__(self) -> "Cluster":
         return await self.start()

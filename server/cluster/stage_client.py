@@ -137,7 +137,7 @@ class Pipeline:
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                                  quantization=wire.quant_to_wire(quant) if quant else None,
                                  tokenizer=self.tokenizer if not nxt else None,
-                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None)
+                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, vision=lim.vision)
             if lim.disk_bytes is not None:
                 req.prefix_disk_bytes = lim.disk_bytes
             try:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer, prompt_scores
+from mlxpipe.server.core.media import Media
 from mlxpipe.server.core.plan import PromptScores
 from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
@@ -177,10 +178,11 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"") -> RequestStream:
+               cache_salt: bytes = b"", media: Optional[Media] = None) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
-        prefix-cache keys' salt (it reuses only blocks of requests with the same). ``sampling`` is
+        prefix-cache keys' salt (it reuses only blocks of requests with the same), ``media``:
+        its prompt's images (a vision model's: ``media.py``). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -202,7 +204,7 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, media=media)
         need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
         if need > self.scheduler.max_kv_tokens:
             raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "

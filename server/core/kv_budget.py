@@ -111,7 +111,8 @@ class KvBudget:
         """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
         point on, with that point in them (they hold what quantized keys gave from there)."""
         tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
-        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, self.model_salt + seq.salt, tag)
+        marks = seq.media.marks(self.block_tokens) if seq.media is not None else None  # its images' content
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, self.model_salt + seq.salt, tag, marks)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""

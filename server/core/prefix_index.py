@@ -82,16 +82,20 @@ def chain_root(salt: bytes) -> int:
 
 
 def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int,
-                 salt: bytes = b"", tag: Optional[Tuple[int, int]] = None) -> List[int]:
+                 salt: bytes = b"", tag: Optional[Tuple[int, int]] = None,
+                 marks: Optional[Dict[int, bytes]] = None) -> List[int]:
     """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of
     ``tokens``; ``salt``: the chain's (``chain_root``); ``tag`` (block, value): ``value``
-    goes into the key of that block, and so of every later one."""
+    goes into the key of that block, and so of every later one; ``marks``: block -> bytes
+    that go into its key too (the content of the images whose placeholders it holds)."""
     while len(hashes) < upto:
         k = len(hashes)
         prev = hashes[-1] if hashes else chain_root(salt)
         data = array("i", tokens[k * block_tokens : (k + 1) * block_tokens]).tobytes()
         if tag is not None and k == tag[0]:
             data += tag[1].to_bytes(8, "little")
+        if marks and k in marks:
+            data += marks[k]
         digest = hashlib.blake2b(prev.to_bytes(8, "little") + data, digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
     return hashes

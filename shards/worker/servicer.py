@@ -171,7 +171,7 @@ class StageServicer(pb_grpc.StageServicer):
         memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
         resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()
-        stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
+        stage, config = load_stage(path, request.start, request.end, not partial, quant, request.vision)
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
         hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
@@ -216,7 +216,7 @@ class StageServicer(pb_grpc.StageServicer):
             memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
-            state_bytes=footprint.state_bytes,
+            state_bytes=footprint.state_bytes, vision=request.vision,
             **kv_reply,
         )
         return _Loaded(shard, reply, request)
