@@ -23,6 +23,7 @@ from mlxpipe.server.api import (anthropic_messages, health, ollama, openai_chat,
                                 openai_responses)
 from mlxpipe.server.api.errors import add_error_handlers
 from mlxpipe.server.api.generation import Generator
+from mlxpipe.server.api.keys import Keys
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.middleware import add_middleware
 from mlxpipe.server.api.options import ApiOptions
@@ -39,9 +40,9 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
     app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
     metrics = metrics or Metrics()
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    add_middleware(app, options, metrics, head.engine)
+    add_middleware(app, options, metrics, head.engine, Keys(options.api_keys))
     add_error_handlers(app)
-    generator = Generator(head, options)
+    generator = Generator(head, options, metrics)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: agents' connectivity check
     async def index():
@@ -54,7 +55,8 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
         # The served context, as vLLM (max_model_len) and OpenRouter (context_length) report it.
         context = head.engine.max_context
         return {"id": options.model_id, "object": "model", "created": created, "owned_by": "mlxpipe",
-                "context_length": context, "max_model_len": context}
+                "context_length": context, "max_model_len": context,  # and what it reads (OpenRouter's field):
+                "input_modalities": ["text", "image"] if generator.vision is not None else ["text"]}
 
     @app.get("/v1/models")
     async def models():

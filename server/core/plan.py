@@ -89,3 +89,5 @@ class PromptScores:
 class StepResult:
     step_id: int
     samples: List[Sample]
+    stage_s: List[float] = field(default_factory=list)  # seconds the frame held each stage (its StageTiming's
+                                                        # decode, compute and encode), in pipeline order

@@ -1,5 +1,5 @@
 """The scheduler's parameters (``scheduler.py``), apart so that the config tree
-(``cluster/config.py``) takes them without the scheduler's logic."""
+(``server/config.py``) takes them without the scheduler's logic."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Optional
 
 @dataclass
 class SchedulerConfig:
-    """The scheduler's parameters, derived from the config tree (``cluster/config.py``,
-    ``scheduler_config``); the defaults here are a plain scheduler's, for direct use."""
+    """The scheduler's parameters, derived from the config tree (``server/config.py``)
+    by ``cluster/sizing.py``'s ``scheduler_config``; the defaults here are a plain scheduler's, for direct use."""
 
     num_groups: int = 2            # micro-batch groups in flight
     max_batch: int = 32            # sequences per group
