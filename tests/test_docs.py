@@ -15,8 +15,10 @@ What a doc names, and where it is looked for:
   them). A flag in a token that starts with another program's name is that
   program's: the program must be in ``OTHER_PROGRAMS``;
 - a default stated next to a flag ("`--max-stall` (0.2)", "`--quantized-kv-start`,
-  default 5000 positions", "default (`--prompt-ratio 10`)"): the option's default
-  (which ``test_homes`` holds to the config tree).
+  default 5000 positions", "default (`--prompt-ratio 10`)", "(`--max-image-bytes`,
+  20 MiB)"): the option's default (which ``test_homes`` holds to the config tree), in
+  the unit the doc writes (sizes as ``shards/params/sizes.py`` reads them: MB 1e6,
+  MiB 2**20), or the default its help states where the option's is derived.
 
 Also: a word after ``mlxpipe`` or ``mlxpipe bench`` is one of their commands, and
 every table row sits under a table's header. Names that look like ours but are
@@ -38,6 +40,7 @@ from typing import Dict, Iterator, List, Optional, Set
 from test_architecture_doc import DEFS, MODULES, REPO, _check, _has, _resolve
 from test_homes import _parsers
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.params import sizes
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PROTO = REPO / "proto" / "pipeline.proto"
@@ -59,6 +62,7 @@ NOT_OURS = {
     "grpc": "gRPC's channel options (grpc.server_handshake_timeout_ms ...)",
     "stream_options": "an OpenAI request field (stream_options.include_usage)",
     "input_tokens_details": "an OpenAI Responses usage field",
+    "logprobs": "an OpenAI completions field (logprobs.tokens)",
 }
 # Flags no command has, on purpose.
 NOT_FLAGS = {
@@ -333,7 +337,9 @@ def owner(t: Token) -> Optional[str]:
 
 # -- defaults -------------------------------------------------------------------------------
 
-NUMBER = r"(\d[\d,]*(?:\.\d+)?%?)"
+NUMBER = r"(\d[\d,]*(?:\.\d+)?%?(?:\s?(?:[kKMGT]i?B|B|k|M|ms|s|positions|tokens)\b)?)"  # 5,000, 10%, 20 MiB, 0.2 s
+# What a unit after a stated default multiplies it by (sizes: shards/params/sizes.py's, GB = 1e9, GiB = 2**30).
+COUNTS = {"k": 1e3, "M": 1e6, "ms": 1e-3}
 
 
 def stated_defaults(t: Token) -> List[tuple]:
@@ -345,21 +351,27 @@ def stated_defaults(t: Token) -> List[tuple]:
         return [(flag, value, cmd.program) for flag, value in cmd.flags if value is not None]
     if len(cmd.flags) != 1 or cmd.flags[0][1] is not None:
         return []
-    m = (re.match(r"\s*[(,]\s*(?:default:?\s+)?" + NUMBER + r"(?:\s?[a-zA-Z]+)?\)", t.after)  # `--prefix-block` (16)
+    m = (re.match(r"\s*[(,]\s*(?:default:?\s+)?" + NUMBER + r"\)", t.after)  # `--prefix-block` (16), (`--port`, 8000)
+         or t.before.endswith("(") and re.match(r",\s*" + NUMBER + r":", t.after)  # (`--max-image-pixels`, 40 M: ...
          or re.match(r"\s*[(,]\s*default:?\s+" + NUMBER + r"(?![\d,.])", t.after)  # `--flag`, default 5000 positions
-         or re.match(r"[^`.;()]{0,12}\((?:[^()`]*[;,]\s*)?default:?\s+" + NUMBER + r"(?:\s?[a-zA-Z]+)?\)",
+         or re.match(r"[^`.;()]{0,12}\((?:[^()`]*[;,]\s*)?default:?\s+" + NUMBER + r"\)",
                      t.after))  # `--wait-nodes` of them (default 1); `--concurrency` (requests ...; default 1)
     return [(cmd.flags[0][0], m.group(1).rstrip(","), cmd.program)] if m else []
 
 
 def _same(stated: str, default) -> bool:
+    """Whether a stated default ("5,000 positions", "20 MiB", "0.2 s", "40 M") is ``default``."""
     if str(default) == stated:
         return True
-    try:
-        number = float(stated.rstrip("%").replace(",", ""))
-        return not isinstance(default, bool) and float(default) == number
-    except (TypeError, ValueError):
+    m = re.fullmatch(r"([\d,.]+)(%?)\s?([a-zA-Z]*)", stated)
+    if m is None or isinstance(default, bool) or not isinstance(default, (int, float)):
         return False
+    number, unit = float(m.group(1).replace(",", "")), m.group(3)
+    if unit.lower() in sizes._UNITS:
+        number = sizes.parse_size(m.group(1).replace(",", "") + unit)
+    else:
+        number *= COUNTS.get(unit, 1)  # (s, positions, tokens: the number as it is)
+    return abs(float(default) - number) <= 1e-9 * max(1.0, abs(number))
 
 
 def _default_problem(flag: str, value: str, program: str) -> Optional[str]:
@@ -490,5 +502,10 @@ def test_the_checker_catches_what_the_docs_got_wrong_once():
     assert _default_problem("--max-stall", "0.2", "mlxpipe serve") is None
     assert _default_problem("--quantized-kv-start", "5,000", "") is None
     assert _default_problem("--max-stall", "0.3", "") is not None
+    assert _default_problem("--max-image-bytes", "20 MiB", "") is None
+    assert _default_problem("--max-image-bytes", "20 MB", "") is not None  # 20,000,000 bytes: not 20 << 20
+    assert _default_problem("--max-image-pixels", "40 M", "") is None
+    assert stated_defaults(token("--max-image-pixels", "pixels (", ", 40 M: a bomb")) == [
+        ("--max-image-pixels", "40 M", "")]
     assert _default_problem("--prefix-cache-disk", "10%", "") is None  # derived: its help says so
     assert _default_problem("--prefix-cache-disk", "20%", "") is not None
