@@ -118,24 +118,27 @@ def test_4_bit_kv_from_position_0_on_the_served_folder(default_model, reference)
     """`serve --kv-bits 4 --quantized-kv-start 0` on the default model's own folder, 2 stage
     processes: every stream's caches turn quantized after its prompt's first prefill call,
     as mlx-lm's do. One stream alone (it drafts from its prompt, so its stages rewind
-    quantized caches too), then four at once in decode groups: mlx-lm's tokens with
+    quantized caches too), then three at once in decode groups (that one again, now after
+    its quantized prefix blocks, and two chat prompts): mlx-lm's tokens with
     ``generate_step(kv_bits=4, quantized_kv_start=0)`` on the same folder, every time."""
     prompts, repeat, _ = _prompts(default_model)
-    batch = prompts[:4]
+    batch = [repeat, *prompts[:2]]  # (the first's reference is the lone stream's: two more to compute)
     cfg = ClusterConfig(model=str(default_model), stages=2, kv_bits=4, quantized_kv_start=0)
 
     async def go():
         async with Cluster(cfg) as cluster:
             async def run(ps):
                 streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
-                return [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
+                outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
+                return outs, [s.cached_tokens for s in streams]
 
-            (alone,) = await run([repeat])
-            together = await run(batch)
-            return alone, together, [st.load for st in cluster.pipeline.stages], cluster.engine.scheduler.drafts
+            (alone,), _ = await run([repeat])
+            together, cached = await run(batch)
+            return alone, together, cached, [st.load for st in cluster.pipeline.stages], cluster.engine.scheduler.drafts
 
-    alone, together, loads, drafts = run_async(go(), timeout=300)
+    alone, together, cached, loads, drafts = run_async(go(), timeout=300)
     assert all(r.kv_cache.bits == 4 and r.kv_cache.start == 0 for r in loads)
+    assert cached[0] > max(cached[1:])  # the repeat resumes after its own blocks, the others after the template's
     kv = (4, 64, 0)
     assert alone == reference(default_model, repeat, NEW_TOKENS, kv) and drafts.accepted > 0
     assert together == [reference(default_model, p, NEW_TOKENS, kv) for p in batch]
