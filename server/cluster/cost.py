@@ -214,13 +214,21 @@ def _num_experts(cfg: dict) -> int:
     return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def _moe_freq(cfg: dict, i: int) -> bool:
+    """DeepSeek's ``moe_layer_freq``: every n-th layer, or (MiMo-V2, MiniMax-M3) one flag per layer."""
+    freq = cfg.get("moe_layer_freq") or 1
+    if isinstance(freq, list):
+        return i < len(freq) and bool(freq[i])
+    return i % int(freq) == 0
+
+
 def _is_moe(cfg: dict, i: int) -> bool:
     # The union of the rules of DeepSeek (first_k_dense_replace, moe_layer_freq),
     # Qwen-MoE (decoder_sparse_step, mlp_only_layers) and Mixtral (every layer);
     # each config only sets its own keys, the others stay neutral.
     return (_num_experts(cfg) > 0
             and i >= int(cfg.get("first_k_dense_replace") or 0)
-            and i % int(cfg.get("moe_layer_freq") or 1) == 0
+            and _moe_freq(cfg, i)
             and (i + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0
             and i not in (cfg.get("mlp_only_layers") or []))
 
