@@ -207,7 +207,8 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
+            # (the name the head offered its weights by: they are what it loaded, received or its own by content)
+            fingerprint=request.fingerprint or quantized_fingerprint(fingerprint(path), quant),
             unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
