@@ -163,13 +163,18 @@ class WeightService:
         summary.rejected.extend(pb.UnitNeed(name=u, chunks=c) for u, c in rejected.items())
         return summary
 
+    def offer(self, request: pb.LoadRequest) -> Optional[Offer]:
+        """The head's last offer of the range a Load asks for (None: none)."""
+        return self._offers.get((request.fingerprint, request.start, request.end)) if request.fingerprint else None
+
     def model_path(self, request: pb.LoadRequest) -> Tuple[Path, bool]:
         """The folder to load, and whether it holds only the weights received for this range.
-        A head that sends weights (``request.fingerprint``) offered the range first: the
-        node loads its own copy only if it answered that it holds the units offered."""
+        A head that sends weights (``request.fingerprint``: the name the stage then reports,
+        its own copy's or the received units' content being the head's) offered the range
+        first: the node loads its own copy only if it answered that it holds the units offered."""
         if not request.fingerprint:
             return self.resolve(request.model), False
-        offer = self._offers.get((request.fingerprint, request.start, request.end))
+        offer = self.offer(request)
         if offer is None:
             raise ModelNotFound(f"layers [{request.start}, {request.end}) of model {request.model!r} were not "
                                 "offered to this node (the head offers them with Have before Load)")
