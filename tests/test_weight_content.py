@@ -106,8 +106,8 @@ def test_digests_are_kept_while_files_hold_and_made_again_when_they_change(dsv3_
     monkeypatch.setattr(unit_digests, "RACY_NS", 100_000_000)
     model = shutil.copytree(dsv3_model, tmp_path / "model")
     hashed = []
-    real = unit_digests.hash_unit
-    monkeypatch.setattr(unit_digests, "hash_unit", lambda unit: hashed.append(unit.name) or real(unit))
+    real = unit_digests.submit_unit
+    monkeypatch.setattr(unit_digests, "submit_unit", lambda unit: hashed.append(unit.name) or real(unit))
     units = model_units(model)
     time.sleep(0.2)  # (files older than RACY_NS are kept)
     first = unit_digests.unit_digests(tmp_path / "home", model, units)

@@ -27,9 +27,9 @@ import os
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_count, chunk_size, read_header
 
@@ -79,12 +79,16 @@ def file_sha256(path: Path) -> Optional[str]:
         return None
 
 
-def hash_unit(unit: Unit) -> str:
-    """``unit``'s digest, read from its source files now (pieces on the shared threads)."""
+def submit_unit(unit: Unit) -> List[Future]:
+    """The SHA-256s of ``unit``'s pieces, read from its source files on the shared threads."""
     pool = _threads()
-    pieces = [pool.submit(lambda i: hashlib.sha256(unit.read(i, PIECE_BYTES)).digest(), i)
-              for i in range(unit.chunks(PIECE_BYTES))]
-    return combine(file_prefix(unit.header()), (p.result() for p in pieces))
+    return [pool.submit(lambda i: hashlib.sha256(unit.read(i, PIECE_BYTES)).digest(), i)
+            for i in range(unit.chunks(PIECE_BYTES))]
+
+
+def hash_unit(unit: Unit) -> str:
+    """``unit``'s digest, read from its source files now."""
+    return combine(file_prefix(unit.header()), (p.result() for p in submit_unit(unit)))
 
 
 def hash_file(path: Path) -> str:
@@ -151,30 +155,37 @@ def _write_cache(path: Path, folder: Path, add: Dict[str, dict]) -> None:
 def unit_digests(home: Path, folder: Path, units: Mapping[str, Unit]) -> Dict[str, str]:
     """The digest of each of ``units`` (of the model folder ``folder``): kept ones where
     every file a unit draws from is as it was when it was hashed, the rest hashed now
-    (one unit after another, each in pieces on threads) and kept."""
+    (every piece of every unit at once, on the threads) and kept."""
     path = cache_file(home, folder)
     kept = _read_cache(path)
     out: Dict[str, str] = {}
-    new: Dict[str, dict] = {}
-    hashed, t0 = 0, time.perf_counter()
+    todo: Dict[str, Tuple[Unit, Dict[str, List[int]], str]] = {}
     for name, unit in units.items():
-        header = hashlib.sha256(file_prefix(unit.header())).hexdigest()
+        prefix = file_prefix(unit.header())
+        header, files = hashlib.sha256(prefix).hexdigest(), _files(unit)
         entry = kept.get(name)
-        files = _files(unit)
         if isinstance(entry, dict) and entry.get("header") == header and entry.get("files") == files:
             out[name] = entry["digest"]
-            continue
-        for _ in range(3):  # a file that changes while it is hashed is hashed again
-            began = time.time_ns()
-            digest = hash_unit(unit)
+        else:
+            todo[name] = (unit, files, header)
+    hashed, t0, new = sum(u.data_bytes for u, _, _ in todo.values()), time.perf_counter(), {}
+    for _ in range(3):  # a unit whose files change while it is hashed is hashed again
+        began = time.time_ns()
+        pieces = {name: submit_unit(unit) for name, (unit, _, _) in todo.items()}
+        for name, (unit, files, header) in list(todo.items()):
+            out[name] = combine(file_prefix(unit.header()), (p.result() for p in pieces[name]))
             after = _files(unit)
-            if after == files:
-                break
-            files = after
-        out[name] = digest
-        hashed += unit.data_bytes
-        if after == files and all(began - max(s[1], s[2]) > RACY_NS for s in files.values()):
-            new[name] = {"digest": digest, "header": header, "files": files}
+            if after != files:
+                todo[name] = (unit, after, header)
+                continue
+            del todo[name]
+            if all(began - max(s[1], s[2]) > RACY_NS for s in files.values()):
+                new[name] = {"digest": out[name], "header": header, "files": files}
+        if not todo:
+            break
+    if todo:
+        logger.warning("%s kept changing while it was hashed (%s): its digests may not match what is sent",
+                       folder, ", ".join(sorted(todo)[:3]))
     if new:
         _write_cache(path, folder, new)
     if hashed:
