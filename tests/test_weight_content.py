@@ -153,9 +153,16 @@ def test_the_head_refuses_a_node_whose_copy_is_not_its_own():
     for said, why in (({}, "named no digests"), (dict(offered, **{"layer-00000": "b" * 64}), "layer-00000 differs")):
         with pytest.raises(PipelineError, match=why):
             _holds(pb.WeightsNeed(local=True, local_digests=said), offered, 0, "n:1")
-    pipeline = Pipeline(["127.0.0.1:1", "127.0.0.1:2"], "tiny")
+
+    async def check(replies):
+        pipeline = Pipeline(["127.0.0.1:1", "127.0.0.1:2"], "tiny")  # (nothing dialled)
+        try:
+            pipeline._check_digests(replies)
+        finally:
+            await pipeline.close()
+
     same = [pb.LoadReply(unit_digests={"config": "c" * 64, f"layer-0000{i}": f"{i}" * 64}) for i in range(2)]
-    pipeline._check_digests(same)
+    run_async(check(same))
     same[1].unit_digests["config"] = "d" * 64
     with pytest.raises(PipelineError, match=r"node 127.0.0.1:2 \(stage 1\) loaded another config than stage 0"):
-        pipeline._check_digests(same)
+        run_async(check(same))
