@@ -127,7 +127,10 @@ class Receiver:
             os.fsync(fd)
         finally:
             os.close(fd)
-        fd = os.open(hashes, os.O_RDWR)
+        try:
+            fd = os.open(hashes, os.O_RDWR)
+        except FileNotFoundError:  # another receiver in this home completed it meanwhile (the same bytes)
+            return self.has(digest)
         try:  # only after the data is on disk
             os.pwrite(fd, sha256, index * _HASH)
             have = os.pread(fd, count * _HASH, 0)
