@@ -123,14 +123,14 @@ class QuantizedSource(WeightSource):
 
 def _holds(need: pb.WeightsNeed, offered: Dict[str, str], stage: int, address: str) -> int:
     """A node that answered that its own copy is the one offered must name the same digests
-    (one that names none runs an older mlxpipe, which trusted names and sizes). Returns 0 (bytes sent)."""
+    (one that names none answered by name and size, as mlxpipe did before). Returns 0 (bytes sent)."""
     said = dict(need.local_digests)
     differ = sorted(n for n in offered if said.get(n) != offered[n])
     if differ:
         raise PipelineError(
             f"node {address} (stage {stage}) answered that it holds the head's model, but "
             + (f"its {', '.join(differ[:3])} differ{'s' if len(differ) == 1 else ''} from the head's"
-               if said else "named no digests of it (an mlxpipe older than the head's?)")
+               if said else "named no digests of it (another mlxpipe than the head's?)")
             + ": update the node, or remove its copy so that the head sends the layers", [address])
     return 0
 

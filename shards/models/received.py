@@ -184,8 +184,9 @@ class Receiver:
         for unit, digest in units.items():
             check_digest(unit, digest)
         final = self.root / stage_key(files, units)
-        if final.is_dir():
+        if all((final / n).exists() for n in [*files, *map(unit_file, units)]):
             return final
+        shutil.rmtree(final, ignore_errors=True)  # (one a user emptied: made again)
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700, parents=True)
