@@ -9,7 +9,7 @@ import shutil
 import time
 
 import pytest
-from conftest import SECRET, node_process, run_async
+from conftest import SECRET, node_process, run_async, stage_stub
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto.rpc import Security
@@ -21,7 +21,7 @@ from mlxpipe.server.core.streams import collect
 from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.models import unit_digests
 from mlxpipe.shards.models.store import fingerprint
-from mlxpipe.shards.models.weights import model_units, read_header
+from mlxpipe.shards.models.weights import CHUNK_BYTES, model_units, read_header
 from mlxpipe.shards.params.quant import QuantSpec
 
 PROMPT = [5, 77, 901, 33, 12]
@@ -98,6 +98,41 @@ def test_changed_weights_travel_again_and_a_nodes_own_copy_is_not_taken_by_name(
         proc.wait()
     log = proc.stderr.read()
     assert "not the head's copy (layer-00002 differs)" in log, log
+
+
+def test_a_node_answers_local_only_for_the_content_offered(dsv3_model, tmp_path):
+    """`Have` straight to a node holding a copy: `local` (naming its digests) for the head's
+    units and for the head's source of quantized units while the copy is the head's; once
+    one tensor of it changes in place, or the head's config differs, it asks for every unit."""
+    models = tmp_path / "models"
+    shutil.copytree(dsv3_model, models / "tiny")
+    source = WeightSource(dsv3_model, fingerprint(dsv3_model), 4)
+    units = source.range_units(0, 2)
+    digests = source.digests(units)
+    offer = pb.WeightsOffer(model="tiny", fingerprint="ab" * 8, start=0, end=2, chunk_bytes=CHUNK_BYTES,
+                            files=source.files, units=[pb.WeightUnit(name=u.name, header=u.header(),
+                                                                     data_bytes=u.data_bytes, digest=digests[u.name])
+                                                       for u in units])
+    quantized = pb.WeightsOffer(model="tiny", fingerprint="cd" * 8, start=0, end=2, source_fingerprint="ab" * 8,
+                                source_digests=digests | source.file_digests(), files=source.files)
+    other_config = pb.WeightsOffer()
+    other_config.CopyFrom(offer)
+    other_config.files["config.json"] = source.files["config.json"].replace(b"2048", b"1024")
+    proc, address = node_process(tmp_path / "home", "--models-dir", str(models))
+    try:
+        stub = stage_stub(address)
+        for o in (offer, quantized):
+            need = stub.Have(o, timeout=60)
+            assert need.local and dict(need.local_digests) == digests | source.file_digests()
+        need = stub.Have(other_config, timeout=60)
+        assert not need.local and [u.name for u in need.units] == [u.name for u in units]
+        flip_signs(models / "tiny", scales_of(dsv3_model, 1))
+        for o in (offer, quantized):
+            assert not stub.Have(o, timeout=60).local
+        assert [u.name for u in stub.Have(offer, timeout=60).units] == [u.name for u in units]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_digests_are_kept_while_files_hold_and_made_again_when_they_change(dsv3_model, tmp_path, monkeypatch):
