@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -40,6 +41,7 @@ THREADS = min(8, os.cpu_count() or 2)  # reading and hashing: the disk, not the 
 RACY_NS = 2_000_000_000    # a file this recent when hashed is hashed again next time
 DIR = "digests"            # under $MLXPIPE_HOME
 _DOMAIN = b"mlxpipe unit v1\0"
+_HEX = re.compile(r"[0-9a-f]{64}")
 _VERSION = 1
 _MAX_CACHE_BYTES = 64 << 20
 
@@ -164,7 +166,8 @@ def unit_digests(home: Path, folder: Path, units: Mapping[str, Unit]) -> Dict[st
         prefix = file_prefix(unit.header())
         header, files = hashlib.sha256(prefix).hexdigest(), _files(unit)
         entry = kept.get(name)
-        if isinstance(entry, dict) and entry.get("header") == header and entry.get("files") == files:
+        if isinstance(entry, dict) and entry.get("header") == header and entry.get("files") == files and \
+                _HEX.fullmatch(str(entry.get("digest"))):
             out[name] = entry["digest"]
         else:
             todo[name] = (unit, files, header)
