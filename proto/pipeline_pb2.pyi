@@ -193,17 +193,19 @@ class Result(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., prompt: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class WeightUnit(_message.Message):
-    __slots__ = ("name", "header", "data_bytes")
+    __slots__ = ("name", "header", "data_bytes", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     header: bytes
     data_bytes: int
-    def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WeightsOffer(_message.Message):
-    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files", "source_fingerprint")
+    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files", "source_fingerprint", "source_digests")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,13 @@ class WeightsOffer(_message.Message):
         key: str
         value: bytes
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class SourceDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +228,7 @@ class WeightsOffer(_message.Message):
     UNITS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     start: int
@@ -227,7 +237,8 @@ class WeightsOffer(_message.Message):
     units: _containers.RepeatedCompositeFieldContainer[WeightUnit]
     files: _containers.ScalarMap[str, bytes]
     source_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., source_fingerprint: _Optional[str] = ...) -> None: ...
+    source_digests: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., source_fingerprint: _Optional[str] = ..., source_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnitNeed(_message.Message):
     __slots__ = ("name", "chunks")
@@ -238,14 +249,23 @@ class UnitNeed(_message.Message):
     def __init__(self, name: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightsNeed(_message.Message):
-    __slots__ = ("local", "units", "have_bytes")
+    __slots__ = ("local", "units", "have_bytes", "local_digests")
+    class LocalDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     HAVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     local: bool
     units: _containers.RepeatedCompositeFieldContainer[UnitNeed]
     have_bytes: int
-    def __init__(self, local: _Optional[bool] = ..., units: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ..., have_bytes: _Optional[int] = ...) -> None: ...
+    local_digests: _containers.ScalarMap[str, str]
+    def __init__(self, local: _Optional[bool] = ..., units: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ..., have_bytes: _Optional[int] = ..., local_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("fingerprint", "unit", "index", "data", "sha256")

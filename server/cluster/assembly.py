@@ -281,7 +281,7 @@ class Cluster:
             pipeline.assign(ranges)
             pipeline.fingerprint = quantized_fingerprint(self.weights.fingerprint if self.weights else
                                                          fingerprint(self.model.path), self.model.quant)
-            await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
+            await pipeline.load(progress=sys.stderr.isatty(), weights=await self._weights(), quant=self.model.quant)
             for line in await self.placer.predict(pipeline):
                 logger.info("%s", line)
         except BaseException:
@@ -289,16 +289,16 @@ class Cluster:
             raise
         return pipeline
 
-    def _weights(self) -> Optional[WeightSource]:
+    async def _weights(self) -> Optional[WeightSource]:
         """What remote nodes that lack the model receive: the model folder, or its
         units quantized by the spec in effect (quantized on the head when first needed)."""
         quant = self.model.quant
         if self.weights is None or quant is None:
             return self.weights
         key = quant.key()
-        if key not in self._quantized:
-            self._quantized[key] = QuantizedSource(self.model.path, self.weights.fingerprint, quant,
-                                                   self.model.num_layers, rate=self.config.weights_rate)
+        if key not in self._quantized:  # (hashes the source, once: on a thread)
+            self._quantized[key] = await asyncio.to_thread(QuantizedSource, self.weights, quant,
+                                                           rate=self.config.weights_rate)
         return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:

@@ -1,8 +1,9 @@
 """Nodes refused early, each with a one-line reason: another mlxpipe, MLX or mlx-lm than
 the head's, a clock far from the head's, no proof of the cluster secret (a node that
 was discovered rather than named). (A copy of the model that is not the head's is
-refused when the stages load, ``stage_client.py``; less memory than a stage needs,
-by the stage itself before it reads a byte, ``shards/worker/memory.py``.)
+never loaded: the node receives the head's units, ``weights.py``, and a node that loaded
+another is refused when the stages load, ``stage_client.py``; less memory than a stage
+needs, by the stage itself before it reads a byte, ``shards/worker/memory.py``.)
 
 The head asks every node ``Hello`` (``shards/net/hello.py``) before it plans: the reply
 says what the node runs and, for a node that holds the secret, proves it does.

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -160,6 +160,7 @@ class Pipeline:
         finally:
             bar.close()
         self._check_fingerprints(replies)
+        self._check_digests(replies)
         if self.probe[1]:
             await self.links.measure(self.stubs, self.md, *self.probe)
             self.links.warn_new()
@@ -176,6 +177,22 @@ class Pipeline:
                 f"node {a} holds another copy of {Path(self.model).name} (fingerprint {f[:12]}, the head's "
                 f"{want[:12]}): update it, or remove it so that the head sends the layers" for a, f in wrong),
                 [a for a, _ in wrong])
+
+    def _check_digests(self, replies: Sequence[pb.LoadReply]) -> None:
+        """Stages of one model agree where what they loaded meets (``LoadReply.unit_digests``):
+        the config on every stage, the embedding on the first and a last stage that ties its
+        head to it. A node that loaded a copy other than the head's (one that answered by
+        name, not by content) is refused, in one line."""
+        seen: Dict[str, Tuple[str, int]] = {}
+        for i, reply in enumerate(replies):
+            for unit, digest in sorted(reply.unit_digests.items()):
+                first = seen.setdefault(unit, (digest, i))
+                if first[0] != digest:
+                    j, a = first[1], self.stages[i].address
+                    raise PipelineError(
+                        f"node {a} (stage {i}) loaded another {unit} than stage {j} at {self.stages[j].address} "
+                        f"(digest {digest[:12]}, not {first[0][:12]}): its copy of {Path(self.model).name} is "
+                        "not the head's; update it, or remove it so that the head sends the layers", [a])
 
     async def open(self) -> None:
         """Open the Results stream of the last stage, then the Forward stream of the first."""

@@ -65,12 +65,13 @@ def _model_status(err: ValueError) -> grpc.StatusCode:
 
 
 class _Loaded:
-    """A loaded shard plus what Load replied."""
+    """A loaded shard plus what Load replied, and the head's offer of its weights (if any)."""
 
-    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest):
+    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest, offer=None):
         self.shard = shard
         self.reply = reply
         self.request = request
+        self.offer = offer  # weight_service.Offer: the same request over other weights is another shard
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -207,7 +208,7 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
+            fingerprint=request.fingerprint or quantized_fingerprint(fingerprint(path), quant),
             unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
@@ -219,7 +220,7 @@ class StageServicer(pb_grpc.StageServicer):
             state_bytes=footprint.state_bytes, vision=request.vision,
             **kv_reply,
         )
-        return _Loaded(shard, reply, request)
+        return _Loaded(shard, reply, request, self.weights.offer(request))
 
     def close(self) -> None:
         """The node stops: finish the disk tier's writes (a while, at most)."""
@@ -267,7 +268,8 @@ class StageServicer(pb_grpc.StageServicer):
             # run another frame (one could replay a stale prefill over a new
             # sequence of the same id), and their results are stale.
             await self._end_streams()
-            if self.loaded is not None and self.loaded.request == request:
+            if self.loaded is not None and self.loaded.request == request and \
+                    self.loaded.offer == self.weights.offer(request):
                 # The same shard again (a rebuilt pipeline): live sequences go, the
                 # prefix cache stays (the head learns what it holds from the reply).
                 await self._mlx(self.loaded.shard.free_all)
