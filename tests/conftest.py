@@ -41,17 +41,19 @@ def _private_home() -> Path:
 TEST_HOME = _private_home()
 
 
-def _link_default_model() -> Path:
-    """The default model in the test home: a real folder (node paths must stay
-    inside their models directory), its files links to the shared copy."""
-    from mlxpipe.shards.models.store import default_model_dir, pull_default
+def _link_default_model(embedding: bool = False) -> Path:
+    """The default model (``embedding``: the default embedding model) in the test home: a
+    real folder (node paths must stay inside their models directory), its files links to
+    the shared copy."""
+    from mlxpipe.shards.models.store import (default_embedding_dir, default_model_dir, pull_default,
+                                             pull_default_embedding)
 
-    mine = default_model_dir()
+    mine = default_embedding_dir() if embedding else default_model_dir()
     shared = Path(os.environ["MLXPIPE_SHARED_HOME"]) / mine.relative_to(TEST_HOME)
     if not (shared / "model.safetensors").exists():
         os.environ["MLXPIPE_HOME"] = str(shared.parent.parent)
         try:
-            pull_default(progress=False)
+            (pull_default_embedding if embedding else pull_default)(progress=False)
         finally:
             os.environ["MLXPIPE_HOME"] = str(TEST_HOME)
     mine.mkdir(parents=True, exist_ok=True)
@@ -100,6 +102,39 @@ def default_server(default_model):
     for extra in ({}, {"response_format": {"type": "json_object"}}):
         httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
             "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def embedding_model() -> Path:
+    """The default embedding model (all-MiniLM-L6-v2) in the test home."""
+    return _link_default_model(embedding=True)
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """A tiny OTLP/HTTP receiver (``otlp_receiver.py``) the team server exports its traces to."""
+    from otlp_receiver import Receiver
+
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def team_server(default_model, embedding_model):
+    """`mlxpipe serve` of the default model on 2 local stages, with what a team's server runs on
+    its head beside it: the default embedding model and the default model again (``--also``,
+    served as ``<name>-head``), and traces sent to ``otlp_receiver``; greedy, 64 tokens unless
+    asked. Shared by test_embeddings, test_head_models and test_traces."""
+    import httpx
+    from server_proc import ServerProcess
+
+    srv = ServerProcess("--model", str(default_model), "--stages", "2", "--max-tokens", "64", "--temp", "0",
+                        "--embedding-model", "default", "--also", "default")
+    httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     yield srv
     srv.stop()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jinja2 import TemplateError
 
@@ -201,11 +201,15 @@ class Generation:
 class Generator:
     """The API's one way to run a request on the engine (``head``: the started
     ``Cluster``, or anything with its ``engine``, ``tokenizer``, ``vocab_size`` and
-    ``model_facts()``)."""
+    ``model_facts()``). ``others``: more models the head serves itself
+    (``cluster/head_model.py``, ``--also``), each with that same surface and its
+    ``name``, reached by the request's ``model`` (``pick``, ``check_model``)."""
 
-    def __init__(self, head, options: ApiOptions):
+    def __init__(self, head, options: ApiOptions, others: Sequence = ()):
         self.head = head
         self.options = options
+        self.others: Dict[str, "Generator"] = {
+            m.name: Generator(m, replace(options, model_id=m.name, aliases=())) for m in others}
         self.engine = head.engine
         self.tok = head.tokenizer
         self.vocab = head.vocab_size
@@ -218,10 +222,30 @@ class Generator:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
         return self.head.model_facts()
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{self.options.model_id}'", param="model", code="model_not_found")
+    def served(self) -> List[str]:
+        """The names of the models served: the pipeline's, the head's others, the embedding model."""
+        embedder = getattr(self.head, "embedder", None)
+        return [self.options.model_id, *self.others, *([embedder.facts.name] if embedder is not None else [])]
+
+    def served_names(self) -> set:
+        """Every name a served model answers to (aliases too)."""
+        return self.names | set(self.served())
+
+    def pick(self, name: Optional[str]) -> "Generator":
+        """The model a request names: another of the head's models by its name (Ollama's
+        ``:latest`` tag or not); any other name, the pipeline's (agents name their own)."""
+        name = (name or "").removesuffix(":latest")
+        return self.others.get(name, self)
+
+    def check_model(self, name: str) -> "Generator":
+        """``pick``, strictly (OpenAI's chat, completions and models): a name no served model
+        answers to is a 404 that lists the served ones."""
+        chosen = self.pick(name)
+        if chosen is self and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.served())
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return chosen
 
     async def start(self, req: GenerationRequest) -> Generation:
         """The request's ``n`` streams on the engine, or an ApiError."""
@@ -323,7 +347,7 @@ class Generator:
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
                            param="messages", code="context_length_exceeded")
         if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
-            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
+            room = min(context, self.engine.kv_tokens) - prompt_len
             return max(min(options.default_max_tokens or context, limit or context, room), 1)
         if req.clamp_max_tokens:
             return min(asked, limit or context, context - prompt_len)

@@ -69,6 +69,10 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
                 "context_length": engine.max_context, "kv_tokens": engine.kv_tokens,
                 "speculation": engine.speculation()}
         body.update(_cluster(head))
+        if getattr(head, "embedder", None) is not None:
+            body["embedding_model"] = head.embedder.as_dict()
+        if getattr(head, "extras", None):
+            body["head_models"] = [m.as_dict() for m in head.extras]
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)
@@ -77,7 +81,7 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
     async def prometheus_metrics():
         stages = await engine.health(timeout=2.0)
         return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget(),
-                                       _cluster(head).get("links", ())),
+                                       _cluster(head).get("links", ()), getattr(head, "embedder", None)),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/nodes")

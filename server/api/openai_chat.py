@@ -28,7 +28,7 @@ def chat_request(req: ChatCompletionRequest, options: ApiOptions) -> GenerationR
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        generator.check_model(req.model)
-        gen = await generator.start(chat_request(req, options))
-        fmt = ChatFormat(generator.tok, options.model_id, req.logprobs)
+        chosen = generator.check_model(req.model)  # the pipeline's model, or another the head serves
+        gen = await chosen.start(chat_request(req, options))
+        fmt = ChatFormat(chosen.tok, chosen.options.model_id, req.logprobs)
         return await respond(request, gen, fmt, req.stream, req.include_usage())

@@ -32,8 +32,8 @@ def completion_request(req: CompletionRequest, options: ApiOptions) -> Generatio
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, request: Request):
-        generator.check_model(req.model)
-        gen = await generator.start(completion_request(req, options))
-        fmt = TextFormat(generator.tok, options.model_id, req.logprobs is not None, req.n,
+        chosen = generator.check_model(req.model)  # the pipeline's model, or another the head serves
+        gen = await chosen.start(completion_request(req, options))
+        fmt = TextFormat(chosen.tok, chosen.options.model_id, req.logprobs is not None, req.n,
                          echo=gen.echo if req.echo else None)
         return await respond(request, gen, fmt, req.stream, req.include_usage())

@@ -307,14 +307,15 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
             items, previous = store.get(body.previous_response_id)
             history = items + _output_items(previous["output"])
         req, conversation = to_request(body, history, options)
-        resp = _Response(body, await generator.start(req))
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        resp = _Response(body, await chosen.start(req))
 
         def stored(obj: dict) -> None:
             if body.store:
                 store.put(obj, conversation)
 
         if body.stream:
-            return StreamingResponse(stream(resp, lambda e: generator.error(req, e).body()["error"], stored),
+            return StreamingResponse(stream(resp, lambda e: chosen.error(req, e).body()["error"], stored),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         obj = await whole(resp, request)
         stored(obj)

@@ -53,4 +53,7 @@ class ApiOptions:
     log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
                               "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
                               action=argparse.BooleanOptionalAction)
+    embedding_max_inputs: int = knob(2048, "inputs one embeddings request may hold, at most (default %(default)s, "
+                                     "as OpenAI's); tokens per input are bounded by the embedding model's own limit",
+                                     type=count)
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
