@@ -123,7 +123,7 @@ def otlp_receiver():
 
 
 @pytest.fixture(scope="session")
-def team_server(default_model, embedding_model):
+def team_server(default_model, embedding_model, otlp_receiver):
     """`mlxpipe serve` of the default model on 2 local stages, with what a team's server runs on
     its head beside it: the default embedding model and the default model again (``--also``,
     served as ``<name>-head``), and traces sent to ``otlp_receiver``; greedy, 64 tokens unless
@@ -132,7 +132,7 @@ def team_server(default_model, embedding_model):
     from server_proc import ServerProcess
 
     srv = ServerProcess("--model", str(default_model), "--stages", "2", "--max-tokens", "64", "--temp", "0",
-                        "--embedding-model", "default", "--also", "default")
+                        "--embedding-model", "default", "--also", "default", "--otlp-endpoint", otlp_receiver.url)
     httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
         "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     yield srv

@@ -28,6 +28,7 @@ from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import TextChunk, stream_text
+from mlxpipe.server.api.traces import new_trace
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
 from mlxpipe.shards.models.grammar import in_worker
@@ -264,7 +265,7 @@ class Generator:
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts, cache_salt=salt))
+                                                  max_drafts=req.max_drafts, cache_salt=salt, trace=new_trace()))
         except QueueFull as err:
             for s in streams:
                 s.cancel()

@@ -15,6 +15,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.plan import Entry, PromptScores, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
+from mlxpipe.server.core.tracing import Tracing
 from mlxpipe.server.core.workload import WorkloadMeter
 from mlxpipe.shards.params import wire
 
@@ -73,14 +74,21 @@ class Framer:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.meter = WorkloadMeter()  # the workload the steps make (workload.py)
+        self.tracing = Tracing()  # traced requests' frames (tracing.py): nothing while none is traced
 
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
         steps = self.scheduler.schedule()
         for s in steps:
             self.meter.step(s)
+        if self.tracing.traces:
+            self.tracing.sent(steps)
         return [frame(s) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
         """Take one Result; return the tokens it gave live sequences."""
-        return self.scheduler.on_result(step_result(result))
+        events = self.scheduler.on_result(step_result(result))
+        if self.tracing.traces:
+            self.tracing.result(result.frame_id, [(t.queued_us / 1e6, t.decode_us / 1e6, t.compute_us / 1e6,
+                                                   t.encode_us / 1e6) for t in result.timings], events)
+        return events
