@@ -136,3 +136,28 @@ def test_counted_in_metrics_and_health(team_server):
     assert counted() == before + 3
     health = httpx.get(f"{team_server.root}/health").json()
     assert health["embedding_model"]["name"] == "all-MiniLM-L6-v2" and health["embedding_model"]["dimensions"] == 384
+
+
+def test_an_mlx_lm_model_pooled_in_batches_equals_one_at_a_time(default_model):
+    """A model mlx-embeddings does not ship (the default chat model, llama) runs through mlx-lm:
+    its final hidden state, last-token pooled and normalized; inputs of different lengths in one
+    padded batch give each input's own vector."""
+    import asyncio
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlxpipe.server.cluster.embedding_model import EmbeddingModel
+
+    model = EmbeddingModel(default_model, "chat-as-embedding")
+    try:
+        assert model.facts.library == "mlx-lm" and model.facts.pooling == "last" and not model.facts.matryoshka
+        ids = model.tokenize(TEXTS)
+        got = asyncio.run(model.embed(ids))
+    finally:
+        model.close()
+    lm, _ = load(str(default_model))
+    for x, vector in zip(ids, got):
+        hidden = lm.model(mx.array([x]))[0, -1].astype(mx.float32)
+        want = np.array(hidden / mx.linalg.norm(hidden))
+        np.testing.assert_allclose(vector, want, atol=1e-4)
