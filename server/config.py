@@ -53,12 +53,21 @@ def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = ""
     return field(default=default, metadata=meta)
 
 
+UINT32_MAX = 2**32 - 1  # the wire's counts and positions are uint32: a larger value fails only when sent
+
+
 def count(text: str) -> int:
-    """An argparse type: a whole number, at least 1 (argparse turns the ValueError
-    into a one-line usage error, before anything loads)."""
+    """An argparse type: a whole number, 1 to ``UINT32_MAX`` (argparse turns the error
+    into a one-line usage error naming the option, before anything loads)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return _at_most_uint32(value)
+
+
+def _at_most_uint32(value: int) -> int:
+    if value > UINT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {UINT32_MAX}, got {value}")
     return value
 
 
@@ -92,11 +101,11 @@ def _node_list(text: str) -> List[str]:
 
 
 def _non_negative_int(text: str) -> int:
-    """An argparse type: a whole number, 0 or more."""
+    """An argparse type: a whole number, 0 to ``UINT32_MAX``."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _at_most_uint32(value)
 
 
 def _bits(text: Optional[str]) -> Optional[str]:

@@ -215,17 +215,13 @@ def _await_listening(port, starter, timeout=240):
     raise AssertionError(f"nothing listens on 127.0.0.1:{port}: the head did not start taking joins")
 
 
-def _text(model, tokens):
-    """What the API's completion text is for ``tokens`` (mlx-lm's streaming
-    detokenizer, which drops the one space a text starts with)."""
+def _text(model, prompt, tokens):
+    """What the API's completion text is for ``tokens`` after ``prompt``: the text they
+    add to the prompt's (a first token's leading space included)."""
     from mlx_lm.utils import load_tokenizer
 
-    detok = load_tokenizer(model).detokenizer
-    detok.reset()
-    for t in tokens:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    tok = load_tokenizer(model)
+    return tok.decode(prompt + tokens)[len(tok.decode(prompt)):]
 
 
 def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, reference):
@@ -254,7 +250,7 @@ def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, r
         r = httpx.post(f"{head.base_url}/completions", json={"model": "default", "prompt": PROMPT,
                                                               "max_tokens": TOKENS, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == TOKENS
-        assert r.json()["choices"][0]["text"] == _text(dsv3_model, reference(dsv3_model, PROMPT, TOKENS))
+        assert r.json()["choices"][0]["text"] == _text(dsv3_model, PROMPT, reference(dsv3_model, PROMPT, TOKENS))
         out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "nodes", "--url", head.base_url],
                              capture_output=True, text=True, timeout=60)
         assert all(a in out.stdout for _, a in joiners)

@@ -29,9 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator, keepalive
 from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -223,7 +225,7 @@ def _tools(req: Union[MessagesRequest, CountRequest]) -> Optional[List[Dict[str,
     return tools or None
 
 
-def to_request(req: MessagesRequest, options: ApiOptions) -> GenerationRequest:
+def to_request(req: MessagesRequest, options: ApiOptions, tenant: Tenant) -> GenerationRequest:
     """The internal request of an Anthropic one."""
     tools = _tools(req)
     return GenerationRequest(
@@ -233,7 +235,7 @@ def to_request(req: MessagesRequest, options: ApiOptions) -> GenerationRequest:
         response_format=_output_format(req.output_config),
         tool_choice=_tool_choice(req.tool_choice) if tools else None,
         parallel_tool_calls=not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use),
-        cache_salt=req.cache_salt)
+        tenant=tenant)
 
 
 def stop_reason(finish: Optional[str], stop_string: Optional[str]) -> str:
@@ -345,7 +347,7 @@ async def stream_message(gen: Generation, model: str, msg_id: str, on_error) -> 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     async def messages(body: MessagesRequest, request: Request):
-        req = to_request(body, options)
+        req = to_request(body, options, caller_of(request).tenant(body.cache_salt))
         chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
         gen = await chosen.start(req)
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -356,8 +358,9 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return await whole_message(gen, request, body.model, msg_id)
 
-    async def count_tokens(body: CountRequest):
-        prompt = await generator.pick(body.model).prompt(GenerationRequest(messages=_messages(body), tools=_tools(body)))
+    async def count_tokens(body: CountRequest, request: Request):
+        prompt = await generator.pick(body.model).prompt(GenerationRequest(
+            messages=_messages(body), tools=_tools(body), tenant=caller_of(request).tenant(None)))
         return {"input_tokens": len(prompt)}
 
     for base in ("/v1/messages", "/messages"):

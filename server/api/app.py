@@ -23,6 +23,7 @@ from mlxpipe.server.api import (anthropic_messages, embeddings, health, ollama, 
                                 openai_responses)
 from mlxpipe.server.api.errors import add_error_handlers
 from mlxpipe.server.api.generation import Generator
+from mlxpipe.server.api.keys import Keys
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.middleware import add_middleware
 from mlxpipe.server.api.options import ApiOptions
@@ -39,9 +40,9 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
     app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
     metrics = metrics or Metrics()
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    add_middleware(app, options, metrics, head.engine)
+    add_middleware(app, options, metrics, head.engine, Keys(options.api_keys))
     add_error_handlers(app)
-    generator = Generator(head, options, getattr(head, "extras", ()))  # (extras: the models the head runs itself)
+    generator = Generator(head, options, metrics, getattr(head, "extras", ()))  # (extras: models the head runs)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: agents' connectivity check
     async def index():

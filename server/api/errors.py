@@ -24,9 +24,9 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     503: "overloaded_error", 529: "overloaded_error"}
 # What the 404 for an unknown path lists.
 SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models (OpenAI); "
-          "POST /v1/responses, "
-          "GET /v1/responses/{id} (OpenAI Responses); POST /v1/messages, POST /v1/messages/count_tokens "
-          "(Anthropic); POST /api/chat, POST /api/generate, POST /api/embed, POST /api/embeddings, GET /api/tags, POST /api/show, GET /api/ps, "
+          "POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI Responses); POST /v1/messages, "
+          "POST /v1/messages/count_tokens (Anthropic); POST /api/chat, POST /api/generate, POST /api/embed, "
+          "POST /api/embeddings, GET /api/tags, POST /api/show, GET /api/ps, "
           "GET /api/version (Ollama); GET /health, GET /metrics, GET / (the web page)")
 
 

@@ -19,7 +19,6 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tupl
 
 from jinja2 import TemplateError
 
-from mlxpipe.server.api import tenants
 from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.options import ApiOptions
@@ -27,7 +26,7 @@ from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
-from mlxpipe.server.api.textgen import TextChunk, stream_text
+from mlxpipe.server.api.textgen import CONTEXT_TOKENS, TextChunk, stream_text
 from mlxpipe.server.api.traces import new_trace
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
@@ -98,6 +97,14 @@ class Generation:
         self.streams = streams
         self.completion_tokens = 0
         self._make_reply = make_reply  # (streaming) -> a Reply; None: plain text
+        self.meter = generator.meter(req)
+        if self.meter is not None:
+            self.meter.started(self)
+
+    @property
+    def live(self) -> bool:
+        """Some choice is still waiting or generating."""
+        return not all(s.done for s in self.streams)
 
     def cancel(self) -> None:
         for s in self.streams:
@@ -120,10 +127,13 @@ class Generation:
         """(choice index, chunk) from all n streams, as they come; the streams are
         cancelled when this ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
+        # A continued prompt's last tokens lead the detokenizer in, so the reply's first
+        # space is kept (``stream_text``); a chat reply starts a text, as mlx-lm's server's.
+        context = self.prompt[-CONTEXT_TOKENS:] if self.req.continues else ()
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for c in stream_text(self.tokenizer, stream, self.req.stop):
+                async for c in stream_text(self.tokenizer, stream, self.req.stop, context):
                     await queue.put((i, c))
             except Exception as err:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, err))
@@ -141,11 +151,16 @@ class Generation:
                     raise item
                 else:
                     self.completion_tokens += len(item.tokens)
+                    if self.meter is not None:
+                        self.meter.generated_tokens(len(item.tokens))
                     yield i, item
         finally:
             self.cancel()
             for t in tasks:
                 t.cancel()
+            if self.meter is not None:
+                u = self.usage()
+                self.meter.cached_prompt(u.cached_tokens - u.cached_disk_tokens, u.cached_disk_tokens)
 
     async def events(self) -> AsyncIterator[Event]:
         """Each choice's text as it streams. Raises ``GenerationFailed`` or
@@ -206,11 +221,12 @@ class Generator:
     (``cluster/head_model.py``, ``--also``), each with that same surface and its
     ``name``, reached by the request's ``model`` (``pick``, ``check_model``)."""
 
-    def __init__(self, head, options: ApiOptions, others: Sequence = ()):
+    def __init__(self, head, options: ApiOptions, metrics=None, others: Sequence = ()):
         self.head = head
         self.options = options
+        self.metrics = metrics  # (metrics.Metrics: each key's own activity is counted there)
         self.others: Dict[str, "Generator"] = {
-            m.name: Generator(m, replace(options, model_id=m.name, aliases=())) for m in others}
+            m.name: Generator(m, replace(options, model_id=m.name, aliases=()), metrics) for m in others}
         self.engine = head.engine
         self.tok = head.tokenizer
         self.vocab = head.vocab_size
@@ -222,6 +238,10 @@ class Generator:
     def model_facts(self) -> dict:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
         return self.head.model_facts()
+
+    def meter(self, req: GenerationRequest):
+        """The ``KeyMeter`` of the request's key, if this generator counts."""
+        return self.metrics.key(req.tenant.key) if self.metrics is not None else None
 
     def served(self) -> List[str]:
         """The names of the models served: the pipeline's, the head's others, the embedding model."""
@@ -257,7 +277,7 @@ class Generator:
         prompt = await self.prompt(req)
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
-        streams, salt = [], tenants.salt(req.cache_salt)
+        streams, salt = [], req.tenant.salt()
         try:
             for i in range(req.n):
                 # (choices share the prompt: the first alone scores it, when asked)
@@ -292,24 +312,25 @@ class Generator:
             bad = [t for t in req.token_ids if not 0 <= t < self.vocab]
             if bad:
                 raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {self.vocab})",
-                               param="prompt")
+                               param=req.prompt_field)
             prompt = list(req.token_ids)
         elif req.messages is not None:
-            prompt = await self._encode(self.prompts.render, req.messages, req.tools, req.template_kwargs)
+            prompt = await self._encode(req.prompt_field, self.prompts.render, req.messages, req.tools,
+                                        req.template_kwargs)
         else:
-            prompt = await self._encode(self.tok.encode, req.text)
+            prompt = await self._encode(req.prompt_field, self.tok.encode, req.text)
         if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+            raise ApiError(400, "the prompt is empty", param=req.prompt_field)
         return prompt
 
-    async def _encode(self, fn, *args) -> List[int]:
+    async def _encode(self, param: str, fn, *args) -> List[int]:
         try:
             return await asyncio.to_thread(fn, *args)
         except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
-            raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+            raise ApiError(400, f"the {param} could not be rendered and tokenized: {err}", param=param)
         except RecursionError:  # tools or arguments nested deeper than the template's code can walk
-            raise ApiError(400, "the messages could not be rendered: tools or arguments are nested too deeply",
-                           param="messages") from None
+            raise ApiError(400, f"the {param} could not be rendered: tools or arguments are nested too deeply",
+                           param=param) from None
 
     async def plan(self, req: GenerationRequest) -> OutputPlan:
         """What the request's output must follow, or a 400. A forced call is written in
@@ -338,7 +359,7 @@ class Generator:
         options, context, asked = self.options, self.engine.max_context, req.max_tokens
         if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
             raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
-                                f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
+                                f"{options.max_prompt_tokens}", param=req.prompt_field, code="prompt_too_long")
         limit = options.max_tokens_limit
         if limit and (asked or 0) > limit and not req.clamp_max_tokens:
             raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
@@ -346,7 +367,7 @@ class Generator:
         if prompt_len >= context:
             raise ApiError(400, f"This model's maximum context length is {served}. However, your "
                                 f"prompt is {prompt_len} tokens. Please shorten it.",
-                           param="messages", code="context_length_exceeded")
+                           param=req.prompt_field, code="context_length_exceeded")
         if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
             room = min(context, self.engine.kv_tokens) - prompt_len
             return max(min(options.default_max_tokens or context, limit or context, room), 1)

@@ -6,11 +6,17 @@ observer); the engine's gauges and the stage figures (busy seconds, queue
 depth, KV-cache bytes, weights, state) are handed to ``render`` at scrape
 time, from the engine and every stage's Health. Each app has a registry of its
 own.
+
+That is an operator's view: every key's activity. A key that is not an
+operator's (``keys.KeyPolicy``) sees its own: each key has a ``KeyMeter``, a
+registry of the same names (its HTTP requests, tokens generated, prompt tokens
+cached, live requests) counted for its requests alone.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -133,6 +139,40 @@ class _Embeddings:
             yield from (inputs, tokens)
 
 
+class KeyMeter:
+    """One key's own activity, under the names an operator's view gives everyone's."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxpipe_http_requests", "This key's HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated for this key", registry=r)
+        self.cached = Counter("mlxpipe_prompt_tokens_cached", "This key's prompt tokens served from the prefix "
+                              "cache, by tier", ["tier"], registry=r)
+        self.live_gauge = Gauge("mlxpipe_live_requests", "This key's requests waiting or generating", registry=r)
+        self.running: "weakref.WeakSet" = weakref.WeakSet()  # its Generations (generation.py)
+        self.generated = 0  # tokens generated for it, as /health shows them
+
+    def started(self, generation) -> None:
+        self.running.add(generation)
+
+    def generated_tokens(self, n: int) -> None:
+        self.generated += n
+        self.tokens.inc(n)
+
+    def cached_prompt(self, memory_tokens: int, disk_tokens: int) -> None:
+        self.cached.labels(tier="memory").inc(memory_tokens)
+        self.cached.labels(tier="disk").inc(disk_tokens)
+
+    @property
+    def live(self) -> int:
+        return sum(1 for g in list(self.running) if g.live)
+
+    def render(self) -> bytes:
+        self.live_gauge.set(self.live)
+        return generate_latest(self.registry)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -163,6 +203,20 @@ class Metrics:
         r.register(self.links)
         self.embeddings = _Embeddings()
         r.register(self.embeddings)
+        self.keys: Dict[bytes, KeyMeter] = {}  # one per API key that was used (the key file bounds them)
+
+    def key(self, identity: bytes) -> KeyMeter:
+        """The meter of the key known by ``identity`` (``keys.Caller.identity``)."""
+        meter = self.keys.get(identity)
+        if meter is None:
+            meter = self.keys[identity] = KeyMeter()
+        return meter
+
+    def request(self, route: str, status: str, identity: Optional[bytes]) -> None:
+        """An HTTP request answered, for everyone's view and (when a key sent it) its key's."""
+        self.requests.labels(route, status).inc()
+        if identity is not None:
+            self.key(identity).requests.labels(route, status).inc()
 
     # The engine calls these as tokens arrive (see Engine.observer).
     def first_token(self, seconds: float) -> None:

@@ -27,9 +27,11 @@ from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
 from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest, request_sampling
 from mlxpipe.server.api.schemas import Tool, stop_strings
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 from mlxpipe.shards.params.sampling import Sampling
 
@@ -157,12 +159,12 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
 
 
 
-def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
+def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions, tenant: Tenant) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
     common = dict(sampling=body.options.sampling(options),  # num_predict past the context:
                   max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
                   stop=body.options.stop or [],
-                  response_format=_format(body.format), cache_salt=body.cache_salt)
+                  response_format=_format(body.format), tenant=tenant)
     if isinstance(body, ChatBody):
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
         return GenerationRequest(messages=_messages(body.messages), tools=tools, **common)
@@ -278,7 +280,7 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
 
     async def answer(body, request: Request, key: str):
         started = time.monotonic()
-        req = request_of(body, options)
+        req = request_of(body, options, caller_of(request).tenant(body.cache_salt))
         chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
         gen = await chosen.start(req)
         if body.stream:

@@ -10,7 +10,8 @@ from typing import Optional, Tuple
 from mlxpipe.server.config import count, knob
 
 def read_api_keys(path: str) -> Tuple[str, ...]:
-    """An API key file's keys: one a line (blank lines and lines starting with # left out)."""
+    """An API key file's lines, one key a line with its fields, ``KEY [field=value ...]``
+    (``api/keys.py`` reads them; blank lines and lines starting with # left out)."""
     from mlxpipe.proto.rpc import read_secret
 
     keys = tuple(k for k in (line.strip() for line in read_secret(path, "--api-key-file").splitlines())
@@ -25,7 +26,7 @@ def _api_keys(path: Optional[str]) -> Tuple[str, ...]:
     if path:
         return read_api_keys(path)
     key = os.environ.get("MLXPIPE_API_KEY", "").strip()
-    return (key,) if key else ()
+    return (f"{key} role=operator",) if key else ()  # the one key: an operator's
 
 
 @dataclass
@@ -40,8 +41,10 @@ class ApiOptions:
     default_temperature: float = knob(1.0, "temperature when a request does not say (default %(default)s, as "
                                       "OpenAI)", flag="--temp", type=float)
     api_keys: Tuple[str, ...] = knob((), "file with the API keys clients must send as 'Authorization: Bearer "
-                                     "<key>', one a line: one per user or app, each key's prompts cached apart "
-                                     "(or set $MLXPIPE_API_KEY); default: no key", flag="--api-key-file",
+                                     "<key>', one a line: one per user or app, each key's prompts cached and "
+                                     "responses stored apart; 'KEY role=operator' for a key that sees every key's "
+                                     "activity in /health and /metrics (or set $MLXPIPE_API_KEY, an operator's); "
+                                     "default: no key", flag="--api-key-file",
                                      parse=_api_keys, cli_default=None)
     cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
                                          flag="--cors-origin", action="append", parse=tuple, cli_default=[])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mlxpipe.server.api.options import ApiOptions
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 from mlxpipe.shards.params.sampling import Sampling
 
@@ -61,9 +62,23 @@ class GenerationRequest:
     # (``core/drafting.SOURCES``) and drafted positions in flight at most (0: none).
     speculation: str = DEFAULT_SPECULATION
     max_drafts: Optional[int] = None
-    # The client's ``cache_salt`` (vLLM's field): prefixes are reused only between
-    # requests with the same salt, under the same API key (``tenants.py``).
-    cache_salt: Optional[str] = None
+    # Whose request it is: the API key the middleware found and the client's ``cache_salt``
+    # (``tenants.py``): prefixes are reused only between requests of the same tenant, and
+    # what is stored for a request is its key's. Set where a protocol builds the request,
+    # from the route's ``keys.caller_of``; no default, so no request is silently untenanted.
+    tenant: Tenant = field(kw_only=True)
+    # The body field that holds the prompt, for errors that name it (None: "messages" for
+    # messages, "prompt" for text or token ids).
+    prompt_param: Optional[str] = None
+
+    @property
+    def continues(self) -> bool:
+        """A text or token-id prompt: the reply continues its text (a chat reply starts anew)."""
+        return self.messages is None
+
+    @property
+    def prompt_field(self) -> str:
+        return self.prompt_param or ("messages" if self.messages is not None else "prompt")
 
     @property
     def forced_tool_call(self) -> bool:

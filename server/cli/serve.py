@@ -135,6 +135,9 @@ def run(args) -> int:
     config = tree.from_args(ClusterConfig, args)
     options = tree.from_args(ApiOptions, args, model_id="")
     listen = tree.from_args(Listen, args)
+    from mlxpipe.server.api.keys import parse_key_lines
+
+    parse_key_lines(options.api_keys)  # a malformed key file line: one line now, not after the model loads
     if options.log_requests:  # at INFO, whatever -v says
         from mlxpipe.server.api.request_log import logger as request_logger
 
