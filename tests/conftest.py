@@ -122,20 +122,36 @@ def otlp_receiver():
     receiver.close()
 
 
+# The team server's API keys (``--api-key-file``): an operator without limits, which the tests
+# use unless they test a key's limit, and a key for each limit (``server/api/quotas.py``).
+TEAM_KEYS = {"open": "k-open role=operator", "rpm": "k-rpm rpm=2", "tpm": "k-tpm tpm=400",
+             "concurrency": "k-conc concurrency=1", "max_tokens": "k-max max_tokens=4",
+             "models": "k-models models=all-MiniLM-L6-v2", "batch": "k-batch priority=batch",
+             "interactive": "k-inter"}
+
+
 @pytest.fixture(scope="session")
-def team_server(default_model, embedding_model, otlp_receiver):
+def team_server(default_model, embedding_model, otlp_receiver, tmp_path_factory):
     """`mlxpipe serve` of the default model on 2 local stages, with what a team's server runs on
     its head beside it: the default embedding model and the default model again (``--also``,
-    served as ``<name>-head``), and traces sent to ``otlp_receiver``; greedy, 64 tokens unless
-    asked. Shared by test_embeddings, test_head_models and test_traces."""
+    served as ``<name>-head``), traces sent to ``otlp_receiver``, and API keys with limits
+    (``TEAM_KEYS``; ``http`` is a client with the unlimited operator's); greedy, 64 tokens
+    unless asked. Shared by test_embeddings, test_head_models, test_traces and test_quotas."""
     import httpx
     from server_proc import ServerProcess
 
+    key_file = tmp_path_factory.mktemp("keys") / "keys"
+    key_file.write_text("\n".join(TEAM_KEYS.values()) + "\n")
+    key_file.chmod(0o600)
+    headers = {"Authorization": "Bearer k-open"}
     srv = ServerProcess("--model", str(default_model), "--stages", "2", "--max-tokens", "64", "--temp", "0",
-                        "--embedding-model", "default", "--also", "default", "--otlp-endpoint", otlp_receiver.url)
-    httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
+                        "--embedding-model", "default", "--also", "default", "--otlp-endpoint", otlp_receiver.url,
+                        "--api-key-file", str(key_file), headers=headers)
+    srv.key, srv.http = "k-open", httpx.Client(headers=headers, timeout=120)
+    srv.http.post(f"{srv.base_url}/chat/completions", json={
         "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     yield srv
+    srv.http.close()
     srv.stop()
 
 

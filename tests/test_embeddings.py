@@ -35,7 +35,7 @@ def library(embedding_model):
 def test_openai_sdk_equals_library(team_server, library):
     import openai
 
-    client = openai.OpenAI(base_url=team_server.base_url, api_key="unused")
+    client = openai.OpenAI(base_url=team_server.base_url, api_key=team_server.key)
     got = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)  # (the SDK asks for base64)
     assert [d.index for d in got.data] == [0, 1, 2]
     for text, d in zip(TEXTS, got.data):
@@ -50,12 +50,12 @@ def test_openai_sdk_equals_library(team_server, library):
 def test_ollama_client_equals_library(team_server, library):
     import ollama
 
-    client = ollama.Client(host=team_server.root)
+    client = ollama.Client(host=team_server.root, headers={"Authorization": "Bearer k-open"})
     got = client.embed(model="all-minilm", input=TEXTS[:2])
     assert got.prompt_eval_count == sum(len(library.tokenizer.encode(t)) for t in TEXTS[:2])
     for text, vector in zip(TEXTS, got.embeddings):
         np.testing.assert_allclose(vector, library(text), atol=2e-5)
-    legacy = httpx.post(f"{team_server.root}/api/embeddings", json={"model": "all-minilm", "prompt": TEXTS[2]})
+    legacy = team_server.http.post(f"{team_server.root}/api/embeddings", json={"model": "all-minilm", "prompt": TEXTS[2]})
     np.testing.assert_allclose(legacy.json()["embedding"], library(TEXTS[2]), atol=2e-5)
     long = " ".join(["word"] * 400)  # Ollama's truncate (its default) cuts an input at the model's limit
     cut = client.embed(model="all-minilm", input=long).embeddings[0]
@@ -103,7 +103,7 @@ def numpy_bert(folder, ids) -> np.ndarray:
 
 
 def test_equals_an_independent_numpy_bert(team_server, library, embedding_model):
-    got = httpx.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": TEXTS[1]}).json()
+    got = team_server.http.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": TEXTS[1]}).json()
     want = numpy_bert(embedding_model, library.tokenizer.encode(TEXTS[1]))
     np.testing.assert_allclose(got["data"][0]["embedding"], want, atol=1e-4)
 
@@ -117,24 +117,24 @@ def test_equals_an_independent_numpy_bert(team_server, library, embedding_model)
     ({"input": "hi", "model": "SmolLM2-135M-Instruct-Q4_1"}, "model", "makes no embeddings"),
 ])
 def test_limits_are_a_400_naming_them(team_server, body, param, words):
-    r = httpx.post(f"{team_server.base_url}/embeddings", json={"model": "all-MiniLM-L6-v2", **body}, timeout=60)
+    r = team_server.http.post(f"{team_server.base_url}/embeddings", json={"model": "all-MiniLM-L6-v2", **body}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
-    ollama = httpx.post(f"{team_server.root}/api/embed", json={"model": "m", "input": "hi", "dimensions": 64})
+    ollama = team_server.http.post(f"{team_server.root}/api/embed", json={"model": "m", "input": "hi", "dimensions": 64})
     assert ollama.status_code == 400 and "dimensions" in ollama.json()["error"]
 
 
 def test_counted_in_metrics_and_health(team_server):
     def counted():
-        text = httpx.get(f"{team_server.root}/metrics").text
+        text = team_server.http.get(f"{team_server.root}/metrics").text
         line = next(x for x in text.splitlines() if x.startswith("mlxpipe_embedding_inputs_total"))
         return float(line.split()[-1])
 
     before = counted()
-    httpx.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": ["one", "two", "three"]})
+    team_server.http.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": ["one", "two", "three"]})
     assert counted() == before + 3
-    health = httpx.get(f"{team_server.root}/health").json()
+    health = team_server.http.get(f"{team_server.root}/health").json()
     assert health["embedding_model"]["name"] == "all-MiniLM-L6-v2" and health["embedding_model"]["dimensions"] == 384
 
 

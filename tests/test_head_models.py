@@ -17,28 +17,28 @@ HEAD = f"{PIPELINE}-head"
 
 
 def _head_tokens(server) -> int:
-    health = httpx.get(f"{server.root}/health").json()
+    health = server.http.get(f"{server.root}/health").json()
     return next(m for m in health["head_models"] if m["name"] == HEAD)["generated_tokens"]
 
 
 def test_listed_beside_the_pipeline_model(team_server):
-    models = {m["id"]: m for m in httpx.get(f"{team_server.base_url}/models").json()["data"]}
+    models = {m["id"]: m for m in team_server.http.get(f"{team_server.base_url}/models").json()["data"]}
     assert models[PIPELINE]["runs_on"] == "pipeline" and models[HEAD]["runs_on"] == "head"
     assert models[HEAD]["context_length"] > 0 and "chat" in models[HEAD]["capabilities"]
     assert models["all-MiniLM-L6-v2"]["capabilities"] == ["embedding"]
-    tags = [m["name"] for m in httpx.get(f"{team_server.root}/api/tags").json()["models"]]
+    tags = [m["name"] for m in team_server.http.get(f"{team_server.root}/api/tags").json()["models"]]
     assert tags == [f"{PIPELINE}:latest", f"{HEAD}:latest", "all-MiniLM-L6-v2:latest"]
 
 
 def test_unknown_model_is_a_404_listing_the_served_ones(team_server):
     import openai
 
-    client = openai.OpenAI(base_url=team_server.base_url, api_key="unused")
+    client = openai.OpenAI(base_url=team_server.base_url, api_key=team_server.key)
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
     message = str(err.value)
     assert "gpt-9" in message and all(name in message for name in (PIPELINE, HEAD, "all-MiniLM-L6-v2"))
-    assert httpx.get(f"{team_server.base_url}/models/gpt-9").status_code == 404
+    assert team_server.http.get(f"{team_server.base_url}/models/gpt-9").status_code == 404
 
 
 def test_head_model_equals_mlx_lm_while_the_pipeline_streams(team_server, default_model, reference):
@@ -49,7 +49,8 @@ def test_head_model_equals_mlx_lm_while_the_pipeline_streams(team_server, defaul
     want = tok.decode(reference(default_model, prompt, 24))
 
     async def run():
-        async with httpx.AsyncClient(base_url=team_server.base_url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=team_server.base_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {team_server.key}"}) as http:
             pipeline_done = asyncio.Event()
 
             async def pipeline():  # a long stream on the pipeline's model
@@ -81,7 +82,7 @@ def test_every_api_reaches_the_head_model(team_server):
 
     ask = "Say hello."
     before = _head_tokens(team_server)
-    oai = openai.OpenAI(base_url=team_server.base_url, api_key="unused")
+    oai = openai.OpenAI(base_url=team_server.base_url, api_key=team_server.key)
     chat = oai.chat.completions.create(model=HEAD, messages=[{"role": "user", "content": ask}], max_tokens=12)
     text = chat.choices[0].message.content
     assert chat.model == HEAD and text
@@ -89,13 +90,13 @@ def test_every_api_reaches_the_head_model(team_server):
     assert after_chat - before == chat.usage.completion_tokens
     responses = oai.responses.create(model=HEAD, input=ask, max_output_tokens=12)
     assert responses.output_text == text
-    claude = anthropic.Anthropic(base_url=team_server.root, api_key="unused").messages.create(
+    claude = anthropic.Anthropic(base_url=team_server.root, api_key=team_server.key).messages.create(
         model=HEAD, max_tokens=12, messages=[{"role": "user", "content": ask}])
     assert claude.content[0].text == text
-    llama = ollama.Client(host=team_server.root).chat(model=f"{HEAD}:latest", messages=[{"role": "user", "content": ask}],
-                                                       options={"num_predict": 12, "temperature": 0})
+    llama = ollama.Client(host=team_server.root, headers={"Authorization": f"Bearer {team_server.key}"}).chat(
+        model=f"{HEAD}:latest", messages=[{"role": "user", "content": ask}], options={"num_predict": 12, "temperature": 0})
     assert llama.message.content == text
     assert _head_tokens(team_server) - after_chat == 3 * chat.usage.completion_tokens
-    refused = httpx.post(f"{team_server.base_url}/chat/completions", json={
+    refused = team_server.http.post(f"{team_server.base_url}/chat/completions", json={
         "model": HEAD, "messages": [{"role": "user", "content": ask}], "response_format": {"type": "json_object"}})
     assert refused.status_code == 400 and "grammar" in refused.json()["error"]["message"]

@@ -29,7 +29,7 @@ def _tiles(parent, children, slack_ns=2_000) -> bool:
 
 def test_a_request_trace_arrives_with_per_stage_spans(team_server, otlp_receiver):
     trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
-    r = httpx.post(f"{team_server.base_url}/chat/completions", timeout=120,
+    r = team_server.http.post(f"{team_server.base_url}/chat/completions", timeout=120,
                    headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
                    json={"model": "default", "messages": [{"role": "user", "content": "Name a colour."}],
                          "max_tokens": 6})
@@ -63,7 +63,7 @@ def test_a_request_trace_arrives_with_per_stage_spans(team_server, otlp_receiver
 
 def test_a_request_without_traceparent_starts_its_own_trace(team_server, otlp_receiver):
     before = {s["trace_id"] for s in otlp_receiver.spans}
-    r = httpx.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": "traced"})
+    r = team_server.http.post(f"{team_server.base_url}/embeddings", json={"model": "m", "input": "traced"})
     assert r.status_code == 200
     import time
 

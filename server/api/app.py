@@ -24,6 +24,7 @@ from mlxpipe.server.api import (anthropic_messages, embeddings, health, ollama, 
 from mlxpipe.server.api.errors import add_error_handlers
 from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.keys import Keys
+from mlxpipe.server.api.quotas import Quotas
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.middleware import add_middleware
 from mlxpipe.server.api.options import ApiOptions
@@ -40,9 +41,11 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
     app = FastAPI(title="mlxpipe", summary="OpenAI-compatible API over a pipeline of MLX stages")
     metrics = metrics or Metrics()
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    add_middleware(app, options, metrics, head.engine, Keys(options.api_keys))
+    keys = Keys(options.api_keys)
+    add_middleware(app, options, metrics, head.engine, keys)
     add_error_handlers(app)
-    generator = Generator(head, options, metrics, getattr(head, "extras", ()))  # (extras: models the head runs)
+    generator = Generator(head, options, metrics, getattr(head, "extras", ()), Quotas(keys))  # (extras: models
+    # the head runs; quotas: each key's limits)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: agents' connectivity check
     async def index():

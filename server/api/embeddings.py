@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import List, Literal, Optional, Tuple, Union
+from typing import List, Literal, Optional, Union
 
 import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import Field
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.json_body import Body
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
 
 Inputs = Union[str, List[str], List[int], List[List[int]]]
@@ -113,8 +114,11 @@ class Embedder:
                 ids[i] = x[: facts.max_tokens]
         return ids
 
-    async def embed(self, ids: List[List[int]], dimensions: Optional[int]) -> np.ndarray:
-        facts = self.model.facts
+    async def embed(self, ids: List[List[int]], dimensions: Optional[int], identity: bytes) -> np.ndarray:
+        """The vectors, within the calling key's limits (``quotas.py``: its models, requests and
+        tokens a minute, requests at once)."""
+        facts, quotas = self.model.facts, self.generator.quotas
+        quotas.check_model(identity, facts.name)
         if dimensions is not None and dimensions != facts.dimensions:
             if not facts.matryoshka:
                 raise ApiError(400, f"dimensions: the embedding model '{facts.name}' makes {facts.dimensions}-"
@@ -122,7 +126,11 @@ class Embedder:
             if dimensions > facts.dimensions:
                 raise ApiError(400, f"dimensions is {dimensions}; the embedding model '{facts.name}' makes at most "
                                     f"{facts.dimensions}", param="dimensions")
-        return await self.model.embed(ids, dimensions)
+        admission = quotas.admit(identity, sum(map(len, ids)))
+        try:
+            return await self.model.embed(ids, dimensions)
+        finally:
+            admission.release()
 
 
 def _encoded(vector: np.ndarray, fmt: str):
@@ -135,32 +143,33 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     embedder = Embedder(generator, options)
 
     @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest):
+    async def embeddings(req: EmbeddingRequest, request: Request):
         embedder.check_model(req.model)
         ids = await embedder.inputs(req.input)
-        vectors = await embedder.embed(ids, req.dimensions)
+        vectors = await embedder.embed(ids, req.dimensions, caller_of(request).identity)
         tokens = sum(map(len, ids))
         return {"object": "list", "model": embedder.model.facts.name,
                 "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def ollama(name: str, given, truncate: bool, dimensions: Optional[int]) -> Tuple[np.ndarray, int, float]:
+    async def ollama(request, name: str, given, truncate: bool, dimensions: Optional[int]):
         started = time.monotonic()
         embedder.check_model(name.removesuffix(":latest"))
         ids = await embedder.inputs(given, truncate)
-        return await embedder.embed(ids, dimensions), sum(map(len, ids)), started
+        vectors = await embedder.embed(ids, dimensions, caller_of(request).identity)
+        return vectors, sum(map(len, ids)), started
 
     @app.post("/api/embed")
-    async def ollama_embed(body: OllamaEmbed):
-        vectors, tokens, started = await ollama(body.model, body.input, body.truncate, body.dimensions)
+    async def ollama_embed(body: OllamaEmbed, request: Request):
+        vectors, tokens, started = await ollama(request, body.model, body.input, body.truncate, body.dimensions)
         elapsed = int((time.monotonic() - started) * 1e9)
         return {"model": body.model, "embeddings": vectors.tolist(), "total_duration": elapsed,
                 "load_duration": 0, "prompt_eval_count": tokens}
 
     @app.post("/api/embeddings")
-    async def ollama_embeddings(body: OllamaEmbeddings):
+    async def ollama_embeddings(body: OllamaEmbeddings, request: Request):
         if not body.prompt:  # (Ollama answers an empty prompt with an empty vector)
             return {"embedding": []}
-        vectors, _, _ = await ollama(body.model, body.prompt, True, None)
+        vectors, _, _ = await ollama(request, body.model, body.prompt, True, None)
         return {"embedding": vectors[0].tolist()}

@@ -24,7 +24,7 @@ def chat_request(req: ChatCompletionRequest, options: ApiOptions, tenant: Tenant
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
         tool_choice=req.choice(), parallel_tool_calls=req.parallel_tool_calls,
         speculation=req.speculation, max_drafts=req.num_draft_tokens,
-        tenant=tenant)
+        tenant=tenant, priority=req.priority, service_tier=req.service_tier)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:

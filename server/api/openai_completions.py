@@ -28,7 +28,7 @@ def completion_request(req: CompletionRequest, options: ApiOptions, tenant: Tena
         text=text, token_ids=list(req.prompt) if text is None else None,
         sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
         stop=req.stop_strings(), split_reply=False, speculation=req.speculation, max_drafts=req.num_draft_tokens,
-        tenant=tenant)
+        tenant=tenant, priority=req.priority, service_tier=req.service_tier)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:

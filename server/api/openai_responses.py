@@ -161,7 +161,8 @@ def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
         messages=messages, tools=functions or None, sampling=sampling, max_tokens=req.max_output_tokens,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
-        parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input"), conversation
+        parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input",
+        priority=req.priority, service_tier=req.service_tier), conversation
 
 
 def _echo(value):

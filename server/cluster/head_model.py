@@ -82,7 +82,7 @@ class HeadEngine:
 
     def submit(self, prompt: Sequence[int], max_tokens: int, sampling: Sampling = Sampling(),
                stop_at_eos: bool = True, speculation: str = "auto", max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"", trace=None) -> RequestStream:
+               cache_salt: bytes = b"", trace=None, priority: int = 0) -> RequestStream:
         """Queue a request on the model's batch (``speculation``, ``max_drafts`` and ``cache_salt``
         change nothing here: no drafts, no prefix cache shared between requests; ``trace``: its
         span has no frames, the head's thread does all of it)."""

@@ -178,11 +178,12 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"", trace: Optional[RequestTrace] = None) -> RequestStream:
+               cache_salt: bytes = b"", trace: Optional[RequestTrace] = None, priority: int = 0) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
         prefix-cache keys' salt (it reuses only blocks of requests with the same), ``trace``:
-        where its frames' spans go (``tracing.py``; None: not traced). ``sampling`` is
+        where its frames' spans go (``tracing.py``; None: not traced), ``priority``: its class
+        (``priority.py``: 0 interactive, 1 batch). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -204,7 +205,7 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, priority=priority)
         need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
         if need > self.scheduler.max_kv_tokens:
             raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "

@@ -78,6 +78,7 @@ class Seq:
     spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
     speculation: str = DEFAULT_SPECULATION  # what it drafts from (``drafting.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
+    priority: int = 0              # its class: 0 interactive, 1 batch (``priority.py``)
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
     kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/params/kv.py)
