@@ -114,7 +114,7 @@ def test_equals_an_independent_numpy_bert(team_server, library, embedding_model)
     ({"input": " ".join(["word"] * 300)}, "input", "at most 256 tokens per input"),
     ({"input": [[1, 2], [3, 40000]]}, "input", "vocabulary"),
     ({"input": "hi", "dimensions": 64}, "dimensions", "not trained for shorter"),
-    ({"input": "hi", "model": "SmolLM2-135M-Instruct-Q4_1"}, "model", "makes no embeddings"),
+    ({"input": "hi", "model": "SmolLM2-135M-Instruct-Q4_1-head"}, "model", "makes no embeddings"),
 ])
 def test_limits_are_a_400_naming_them(team_server, body, param, words):
     r = team_server.http.post(f"{team_server.base_url}/embeddings", json={"model": "all-MiniLM-L6-v2", **body}, timeout=60)
@@ -161,3 +161,20 @@ def test_an_mlx_lm_model_pooled_in_batches_equals_one_at_a_time(default_model):
         hidden = lm.model(mx.array([x]))[0, -1].astype(mx.float32)
         want = np.array(hidden / mx.linalg.norm(hidden))
         np.testing.assert_allclose(vector, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_the_pipeline_model_pools_its_own_final_hidden_state(team_server, default_model, pooling):
+    """A request naming the pipeline's model: its last stage pools the final hidden state (after
+    the model's norm) over every prompt position, equal to mlx-lm's inner model in one process."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    got = team_server.http.post(f"{team_server.base_url}/embeddings", json={
+        "model": "SmolLM2-135M-Instruct-Q4_1", "input": TEXTS[:2], "pooling": pooling}).json()
+    lm, tok = load(str(default_model))
+    for text, d in zip(TEXTS, got["data"]):
+        hidden = lm.model(mx.array([tok.encode(text)]))[0].astype(mx.float32)
+        pooled = hidden[-1] if pooling == "last" else hidden.mean(axis=0)
+        np.testing.assert_allclose(d["embedding"], np.array(pooled / mx.linalg.norm(pooled)), atol=1e-4)
+    assert got["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in TEXTS[:2])

@@ -11,7 +11,9 @@ whose card says it is trained for truncated vectors (Matryoshka: truncated, then
 normalized again), else a 400 naming ``dimensions``. Bounded: inputs per request
 (``ApiOptions.embedding_max_inputs``) and tokens per input (the model's own limit:
 a 400 naming it; Ollama's ``truncate``, its default, cuts an input there instead).
-Counted in ``usage`` and ``/metrics``.
+Counted in ``usage`` and ``/metrics``. A request that names the pipeline's own model
+is embedded by it (``PipelinePooling``): its last stage pools the final hidden state,
+``pooling`` ``last`` (default, as vLLM pools a decoder) or ``mean``, normalized.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import List, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import List, Literal, Optional, Sequence, Union
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -30,8 +33,12 @@ from mlxpipe.server.api.generation import Generator
 from mlxpipe.server.api.json_body import Body
 from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
+from mlxpipe.server.core.sequence import QueueFull
+from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
+from mlxpipe.shards.params.sampling import Sampling
 
 Inputs = Union[str, List[str], List[int], List[List[int]]]
+POOLINGS = {"mean": 1, "last": 2}  # the pipeline's own model, pooled on its last stage (``SeqEntry.pool``)
 
 
 class EmbeddingRequest(Body):
@@ -40,6 +47,7 @@ class EmbeddingRequest(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(None, ge=1)
     user: Optional[str] = None
+    pooling: Literal["last", "mean"] = "last"  # ours: how the pipeline's own model pools (see PipelinePooling)
 
 
 class OllamaEmbed(Body):
@@ -58,31 +66,79 @@ class OllamaEmbeddings(Body):  # the older /api/embeddings
     keep_alive: Union[str, int, float, None] = None
 
 
+@dataclass
+class PipelineFacts:
+    """The pipeline's model seen as an embedding model (``EmbeddingFacts``' fields the API reads)."""
+
+    name: str
+    vocab_size: int
+    max_tokens: int
+    dimensions: Optional[int] = None  # its hidden size (known from the first vector)
+    matryoshka: bool = False
+
+
+class PipelinePooling:
+    """The pipeline's own model as an embedding model: each input a sequence the last stage pools
+    (``Engine.submit(pool=...)``: its final hidden state, the mean of every position or the last
+    one's, normalized), prefilled beside the other requests, never from the prefix cache."""
+
+    def __init__(self, generator: Generator, pooling: str):
+        self.generator, self.mode = generator, POOLINGS[pooling]
+        self.facts = PipelineFacts(generator.options.model_id, generator.vocab, generator.engine.max_context - 1)
+
+    def tokenize(self, texts: Sequence[str]) -> List[List[int]]:
+        return [list(self.generator.tok.encode(t)) for t in texts]
+
+    async def embed(self, ids: List[List[int]], dimensions: Optional[int], salt: bytes = b"") -> np.ndarray:
+        engine, streams = self.generator.engine, []
+        try:
+            for x in ids:
+                streams.append(engine.submit(x, 0, Sampling(), speculation="none", cache_salt=salt, pool=self.mode))
+            for stream in streams:
+                async for _ in stream:
+                    pass
+        except QueueFull as err:
+            raise ApiError(429, f"the server is at capacity ({err}); retry shortly", type_="rate_limit_error",
+                           code="server_busy", headers=self.generator.retry_after)
+        except (GenerationFailed, SequenceFailed) as err:
+            raise ApiError(503, f"the pipeline could not embed this input: {err}", type_="server_error",
+                           headers=self.generator.retry_after)
+        except ValueError as err:  # what the engine refuses (an input longer than the context)
+            raise ApiError(400, str(err), param="input")
+        finally:
+            for stream in streams:
+                stream.cancel()
+        return np.array([s.embedding for s in streams], dtype=np.float32)
+
+
 class Embedder:
-    """What the routes share: the head's embedding model, its checks, its counters."""
+    """What the routes share: which model embeds (the head's embedding model, or the pipeline's
+    when a request names it), the checks, the counters."""
 
     def __init__(self, generator: Generator, options: ApiOptions):
         self.generator, self.options = generator, options
 
-    @property
-    def model(self):
-        model = getattr(self.generator.head, "embedder", None)
+    def pick(self, name: str, pooling: str = "last"):
+        """The pipeline's model when ``name`` is its id; another served model's name is a 400;
+        any other name reaches the head's embedding model (clients name their own)."""
+        g = self.generator
+        if name == g.options.model_id:
+            return PipelinePooling(g, pooling)
+        model = getattr(g.head, "embedder", None)
         if model is None:
-            raise ApiError(404, "this server has no embedding model: start it with --embedding-model default "
-                                "(all-MiniLM-L6-v2), a folder or a Hugging Face repo id", param="model",
+            raise ApiError(404, f"this server has no embedding model: start it with --embedding-model default "
+                                f"(all-MiniLM-L6-v2), a folder or a Hugging Face repo id; or name the pipeline's "
+                                f"model '{g.options.model_id}' to pool its final hidden state", param="model",
                            code="model_not_found")
+        if name != model.facts.name and name in g.served_names():
+            raise ApiError(400, f"the model '{name}' makes no embeddings; this server's embedding model is "
+                                f"'{model.facts.name}' (and the pipeline's '{g.options.model_id}' pools its own)",
+                           param="model")
         return model
 
-    def check_model(self, name: str) -> None:
-        """Any name but another served model's reaches the embedding model (clients name their own)."""
-        model = self.model
-        if name != model.facts.name and name in self.generator.served_names():
-            raise ApiError(400, f"the model '{name}' makes no embeddings; this server's embedding model is "
-                                f"'{model.facts.name}'", param="model")
-
-    async def inputs(self, given: Inputs, truncate: bool = False) -> List[List[int]]:
+    async def inputs(self, model, given: Inputs, truncate: bool = False) -> List[List[int]]:
         """The request's inputs as token ids, checked against the limits."""
-        model, facts = self.model, self.model.facts
+        facts = model.facts
         if isinstance(given, str):
             given = [given]
         if not given:
@@ -114,21 +170,24 @@ class Embedder:
                 ids[i] = x[: facts.max_tokens]
         return ids
 
-    async def embed(self, ids: List[List[int]], dimensions: Optional[int], identity: bytes) -> np.ndarray:
+    async def embed(self, model, ids: List[List[int]], dimensions: Optional[int], request) -> np.ndarray:
         """The vectors, within the calling key's limits (``quotas.py``: its models, requests and
         tokens a minute, requests at once)."""
-        facts, quotas = self.model.facts, self.generator.quotas
-        quotas.check_model(identity, facts.name)
+        facts, quotas, caller = model.facts, self.generator.quotas, caller_of(request)
+        quotas.check_model(caller.identity, facts.name)
         if dimensions is not None and dimensions != facts.dimensions:
             if not facts.matryoshka:
-                raise ApiError(400, f"dimensions: the embedding model '{facts.name}' makes {facts.dimensions}-"
-                                    "dimensional vectors and is not trained for shorter ones", param="dimensions")
+                raise ApiError(400, f"dimensions: the model '{facts.name}' makes vectors of "
+                                    f"{facts.dimensions or 'its hidden size'} and is not trained for shorter ones",
+                               param="dimensions")
             if dimensions > facts.dimensions:
                 raise ApiError(400, f"dimensions is {dimensions}; the embedding model '{facts.name}' makes at most "
                                     f"{facts.dimensions}", param="dimensions")
-        admission = quotas.admit(identity, sum(map(len, ids)))
+        admission = quotas.admit(caller.identity, sum(map(len, ids)))
         try:
-            return await self.model.embed(ids, dimensions)
+            if isinstance(model, PipelinePooling):
+                return await model.embed(ids, dimensions, caller.tenant(None).salt())
+            return await model.embed(ids, dimensions)
         finally:
             admission.release()
 
@@ -144,20 +203,20 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request):
-        embedder.check_model(req.model)
-        ids = await embedder.inputs(req.input)
-        vectors = await embedder.embed(ids, req.dimensions, caller_of(request).identity)
+        model = embedder.pick(req.model, req.pooling)
+        ids = await embedder.inputs(model, req.input)
+        vectors = await embedder.embed(model, ids, req.dimensions, request)
         tokens = sum(map(len, ids))
-        return {"object": "list", "model": embedder.model.facts.name,
+        return {"object": "list", "model": model.facts.name,
                 "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def ollama(request, name: str, given, truncate: bool, dimensions: Optional[int]):
         started = time.monotonic()
-        embedder.check_model(name.removesuffix(":latest"))
-        ids = await embedder.inputs(given, truncate)
-        vectors = await embedder.embed(ids, dimensions, caller_of(request).identity)
+        model = embedder.pick(name.removesuffix(":latest"))
+        ids = await embedder.inputs(model, given, truncate)
+        vectors = await embedder.embed(model, ids, dimensions, request)
         return vectors, sum(map(len, ids)), started
 
     @app.post("/api/embed")

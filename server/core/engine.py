@@ -178,12 +178,14 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"", trace: Optional[RequestTrace] = None, priority: int = 0) -> RequestStream:
+               cache_salt: bytes = b"", trace: Optional[RequestTrace] = None, priority: int = 0,
+               pool: int = 0) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
         prefix-cache keys' salt (it reuses only blocks of requests with the same), ``trace``:
         where its frames' spans go (``tracing.py``; None: not traced), ``priority``: its class
-        (``priority.py``: 0 interactive, 1 batch). ``sampling`` is
+        (``priority.py``: 0 interactive, 1 batch), ``pool``: an embedding request (``Seq.pool``, with
+        ``max_tokens`` 0: its stream ends with ``embedding`` set). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -205,7 +207,7 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, priority=priority)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, priority=priority, pool=pool)
         need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
         if need > self.scheduler.max_kv_tokens:
             raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "
@@ -302,7 +304,8 @@ class Engine:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
             reason = ev.seq.finish_reason if ev.finished else None
-            if ev.token < 0:  # it only scored its prompt (max_tokens 0): no token of its own
+            if ev.token < 0:  # it only scored (or pooled) its prompt (max_tokens 0): no token of its own
+                stream.embedding = ev.embedding
                 stream.end(reason)
                 del self.streams[ev.seq.seq_id]
                 self.framer.tracing.forget(ev.seq.seq_id)

@@ -36,6 +36,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
         out.kv_quantize_at = e.opening.kv_at
+        out.pool = e.opening.pool
         if e.opening.store:  # reused blocks read back from disk, kept in memory again
             out.store_first = e.opening.store_first
             out.store.extend(e.opening.store)
@@ -53,7 +54,7 @@ def step_result(result: pb.Result) -> StepResult:
     """The last stage's result as the scheduler takes it."""
     return StepResult(result.frame_id, [
         Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
-               t.done, t.error) for t in result.tokens],
+               t.done, t.error, list(t.embedding) or None) for t in result.tokens],
         [(t.decode_us + t.compute_us + t.encode_us) / 1e6 for t in result.timings])
 
 

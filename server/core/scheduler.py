@@ -272,7 +272,7 @@ class Scheduler:
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
         return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
-                       *self.kv.promote(seq), kv_at=seq.kv_at or 0)
+                       *self.kv.promote(seq), kv_at=seq.kv_at or 0, pool=seq.pool)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0, chunk: Optional[Tuple[int, int]] = None) -> Step:
@@ -384,7 +384,7 @@ class Scheduler:
         scored its prompt, and ends with the last stage's pick unused)."""
         if not seq.max_tokens:
             self._finish(seq, "length")
-            return TokenEvent(seq, -1, 0.0, None, True)
+            return TokenEvent(seq, -1, 0.0, None, True, embedding=t.embedding)
         seq.generated.append(t.token)
         if seq.phase == Phase.PREFILL:
             self.prefilling.remove(seq)
