@@ -51,21 +51,23 @@ def test_head_model_equals_mlx_lm_while_the_pipeline_streams(team_server, defaul
     async def run():
         async with httpx.AsyncClient(base_url=team_server.base_url, timeout=120,
                                      headers={"Authorization": f"Bearer {team_server.key}"}) as http:
-            pipeline_done = asyncio.Event()
+            pipeline_done, streamed = asyncio.Event(), []
 
-            async def pipeline():  # a long stream on the pipeline's model
+            async def pipeline():  # a long stream on the pipeline's model (cancelled once the head answered)
                 async with http.stream("POST", "/completions", json={
-                        "model": PIPELINE, "prompt": "Once upon a time", "max_tokens": 96, "stream": True}) as r:
-                    async for _ in r.aiter_lines():
-                        pass
+                        "model": PIPELINE, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        streamed.append(line)
                 pipeline_done.set()
 
             streaming = asyncio.ensure_future(pipeline())
-            await asyncio.sleep(1.0)
+            while len(streamed) < 2:  # it streams
+                await asyncio.sleep(0.05)
             started = time.monotonic()
             got = (await http.post("/completions", json={"model": HEAD, "prompt": prompt, "max_tokens": 24})).json()
             answered_while_streaming = not pipeline_done.is_set()
-            await streaming
+            streaming.cancel()
+            await asyncio.gather(streaming, return_exceptions=True)
             return got, answered_while_streaming, time.monotonic() - started
 
     got, during, _ = run_async(run())

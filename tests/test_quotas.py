@@ -95,23 +95,28 @@ async def _ttft(http: httpx.AsyncClient, key: str, body: dict) -> float:
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(3600)
 def test_an_interactive_key_beside_a_batch_key_of_200_requests(team_server):
     probe = {"model": "default", "messages": [{"role": "user", "content": "What is a pipeline?"}], "max_tokens": 4}
-    work = {"model": "default", "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 6}
+    work = {"model": "default", "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 4}
 
     async def run():
-        async with httpx.AsyncClient(base_url=team_server.base_url, timeout=1800) as http:
-            idle = [await _ttft(http, "k-inter", probe) for _ in range(3)]
-            batch = [asyncio.ensure_future(http.post("/chat/completions", headers=_as("k-batch"), json=work))
+        # Two clients, as two people's machines: the batch's 200 connections never hold up the probe's.
+        async with httpx.AsyncClient(base_url=team_server.base_url, timeout=3000,
+                                     limits=httpx.Limits(max_connections=250)) as agent, \
+                httpx.AsyncClient(base_url=team_server.base_url, timeout=3000) as person:
+            idle = [await _ttft(person, "k-inter", probe) for _ in range(3)]
+            batch = [asyncio.ensure_future(agent.post("/chat/completions", headers=_as("k-batch"), json=work))
                      for _ in range(200)]
             await asyncio.sleep(3.0)  # the batch fills the queue and the running places
             loaded = []
             for _ in range(3):
-                loaded.append(await _ttft(http, "k-inter", probe))
+                loaded.append(await _ttft(person, "k-inter", probe))
                 await asyncio.sleep(1.0)
             done = await asyncio.gather(*batch)
             return idle, loaded, done
 
-    idle, loaded, done = run_async(run(), timeout=1800)
+    idle, loaded, done = run_async(run(), timeout=3500)
     assert all(r.status_code == 200 for r in done), [r.text for r in done if r.status_code != 200][:2]
+    print(f"interactive time to first token: idle {idle}, beside the batch {loaded}")
     assert statistics.median(loaded) <= 2 * statistics.median(idle), (idle, loaded)
