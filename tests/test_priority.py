@@ -119,3 +119,14 @@ def test_a_bad_field_names_what_is_allowed(line, words):
     with pytest.raises(ValueError) as err:
         Keys([f"k {line}"])
     assert words in str(err.value) and "API key 1" in str(err.value)
+
+
+def test_batch_decode_waits_while_an_interactive_prompt_prefills():
+    s = Scheduler(SchedulerConfig(num_groups=1, max_batch=4, max_prefill_inflight=2, chunk_size=64))
+    s.add(seq(1, BATCH))
+    for f in s.schedule():  # its prefill: it joins the group
+        s.on_result(pb.Result(frame_id=f.frame_id, tokens=[pb.TokenResult(seq_id=1, token=7)]))
+    assert s.decoding == 1
+    s.add(seq(2, prompt_len=40))
+    kinds = [f.kind for f in s.schedule()]
+    assert pb.Frame.DECODE not in kinds and pb.Frame.PREFILL in kinds  # the batch group holds back

@@ -10,7 +10,10 @@ the request lowered itself (vLLM's ``priority`` above 0, OpenAI's ``service_tier
 - Prefill: an interactive prompt's step goes first; batch ones keep at most
   ``max_prefill_inflight - 1`` steps in flight while any interactive prompt runs,
   so an interactive step never waits for a free slot.
-- Each round's steps go to the pipeline interactive first (prefill and decode).
+- Each round's steps go to the pipeline interactive first (prefill and decode), and while an
+  interactive prompt is prefilling, groups of batch sequences alone send no new decode step
+  (``hold_batch``: its frames then meet at every stage only the batch frames already in
+  flight), for at most ``HOLD_ROUNDS`` rounds in a row.
 - Batch is never starved: when an interactive sequence was chosen ``share`` times in a
   row while a batch one waited, the next admission or prefill step is batch's.
 
@@ -25,6 +28,7 @@ from mlxpipe.server.core.plan import Step
 from mlxpipe.server.core.sequence import Seq
 
 INTERACTIVE, BATCH = 0, 1
+HOLD_ROUNDS = 32  # rounds in a row batch decode steps may be held for interactive prefills, at most
 CLASSES = {"interactive": INTERACTIVE, "batch": BATCH}
 
 
@@ -44,6 +48,7 @@ class Priorities:
         self._admitted_in_row = 0  # interactive admissions in a row while batch waited
         self._prefilled_in_row = 0
         self._interactive_live = False  # any interactive sequence waiting or running (``note_live``)
+        self._held = 0  # rounds in a row batch decode steps were held
 
     @staticmethod
     def _batch(seq: Seq) -> bool:
@@ -81,6 +86,14 @@ class Priorities:
     def note_live(self, seqs: Iterable[Seq]) -> None:
         """Whether any interactive sequence is admitted and not finished (set each round)."""
         self._interactive_live = any(not self._batch(s) for s in seqs)
+
+    def hold_batch(self, prefilling: Sequence[Seq]) -> bool:
+        """Whether groups of batch sequences alone wait this round (an interactive prompt is prefilling)."""
+        if not any(not self._batch(s) for s in prefilling) or self._held >= HOLD_ROUNDS:
+            self._held = 0
+            return False
+        self._held += 1
+        return True
 
     @staticmethod
     def order(steps: List[Step], seqs: dict) -> List[Step]:

@@ -283,8 +283,9 @@ class Scheduler:
     def _decode_steps(self) -> List[Step]:
         steps = []
         busy_groups = {f.group for f in self.inflight.values() if f.kind == StepKind.DECODE}
+        hold = self.priorities.hold_batch(self.prefilling)  # batch-only groups wait for an interactive prefill
         for g, members in enumerate(self.groups):
-            if not members or g in busy_groups:
+            if not members or g in busy_groups or (hold and all(self.seqs[s].priority for s in members)):
                 continue
             for sid in list(members):
                 if self.speculator.leaves_group(self.seqs[sid], self.live):
