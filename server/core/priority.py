@@ -6,7 +6,8 @@ the request lowered itself (vLLM's ``priority`` above 0, OpenAI's ``service_tier
 
 - Admission: the oldest interactive sequence goes first; batch ones hold at most
   ``max_running - reserve`` of the running places, so an interactive request always
-  finds one at once (no preemption needed).
+  finds one at once (no preemption needed), and while one is live at most half (the
+  decode frames its steps share a stage with stay smaller).
 - Prefill: an interactive prompt's step goes first; batch ones keep at most
   ``max_prefill_inflight - 1`` steps in flight while any interactive prompt runs,
   so an interactive step never waits for a free slot.
@@ -58,7 +59,10 @@ class Priorities:
         """The waiting sequence to admit next (None: none may be now)."""
         first_interactive = next((s for s in waiting if not self._batch(s)), None)
         first_batch = next((s for s in waiting if self._batch(s)), None)
-        batch_room = holding_batch < max(max_running - self.reserve, 1)
+        # While an interactive request is live, batch sequences take at most half the running places
+        # (smaller decode frames for it to wait behind); else all but ``reserve``.
+        most = max_running // 2 if self._interactive_live else max_running - self.reserve
+        batch_room = holding_batch < max(most, 1)
         owed = first_batch is not None and batch_room and self._admitted_in_row >= self.share
         if first_interactive is not None and not owed:
             self._admitted_in_row = self._admitted_in_row + 1 if first_batch is not None else 0
