@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import httpx
 
 FRAMES = {"prefill chunk", "decode step", "verify step"}
 PARTS = ["queued", "decode", "compute", "encode"]

@@ -202,7 +202,8 @@ class HeadModel:
             self._serve()
         except Exception as err:  # noqa: BLE001 - every request then ends with the reason
             logger.exception("the head model %s failed", self.name)
-            self._post(lambda: self.engine._fail(f"the model '{self.name}' failed: {err}"))
+            why = f"the model '{self.name}' failed: {err}"  # (``err`` is gone once the except block ends)
+            self._post(lambda: self.engine._fail(why))
         finally:
             self.model = None
 
