@@ -40,6 +40,8 @@ MODES = (
                    "in one process, vectors checked equal"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
+    ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "
+               "head's vision tower, planned and measured"),
 )
 
 

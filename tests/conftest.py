@@ -156,6 +156,24 @@ def team_server(default_model, embedding_model, otlp_receiver, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
+def vision_server(tmp_path_factory, default_model):
+    """`mlxpipe serve` of a tiny Qwen2.5-VL (``bench/tiny_vision.py``) on 2 local stages, for
+    test_vision_api and test_browser: greedy, 12 tokens unless asked, at most 3 images of 1 MB
+    and 4 Mpixels a request, image URLs fetched (from loopback too) within 0.3 s."""
+    pytest.importorskip("mlx_vlm")
+    from server_proc import ServerProcess
+
+    from mlxpipe.bench.tiny_vision import build
+
+    path = build("qwen2_5_vl", tmp_path_factory.mktemp("vision") / "qwen2_5_vl", default_model)
+    srv = ServerProcess("--model", str(path), "--stages", "2", "--max-tokens", "12", "--temp", "0",
+                        "--max-images", "3", "--max-image-bytes", str(1 << 20), "--max-image-pixels", "4000000",
+                        "--image-urls", "--image-private-urls", "--image-fetch-timeout-s", "0.3")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def dsv3_model(tmp_path_factory, default_model) -> Path:
     from tiny_models import build_deepseek_v3
 

@@ -97,7 +97,7 @@ def test_messages_errors_in_anthropics_shape(claude, root):
     resp = httpx.post(f"{root}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [image]}]})
     assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
-    assert "image blocks are not supported" in resp.json()["error"]["message"]
+    assert "images are not supported: this model takes text only" in resp.json()["error"]["message"]
 
 
 # -- OpenAI Responses -----------------------------------------------------------------------

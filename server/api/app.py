@@ -59,7 +59,8 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
         context = g.engine.max_context
         return {"id": g.options.model_id, "object": "model", "created": created, "owned_by": "mlxpipe",
                 "context_length": context, "max_model_len": context, "capabilities": ["chat", "completion"],
-                "runs_on": "pipeline" if g is generator else "head"}
+                "runs_on": "pipeline" if g is generator else "head",  # and what it reads (OpenRouter's field):
+                "input_modalities": ["text", "image"] if g.vision is not None else ["text"]}
 
     def cards() -> list:
         out = [card(g) for g in (generator, *generator.others.values())]
@@ -68,7 +69,7 @@ def create_app(head, options: ApiOptions, metrics: Optional[Metrics] = None) -> 
             f = embedder.facts
             out.append({"id": f.name, "object": "model", "created": created, "owned_by": "mlxpipe",
                         "context_length": f.max_tokens, "max_model_len": f.max_tokens, "capabilities": ["embedding"],
-                        "dimensions": f.dimensions, "runs_on": "head"})
+                        "dimensions": f.dimensions, "runs_on": "head", "input_modalities": ["text"]})
         return out
 
     @app.get("/v1/models")

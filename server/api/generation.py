@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 
 from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
 from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.images import ImagePolicy, load_images
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.quotas import Admission, Quotas
 from mlxpipe.server.api.request import GenerationRequest
@@ -247,6 +248,8 @@ class Generator:
         self.retry_after = {"Retry-After": str(options.retry_after_s)}
         self.grammars = Grammars(head.tokenizer, self.vocab)
         self.prompts = Prompts(head.tokenizer)
+        self.vision = getattr(head, "vision", None)  # a vision model's processor and tower (None: text only)
+        self.image_policy = ImagePolicy.of(options)
 
     def model_facts(self) -> dict:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
@@ -289,12 +292,13 @@ class Generator:
         plan = await self.plan(req) if constrained else OutputPlan()
         if plan.bare is not None:  # a template that cannot show the model its tools: a note says the call
             req = replace(req, messages=ForcedReply.instruct(req.messages or [], plan.bare))
-        prompt = await self.prompt(req)
+        prompt, images = await self.prompt_images(req)
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
+        media = await self.media(prompt, images) if images is not None else None  # the tower, where it must run
         admission = self.quotas.admit(req.tenant.key, len(prompt))
         try:
-            streams = self._submit(req, prompt, grammar, max_tokens)
+            streams = self._submit(req, prompt, grammar, max_tokens, media)
         except BaseException:
             admission.release()
             raise
@@ -307,7 +311,8 @@ class Generator:
         attach(gen)  # its tokens and timings go in the request's log line
         return gen
 
-    def _submit(self, req: GenerationRequest, prompt: List[int], grammar: str, max_tokens: int) -> List[RequestStream]:
+    def _submit(self, req: GenerationRequest, prompt: List[int], grammar: str, max_tokens: int,
+                media=None) -> List[RequestStream]:
         """The request's ``n`` streams, submitted in its priority class (its key's, or lower if it asked)."""
         streams, salt = [], req.tenant.salt()
         priority = effective(self.quotas.priority(req.tenant.key), req.priority, req.service_tier)
@@ -318,8 +323,8 @@ class Generator:
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts, cache_salt=salt, trace=new_trace(),
-                                                  priority=priority))
+                                                  max_drafts=req.max_drafts, cache_salt=salt, media=media,
+                                                  trace=new_trace(), priority=priority))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -335,6 +340,22 @@ class Generator:
 
     async def prompt(self, req: GenerationRequest) -> List[int]:
         """The prompt's token ids: messages through the chat template, text tokenized, or ids checked."""
+        return (await self.prompt_images(req))[0]
+
+    async def prompt_images(self, req: GenerationRequest) -> Tuple[List[int], Optional[object]]:
+        """The prompt's token ids, and its images as the model's processor made them (None: it
+        holds none); images are checked and decoded first, and refused where the model takes none."""
+        if req.images:
+            if self.vision is None:
+                first, why = req.images[0].param, getattr(self.head, "vision_note", "")
+                raise ApiError(400, f"{first}: images are not supported: this model takes text only"
+                               + (f" ({why})" if why else ""), param=first, code="images_not_supported")
+            pictures = await load_images(req.images, self.image_policy)
+            made = []
+            expand = partial(_expand, self.vision, pictures, made)
+            prompt = await self._encode(req.prompt_field, partial(self.prompts.render, expand=expand), req.messages,
+                                        req.tools, req.template_kwargs)
+            return prompt, made[0]
         if req.token_ids is not None:
             bad = [t for t in req.token_ids if not 0 <= t < self.vocab]
             if bad:
@@ -348,7 +369,14 @@ class Generator:
             prompt = await self._encode(req.prompt_field, self.tok.encode, req.text)
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=req.prompt_field)
-        return prompt
+        return prompt, None
+
+    async def media(self, prompt: List[int], images):
+        """The rows and positions of a prompt's images (``core/media.py``): the tower's work."""
+        try:
+            return await self.vision.media(prompt, images)
+        except ValueError as err:  # what this model's images cannot do here (``shards/models/tower.py``)
+            raise ApiError(400, f"the images could not be taken: {err}", param="messages", code="invalid_image")
 
     async def _encode(self, param: str, fn, *args) -> List[int]:
         try:
@@ -419,6 +447,14 @@ class Generator:
             return ApiError(400, f"generation failed for this request: {err}", param=req.constrained_param(),
                             code="generation_failed")
         return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable", headers=self.retry_after)
+
+
+def _expand(vision, pictures: list, made: list, text: str) -> str:
+    """The rendered prompt with each image's marker expanded by the model's processor (the
+    images as it made them go in ``made``)."""
+    expanded = vision.expand(text, pictures)
+    made.append(expanded)
+    return expanded.text
 
 
 async def keepalive(items: AsyncIterator, every: float) -> AsyncIterator:

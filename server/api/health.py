@@ -82,6 +82,8 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
                         speculation=engine.speculation(), **_cluster(head))
             if getattr(head, "extras", None):
                 body["head_models"] = [m.as_dict() for m in head.extras]
+            if getattr(head, "vision", None) is not None:  # a vision model: its tower on the head, measured
+                body["vision"] = head.vision.report()
         else:  # its own
             meter = metrics.key(caller.identity)
             body.update(live_requests=meter.live, generated_tokens=meter.generated)

@@ -29,7 +29,7 @@ from mlxpipe.server.api.generation import Generation, Generator
 from mlxpipe.server.api.json_body import Body, cache_salt_field
 from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.schemas import Tool, stop_strings
 from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
@@ -133,12 +133,20 @@ def _format(fmt) -> Optional[Dict[str, Any]]:
     return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
 
 
-def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
-    """Ollama messages as OpenAI chat messages: calls get ids, results answer them by name."""
+def _pictured(content: str, images: Optional[List[str]], refs: list, param: str):
+    """A message's content with its images (base64, as Ollama sends them) before its text, as
+    Ollama puts them; their refs appended to ``refs``."""
+    if not images:
+        return content
+    return [image_part(refs, b64, f"{param}.{j}", is_base64=True) for j, b64 in enumerate(images)] + (
+        [{"type": "text", "text": content}] if content else [])
+
+
+def _messages(messages: List[Message], refs: list) -> List[Dict[str, Any]]:
+    """Ollama messages as OpenAI chat messages: calls get ids, results answer them by name;
+    images become image parts (their refs appended to ``refs``)."""
     out, pending = [], []
     for i, m in enumerate(messages):
-        if m.images:
-            raise ApiError(400, f"messages.{i}.images: images are not supported: this model takes text only")
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for c in m.tool_calls:
@@ -153,7 +161,7 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
                 pending.remove(match)
             out.append({"role": "tool", "tool_call_id": match[1] if match else "", "content": m.content})
         else:
-            out.append({"role": m.role, "content": m.content})
+            out.append({"role": m.role, "content": _pictured(m.content, m.images, refs, f"messages.{i}.images")})
     return out
 
 
@@ -165,16 +173,18 @@ def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions, tenant:
                   max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
                   stop=body.options.stop or [],
                   response_format=_format(body.format), tenant=tenant)
+    refs = []  # the images, in order
     if isinstance(body, ChatBody):
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-        return GenerationRequest(messages=_messages(body.messages), tools=tools, **common)
-    if body.images:
-        raise ApiError(400, "images are not supported: this model takes text only")
+        return GenerationRequest(messages=_messages(body.messages, refs), tools=tools, images=refs, **common)
     if body.raw:  # the prompt as it is, no template
+        if body.images:
+            raise ApiError(400, "images: a raw prompt takes no images (the template places them: raw false)",
+                           param="images")
         return GenerationRequest(text=body.prompt, split_reply=False, **common)
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.prompt}]
-    return GenerationRequest(messages=messages, **common)
+        {"role": "user", "content": _pictured(body.prompt, body.images, refs, "images")}]
+    return GenerationRequest(messages=messages, images=refs, **common)
 
 
 def _calls(calls: List[dict]) -> List[dict]:
@@ -276,7 +286,7 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
                 "model_info": {"general.architecture": facts["model_type"],
                                f"{facts['model_type']}.context_length": chosen.engine.max_context,
                                "general.block_count": facts["num_layers"]},
-                "capabilities": ["completion", "tools"]}
+                "capabilities": ["completion", "tools"] + (["vision"] if generator.vision is not None else [])}
 
     async def answer(body, request: Request, key: str):
         started = time.monotonic()

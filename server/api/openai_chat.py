@@ -16,8 +16,10 @@ from mlxpipe.server.api.tenants import Tenant
 
 
 def chat_request(req: ChatCompletionRequest, options: ApiOptions, tenant: Tenant) -> GenerationRequest:
+    images = []  # the messages' images, in order
+    messages = [m.for_template(images, f"messages.{i}") for i, m in enumerate(req.messages)]
     return GenerationRequest(
-        messages=[m.for_template() for m in req.messages], tools=req.tool_dicts(),
+        messages=messages, tools=req.tool_dicts(), images=images,
         template_kwargs=req.chat_template_kwargs or {},
         sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
         stop=req.stop_strings(),

@@ -33,7 +33,7 @@ from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
 from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
 from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
@@ -102,13 +102,23 @@ class Store:
         self.nbytes += nbytes
 
 
-def _messages(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Compact items (``ResponsesRequest.items``, outputs) as OpenAI chat messages."""
+def _pictured(content, images: list, param: str):
+    """Compact content as a chat message holds it: its image parts' refs appended to ``images``."""
+    if not isinstance(content, list):
+        return content
+    return [image_part(images, p["url"], f"{param}.content.{j}") if p["type"] == "image" else p
+            for j, p in enumerate(content)]
+
+
+def _messages(items: List[Dict[str, Any]], images: list) -> List[Dict[str, Any]]:
+    """Compact items (``ResponsesRequest.items``, outputs) as OpenAI chat messages; their images
+    become image parts, their refs appended to ``images``."""
     out: List[Dict[str, Any]] = []
-    for item in items:
+    for k, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            out.append({"role": {"developer": "system"}.get(item["role"], item["role"]), "content": item["content"]})
+            out.append({"role": {"developer": "system"}.get(item["role"], item["role"]),
+                        "content": _pictured(item["content"], images, f"input.{k}")})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}
@@ -117,7 +127,8 @@ def _messages(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _pictured(item["output"], images, f"input.{k}")})
     return out
 
 
@@ -153,8 +164,9 @@ def _response_format(text: Optional[TextConfig]):
 def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
                tenant: Tenant) -> Tuple[GenerationRequest, list]:
     """The internal request, and the conversation's items (to store)."""
-    conversation = history + req.items()
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(conversation)
+    conversation, images = history + req.items(), []
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(
+        conversation, images)
     functions = [t.function() for t in req.tools or [] if isinstance(t, FunctionTool)]
     sampling = request_sampling(options, temperature=req.temperature, top_p=req.top_p)
     return GenerationRequest(
@@ -162,7 +174,7 @@ def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
         parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input",
-        priority=req.priority, service_tier=req.service_tier), conversation
+        images=images, priority=req.priority, service_tier=req.service_tier), conversation
 
 
 def _echo(value):

@@ -48,7 +48,8 @@ class ApiOptions:
                                      parse=_api_keys, cli_default=None)
     cors_origins: Tuple[str, ...] = knob((), "an origin browsers may call the API from (repeat; default: none)",
                                          flag="--cors-origin", action="append", parse=tuple, cli_default=[])
-    max_body_bytes: int = knob(4 << 20, "largest request body, in bytes (default %(default)s)", type=count)
+    max_body_bytes: int = knob(32 << 20, "largest request body, in bytes (default %(default)s: room for a "
+                               "conversation's screenshots as base64)", type=count)
     max_prompt_tokens: Optional[int] = knob(None, "longest prompt a request may send (default: the model's "
                                             "context)", type=count)
     max_tokens_limit: Optional[int] = knob(None, "largest max_tokens a request may ask for (default: the model's "
@@ -65,3 +66,14 @@ class ApiOptions:
                                         "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT "
                                         "if set, else off; needs the 'otel' extra)")
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
+    # Images (a vision model's; ``images.py``): checked before anything reaches the model.
+    max_images: int = knob(32, "images one request may hold, in all its messages (default %(default)s)", type=count)
+    max_image_bytes: int = knob(20 << 20, "largest image, in bytes (default %(default)s)", type=count)
+    max_image_pixels: int = knob(40_000_000, "largest image, in pixels, read from its header before any is "
+                                 "decoded (default %(default)s)", type=count)
+    image_urls: bool = knob(False, "fetch images that requests give by http(s) URL (default %(default)s: only "
+                            "data URLs and base64)", action=argparse.BooleanOptionalAction)
+    image_private_urls: bool = knob(False, "with --image-urls, fetch from loopback, private and link-local "
+                                    "addresses too (default %(default)s)", action=argparse.BooleanOptionalAction)
+    image_fetch_timeout_s: float = knob(10.0, "seconds an image URL has to send the whole image (default "
+                                        "%(default)s)", type=float)

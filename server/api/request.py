@@ -28,6 +28,21 @@ def request_sampling(options: ApiOptions, **given) -> Sampling:
     return Sampling(**{"temperature": options.default_temperature, **given})
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a client sent it (``images.load_images`` checks and decodes it)."""
+
+    source: str      # a data URL, an http(s) URL, or base64 (``base64``: it can be nothing else)
+    param: str       # where the request put it, for errors ("messages.0.content.1")
+    base64: bool = False
+
+
+def image_part(images: List[ImageRef], source: Optional[str], param: str, is_base64: bool = False) -> dict:
+    """The content part a message holds for an image, its ref appended to ``images``."""
+    images.append(ImageRef(source or "", param, is_base64))
+    return {"type": "image"}
+
+
 @dataclass
 class GenerationRequest:
     # The prompt: exactly one of these. ``messages`` and ``tools`` go through the
@@ -74,6 +89,9 @@ class GenerationRequest:
     # The body field that holds the prompt, for errors that name it (None: "messages" for
     # messages, "prompt" for text or token ids).
     prompt_param: Optional[str] = None
+    # Images the messages hold ({"type": "image"} content parts, in order): as the client sent
+    # them, checked and decoded by ``images.load_images`` (a vision model's; any other refuses them).
+    images: List[ImageRef] = field(default_factory=list)
 
     @property
     def continues(self) -> bool:

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +19,7 @@ from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
 from mlxpipe.server.cluster.embedding_model import load_embedding_model
 from mlxpipe.server.cluster.head_model import check_head_memory, head_memory_lines, load_head_models
+from mlxpipe.server.cluster.vision import load_vision
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -59,6 +61,7 @@ class Cluster:
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
         self.embedder = None  # embedding_model.EmbeddingModel (--embedding-model), which the API reaches
         self.extras: List = []  # head_model.HeadModel (--also): more models the head serves itself
+        self.vision = None  # vision.VisionRunner: a vision model's processor and tower, for the API
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
@@ -90,6 +93,11 @@ class Cluster:
         return self.model.quant if self.model is not None else None
 
     @property
+    def vision_note(self) -> str:
+        """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
+        return self.model.tower_note if self.model is not None and self.vision is None else ""
+
+    @property
     def plan_note(self) -> str:
         return self.placer.note if self.placer is not None else ""
 
@@ -101,7 +109,7 @@ class Cluster:
             bits = self.quant.bits
         return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
-                "bits": bits, "context_length": self.engine.max_context}
+                "bits": bits, "context_length": self.engine.max_context, "vision": self.vision is not None}
 
     def head_models(self) -> List[Tuple[str, int]]:
         """What the head runs itself beside the pipeline, and the bytes each may hold: (what, bytes)."""
@@ -149,6 +157,8 @@ class Cluster:
         kv = self.kv_line()
         lines += head_memory_lines(self.head_models())
         lines.append(self.context_note())
+        if self.vision is not None:  # a vision model's tower, on this head
+            lines.append(self.vision.cost.line())
         return lines + ([kv] if kv else [])
 
     def kv_line(self) -> str:
@@ -181,13 +191,14 @@ class Cluster:
         self.model = open_model(cfg)  # refuses what cannot apply before starting anything
         # A draft model that cannot draft for this one is refused before anything starts.
         self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.model.tokenizer)
+        self.vision = await asyncio.to_thread(load_vision, self.model)  # None: the model takes no images
         try:
             self.embedder = await asyncio.to_thread(load_embedding_model, cfg.embedding_model)
             self.extras = await asyncio.to_thread(load_head_models, cfg.also, PLANNED_CONTEXT, cfg.also_batch,
                                                   (cfg.model, self.model.path.name))
             check_head_memory(self.head_models(), self.model.weight_bytes)
         except BaseException:
-            for m in [self.draft, self.embedder, *self.extras]:
+            for m in [self.draft, self.vision, self.embedder, *self.extras]:
                 if m is not None:
                     m.close()
             raise
@@ -265,16 +276,16 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory
-            head = sum(b for _, b in self.head_models())  # what the head runs itself shares it too
+        if self.local is not None:  # local stages share this machine's memory (and the head's own models)
+            head = sum(b for _, b in self.head_models()) + (self.vision.planned_bytes if self.vision is not None else 0)
             cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.
         probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
                                                                      self.config.chunk_size)
-        return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec, probe=probe)
+        limits = replace(stage_limits(self.config, cap), vision=self.model.vision)  # a vision model: mlx-vlm's
+        return Pipeline(addresses, name, self.security, limits, tokenizer=self.model.tokenizer_spec, probe=probe)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -389,7 +400,7 @@ class Cluster:
             self.local.stop()
         for source in self._quantized.values():
             source.close()
-        for m in [self.embedder, *self.extras]:
+        for m in [self.vision, self.embedder, *self.extras]:
             if m is not None:
                 m.close()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from mlxpipe.shards.models.store import text_config
-from mlxpipe.shards.models.weights import LAYER_RE, read_header
+from mlxpipe.shards.models.weights import LAYER_RE, is_vision, read_header
 from mlxpipe.shards.params.quant import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -387,6 +387,8 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
                 nbytes = int(end) - int(start)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
+            if is_vision(name):  # a vision model's tower: the head's (server/cluster/vision.py), no stage's
+                continue
             m = LAYER_RE.search(name)
             if m:
                 i = int(m.group(1))

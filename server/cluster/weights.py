@@ -24,6 +24,7 @@ from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.models.progress import Progress
 from mlxpipe.shards.models.quantize import QuantizeError, prepare, stage_units, write_config, write_units
 from mlxpipe.shards.models.store import mlxpipe_home
+from mlxpipe.shards.models.vision import takes_images
 from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
 from mlxpipe.shards.params.quant import QuantSpec, quantized_fingerprint
 
@@ -74,7 +75,7 @@ class QuantizedSource(WeightSource):
         super().__init__(folder, fp, num_layers, rate, source_fingerprint=source_fingerprint)
 
     def _prepare(self) -> dict:
-        self._model, config = prepare(self.source, self.spec)
+        self._model, config = prepare(self.source, self.spec, takes_images(self.source))
         return config
 
     def range_units(self, start: int, end: int) -> List[Unit]:

@@ -22,8 +22,9 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer, prompt_scores
+from mlxpipe.server.core.media import Media
 from mlxpipe.server.core.plan import PromptScores
-from mlxpipe.server.core.prefix_index import snapshot_every
+from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
@@ -149,6 +150,7 @@ class Engine:
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every,
                                     [c.disk_blocks for c in caches], disk_capacity)
+        self.scheduler.kv.set_model(model_salt(c.digests for c in caches), self.scheduler.seqs.values())
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
         quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
         self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
@@ -178,14 +180,15 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"", trace: Optional[RequestTrace] = None, priority: int = 0,
-               pool: int = 0) -> RequestStream:
+               cache_salt: bytes = b"", media: Optional[Media] = None, trace: Optional[RequestTrace] = None,
+               priority: int = 0, pool: int = 0) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
-        prefix-cache keys' salt (it reuses only blocks of requests with the same), ``trace``:
-        where its frames' spans go (``tracing.py``; None: not traced), ``priority``: its class
-        (``priority.py``: 0 interactive, 1 batch), ``pool``: an embedding request (``Seq.pool``, with
-        ``max_tokens`` 0: its stream ends with ``embedding`` set). ``sampling`` is
+        prefix-cache keys' salt (it reuses only blocks of requests with the same), ``media``:
+        its prompt's images (a vision model's: ``media.py``), ``trace``: where its frames' spans go
+        (``tracing.py``; None: not traced), ``priority``: its class (``priority.py``: 0 interactive,
+        1 batch), ``pool``: an embedding request (``Seq.pool``, with ``max_tokens`` 0: its stream
+        ends with ``embedding`` set). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -207,7 +210,8 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, priority=priority, pool=pool)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, media=media, priority=priority,
+                  pool=pool)
         need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
         if need > self.scheduler.max_kv_tokens:
             raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "

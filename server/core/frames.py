@@ -50,6 +50,29 @@ def frame(step: Step) -> pb.Frame:
                     free=step.free, evict=step.evict, discard=step.discard)
 
 
+def with_media(out: pb.Frame, step: Step, seqs) -> pb.Frame:
+    """``out`` with what its sequences' images add (``media.py``): every entry's position
+    shift, and a prefill chunk's image rows and positions. The rows travel as the tower's
+    bytes: the head's core holds no arrays (``server/cluster/vision.py`` made them with
+    ``proto/codec.py``)."""
+    for e in out.seqs:
+        seq = seqs.get(e.seq_id)
+        media = seq.media if seq is not None else None
+        if media is None:
+            continue
+        e.position_shift = media.shift
+        if step.kind != StepKind.PREFILL:
+            continue
+        at, data, dtype, hidden = media.rows(e.offset, e.offset + e.num_tokens)
+        if at:
+            out.embed_at.extend(at)
+            out.embeds.CopyFrom(pb.Tensor(shape=[len(at), hidden], dtype=dtype, data=data))
+        positions = media.positions_of(e.offset, e.offset + e.num_tokens)
+        if positions is not None:
+            out.positions.extend(positions)
+    return out
+
+
 def step_result(result: pb.Result) -> StepResult:
     """The last stage's result as the scheduler takes it."""
     return StepResult(result.frame_id, [
@@ -84,7 +107,7 @@ class Framer:
             self.meter.step(s)
         if self.tracing.traces:
             self.tracing.sent(steps)
-        return [frame(s) for s in steps]
+        return [with_media(frame(s), s, self.scheduler.seqs) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
         """Take one Result; return the tokens it gave live sequences."""

@@ -67,11 +67,21 @@ class KvBudget:
         self.epoch = 0
         self.kv_start: Optional[int] = None  # stages quantize their KV caches from mlx-lm's start (None: not)
         self.kv_ratio = 1.0  # what a full-precision position costs in quantized ones, where most
+        self.model_salt = b""  # every key's chain starts from it: the stages' weights (prefix_index.model_salt)
 
     def set_kv(self, start: Optional[int], ratio: float) -> None:
         """Stages quantize their KV caches (``start``: mlx-lm's quantized_kv_start; None: not),
         a full-precision position costing ``ratio`` quantized ones where it costs most."""
         self.kv_start, self.kv_ratio = start, max(ratio, 1.0) if start is not None else 1.0
+
+    def set_model(self, salt: bytes, seqs: Iterable[Seq]) -> None:
+        """The stages' weights as the salt of every prefix-cache key (``prefix_index.model_salt``):
+        where it changes (a rebuilt pipeline computes with other weights), the keys of ``seqs``
+        (every live sequence) are made again from it."""
+        if salt != self.model_salt:
+            self.model_salt = salt
+            for seq in seqs:
+                seq.hashes.clear()
 
     def place(self, seq: Seq) -> None:
         """Where ``seq``'s caches turn quantized: where mlx-lm's would for its prompt."""
@@ -101,7 +111,8 @@ class KvBudget:
         """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
         point on, with that point in them (they hold what quantized keys gave from there)."""
         tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
-        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt, tag)
+        marks = seq.media.marks(self.block_tokens) if seq.media is not None else None  # its images' content
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, self.model_salt + seq.salt, tag, marks)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""

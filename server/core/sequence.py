@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, Drafter
+from mlxpipe.server.core.media import Media
 from mlxpipe.shards.params.sampling import Sampling
 
 
@@ -84,6 +85,7 @@ class Seq:
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
     kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/params/kv.py)
+    media: Optional[Media] = None  # a vision model's prompt: its images' rows and positions (media.py)
 
     @property
     def tokens(self) -> List[int]:

@@ -34,6 +34,16 @@ CHUNK_BYTES = 4 << 20
 _UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # mlx-lm models name their block list so
+# Modules only images use (a vision-language model's tower, its projector): the head runs them
+# (shards/models/tower.py), so they are a unit of their own, ``vision``, that no stage needs.
+VISION_MODULES = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector",
+                  "vision_embed_tokens", "audio_tower", "audio_model")
+
+
+def is_vision(name: str) -> bool:
+    """Whether a tensor (or module) of this name belongs to a vision-language model's image side
+    (under one of ``VISION_MODULES``, as Hugging Face's and mlx-vlm's names put it)."""
+    return any(part in VISION_MODULES for part in name.split(".")[:3])
 
 
 class WeightsError(ValueError):
@@ -132,6 +142,8 @@ class Unit:
 
 def unit_of(name: str) -> str:
     """The unit a tensor (or module) of this name belongs to."""
+    if is_vision(name):
+        return "vision"
     m = LAYER_RE.search(name)
     return f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
 

@@ -34,7 +34,8 @@ from mlxpipe.shards.models.grammar import tokenizer_from_json
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.metal import Metal
 from mlxpipe.shards.models.profile import memory_bandwidth, node_name, offered_memory, profile
-from mlxpipe.shards.models.slicing import SlicedModel, load_stage, read_weights, warm_up
+from mlxpipe.shards.models.digest import read_weights
+from mlxpipe.shards.models.slicing import SlicedModel, load_stage, warm_up
 from mlxpipe.shards.models.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
 from mlxpipe.shards.models.store import models_dir as default_models_dir
@@ -170,14 +171,13 @@ class StageServicer(pb_grpc.StageServicer):
         memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
         resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()
-        stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
+        stage, config = load_stage(path, request.start, request.end, not partial, quant, request.vision)
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
-        read_weights(stage, progress=self.progress)
+        hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
-        hidden = int(text["hidden_size"])
-        vocab = int(text["vocab_size"])
+        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
         switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
@@ -195,9 +195,9 @@ class StageServicer(pb_grpc.StageServicer):
         if request.HasField("tokenizer") and stage.last:
             spec = request.tokenizer
             tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
-        model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
+        digest = hashing.result(config)
         shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None))
+                      self.disk.for_load(request, digest, switch.kv if switch.slots else None))
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -207,7 +207,8 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=model_print,
+            fingerprint=request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant),
+            unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
@@ -215,7 +216,7 @@ class StageServicer(pb_grpc.StageServicer):
             memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
-            state_bytes=footprint.state_bytes,
+            state_bytes=footprint.state_bytes, vision=request.vision,
             **kv_reply,
         )
         return _Loaded(shard, reply, request)

@@ -58,8 +58,10 @@ from mlxpipe.shards.params import wire
 from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
 from mlxpipe.shards.worker.launch import Launched, later
+from mlxpipe.shards.worker import images
 from mlxpipe.shards.worker.pooling import Pool
-from mlxpipe.shards.worker.sampler import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
+from mlxpipe.shards.worker.sampler import (SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt,
+                                           token_result)
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +90,6 @@ class ShardLimits:
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
     max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
-
-
-def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
-    token, logprob, top = pick
-    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
-    if top is not None:
-        r.top_ids.extend(top[0])
-        r.top_logprobs.extend(top[1])
-    return r
 
 
 class Shard:
@@ -187,6 +180,7 @@ class Shard:
         if (frame.evict or frame.discard) and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
         rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
+        images.check(frame, self.model, n)  # a vision model's image rows and positions
         freeing = set(frame.free)
         for e in frame.seqs:
             self._check_entry(frame, e, freeing)
@@ -251,6 +245,7 @@ class Shard:
                 hidden = codec.decode(frame.hidden, expect_shape=(rows, n, self.hidden_size))
             except codec.WireError as err:
                 raise FrameError(str(err)) from err
+        rows_in = images.embeds(frame, self.hidden_size) if self.model.first else None  # an image's rows
         decoded = time.perf_counter()
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
@@ -259,13 +254,13 @@ class Shard:
             self.prefix.discard(frame.discard)
         for e in frame.seqs:
             if e.trim:
-                self._trim(self.seqs[e.seq_id], e.trim)
+                self._trim(self.seqs[e.seq_id], e.trim, e.position_shift)
         self.stats.begin()
         self.publish()
         out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
-                out = self._prefill(frame, hidden, session)
+                out = self._prefill(frame, hidden, session, rows_in)
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
             elif frame.kind == pb.Frame.VERIFY:
@@ -285,7 +280,7 @@ class Shard:
                              timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
         nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
                        tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
-                       timings=frame.timings)
+                       timings=frame.timings, positions=frame.positions)
         if out is not None:
             codec.encode(out, into=nxt.hidden)
         nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
@@ -333,7 +328,7 @@ class Shard:
             self.kv.turn(seq.caches)
             seq.quantized = True
 
-    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
+    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int, rows_in: Optional[mx.array]):
         entry = frame.seqs[0]
         if entry.offset == 0 or entry.reuse:
             seq = self._new_seq(entry, session)
@@ -343,7 +338,8 @@ class Shard:
         self._turn_due(entry.seq_id, seq)
         self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
-        out = self.model(tokens, hidden, seq.caches, [seq.length], pooled=seq.pool is not None)
+        out = self.model(tokens, hidden, seq.caches, [seq.length], pooled=seq.pool is not None,
+                         **images.extras(frame, rows_in, seq.length))
         seq.length += entry.num_tokens
         if not self.model.last:
             mx.async_eval(out)
@@ -357,7 +353,7 @@ class Shard:
         logits = out[:, -1, :]
         return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
 
-    def _trim(self, seq: _Seq, n: int) -> None:
+    def _trim(self, seq: _Seq, n: int, shift: int = 0) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
         caches of its own while it verifies drafts."""
         if seq.rewind is None:
@@ -366,7 +362,8 @@ class Shard:
         else:
             def again(tokens, hidden, caches):  # accepted positions of a frame, computed again
                 start = seq.length - n - len(tokens)
-                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start])))
+                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start],
+                                                **images.shifted(start, len(tokens), shift))))
                 mx.eval(kinds.arrays(caches))
 
             seq.rewind.back(seq.caches, seq.length, n, again)
@@ -386,7 +383,8 @@ class Shard:
             if seq.rewind is None:
                 seq.rewind = kinds.Rewind(self.limits.max_rewind)
             seq.rewind.mark(seq.caches, seq.length, frame.tokens, hidden)
-        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches, [seq.length])
+        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches, [seq.length],
+                         **images.extras(frame, None, seq.length))
         seq.length += entry.num_tokens
         seq.drafted += entry.num_tokens
         if not self.model.last:
@@ -400,7 +398,7 @@ class Shard:
         if failed is not None or seq.failed:
             seq.failed = seq.failed or str(failed)
             return [pb.TokenResult(seq_id=entry.seq_id, error=seq.failed)]
-        return [_token_result(entry.seq_id, pick) for pick in picks]
+        return [token_result(entry.seq_id, pick) for pick in picks]
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
@@ -411,7 +409,8 @@ class Shard:
             self._turn_due(e.seq_id, self.seqs[e.seq_id])
         parts = self.groups.regroup_parts(frame.group, [e.seq_id for e in frame.seqs], lambda s: self.seqs[s].quantized)
         seqs = [self.seqs[e.seq_id] for e in frame.seqs]
-        out = self.groups.step(self.model, parts, frame.tokens, hidden, [seq.length for seq in seqs])
+        lengths = [seq.length for seq in seqs]
+        out = self.groups.step(self.model, parts, frame.tokens, hidden, lengths, images.decode_positions(frame, lengths))
         for seq in seqs:
             seq.length += 1
         if not self.model.last:
@@ -446,5 +445,5 @@ class Shard:
             if s.failed:
                 out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
             else:
-                out.append(_token_result(e.seq_id, pick, s.sampler.finished))
+                out.append(token_result(e.seq_id, pick, s.sampler.finished))
         return out
