@@ -130,7 +130,7 @@ class Embedder:
                                 f"(all-MiniLM-L6-v2), a folder or a Hugging Face repo id; or name the pipeline's "
                                 f"model '{g.options.model_id}' to pool its final hidden state", param="model",
                            code="model_not_found")
-        if name != model.facts.name and name in g.served_names():
+        if name != model.facts.name and (name in g.names or name in g.served()):
             raise ApiError(400, f"the model '{name}' makes no embeddings; this server's embedding model is "
                                 f"'{model.facts.name}' (and the pipeline's '{g.options.model_id}' pools its own)",
                            param="model")

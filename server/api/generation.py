@@ -30,6 +30,7 @@ from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import CONTEXT_TOKENS, TextChunk, stream_text
+from mlxpipe.server.api.token_budget import token_budget
 from mlxpipe.server.api.traces import new_trace
 from mlxpipe.server.core.priority import effective
 from mlxpipe.server.core.sequence import QueueFull
@@ -229,9 +230,7 @@ class Generation:
 class Generator:
     """The API's one way to run a request on the engine (``head``: the started
     ``Cluster``, or anything with its ``engine``, ``tokenizer``, ``vocab_size`` and
-    ``model_facts()``). ``others``: more models the head serves itself
-    (``cluster/head_model.py``, ``--also``), each with that same surface and its
-    ``name``, reached by the request's ``model`` (``pick``, ``check_model``)."""
+    ``model_facts()``); ``others``: the models the head serves itself (``--also``), by name (``pick``)."""
 
     def __init__(self, head, options: ApiOptions, metrics=None, others: Sequence = (), quotas: Optional[Quotas] = None):
         self.head = head
@@ -263,10 +262,6 @@ class Generator:
         """The names of the models served: the pipeline's, the head's others, the embedding model."""
         embedder = getattr(self.head, "embedder", None)
         return [self.options.model_id, *self.others, *([embedder.facts.name] if embedder is not None else [])]
-
-    def served_names(self) -> set:
-        """Every name a served model answers to (aliases too)."""
-        return self.names | set(self.served())
 
     def pick(self, name: Optional[str]) -> "Generator":
         """The model a request names: another of the head's models by its name (Ollama's
@@ -410,34 +405,8 @@ class Generator:
             raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
 
     def budget(self, req: GenerationRequest, prompt_len: int) -> int:
-        """The request's token budget, or a 400 saying what to change."""
-        options, context, asked = self.options, self.engine.max_context, req.max_tokens
-        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
-                                f"{options.max_prompt_tokens}", param=req.prompt_field, code="prompt_too_long")
-        limit, key_limit = options.max_tokens_limit, self.quotas.max_tokens(req.tenant.key)
-        if limit and (asked or 0) > limit and not req.clamp_max_tokens:
-            raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
-        if key_limit and (asked or 0) > key_limit and not req.clamp_max_tokens:
-            raise ApiError(400, f"max_tokens is {asked}; this API key allows at most {key_limit} (max_tokens in "
-                                "the key file)", param="max_tokens", code="key_limit")
-        limit = min(limit or key_limit or 0, key_limit or limit or 0) or None  # the smaller of the two
-        served = f"{context} tokens ({self.engine.context_limit()})"
-        if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, your "
-                                f"prompt is {prompt_len} tokens. Please shorten it.",
-                           param=req.prompt_field, code="context_length_exceeded")
-        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
-            room = min(context, self.engine.kv_tokens) - prompt_len
-            return max(min(options.default_max_tokens or context, limit or context, room), 1)
-        if req.clamp_max_tokens:
-            return min(asked, limit or context, context - prompt_len)
-        if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, you "
-                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
-                                f"for the completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return asked
+        """The request's token budget (``token_budget.py``), or a 400 saying what to change."""
+        return token_budget(self.options, self.engine, self.quotas.max_tokens(req.tenant.key), req, prompt_len)
 
     def error(self, req: GenerationRequest, err: Exception) -> ApiError:
         """A failure after the request started: the pipeline's (503, retry), or the

@@ -82,7 +82,7 @@ class HeadEngine:
 
     def submit(self, prompt: Sequence[int], max_tokens: int, sampling: Sampling = Sampling(),
                stop_at_eos: bool = True, speculation: str = "auto", max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"", trace=None, priority: int = 0) -> RequestStream:
+               cache_salt: bytes = b"", media=None, trace=None, priority: int = 0) -> RequestStream:
         """Queue a request on the model's batch (``speculation``, ``max_drafts`` and ``cache_salt``
         change nothing here: no drafts, no prefix cache shared between requests; ``trace``: its
         span has no frames, the head's thread does all of it)."""
@@ -96,6 +96,8 @@ class HeadEngine:
         if sampling.grammar:
             raise InvalidRequest(f"the model '{owner.name}' runs on the head and follows no grammar: drop "
                                  "response_format or the forced tool_choice, or ask the pipeline's model", None)
+        if media is not None:
+            raise InvalidRequest(f"the model '{owner.name}' runs on the head and takes text only", "messages")
         if sampling.prompt_logprobs:
             raise InvalidRequest(f"the model '{owner.name}' runs on the head and does not score prompts", "echo")
         if len(prompt) >= self.max_context:
