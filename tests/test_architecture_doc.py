@@ -24,7 +24,7 @@ DOC = REPO / "docs" / "ARCHITECTURE.md"
 PACKAGES = ("proto", "shards", "server", "bench", "tests")
 # First parts of dotted names that are not modules of ours: MLX, mlx-lm, a model's
 # blocks and the protocols' JSON fields, which the text names as examples.
-NOT_OURS = {"mx", "mlx_lm", "layer", "text", "output_config"}
+NOT_OURS = {"mx", "mlx_lm", "layer", "text", "output_config", "usage"}
 FILES = re.compile(r"\.(json|md|txt|js|proto|safetensors|png|yaml|toml)$")
 
 

@@ -389,19 +389,20 @@ async def stream_message(gen: Generation, model: str, msg_id: str, on_error) -> 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     async def messages(body: MessagesRequest, request: Request):
         req = to_request(body, options, caller_of(request).tenant(body.cache_salt))
-        gen = await generator.start(req)
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        gen = await chosen.start(req)
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
             def on_error(err):
-                return {"error": generator.error(req, err).body("anthropic")["error"]}
+                return {"error": chosen.error(req, err).body("anthropic")["error"]}
             return StreamingResponse(stream_message(gen, body.model, msg_id, on_error),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return await whole_message(gen, request, body.model, msg_id)
 
     async def count_tokens(body: CountRequest, request: Request):
         images = []
-        prompt = await generator.prompt(GenerationRequest(messages=_messages(body, images), tools=_tools(body),
-                                                          images=images, tenant=caller_of(request).tenant(None)))
+        prompt = await generator.pick(body.model).prompt(GenerationRequest(
+            messages=_messages(body, images), tools=_tools(body), images=images, tenant=caller_of(request).tenant(None)))
         return {"input_tokens": len(prompt)}
 
     for base in ("/v1/messages", "/messages"):

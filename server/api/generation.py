@@ -13,9 +13,10 @@ an ``ApiError`` saying what to change; no MLX work happens in this process.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jinja2 import TemplateError
 
@@ -23,11 +24,15 @@ from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply,
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.images import ImagePolicy, load_images
 from mlxpipe.server.api.options import ApiOptions
+from mlxpipe.server.api.quotas import Admission, Quotas
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
 from mlxpipe.server.api.textgen import CONTEXT_TOKENS, TextChunk, stream_text
+from mlxpipe.server.api.token_budget import token_budget
+from mlxpipe.server.api.traces import new_trace
+from mlxpipe.server.core.priority import effective
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
 from mlxpipe.shards.models.grammar import in_worker
@@ -89,8 +94,12 @@ class Generation:
     """One request's ``n`` streams, their text, and their usage."""
 
     def __init__(self, generator: "Generator", req: GenerationRequest, prompt: List[int],
-                 streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
+                 streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]],
+                 admission: Optional[Admission] = None):
         self.generator, self.req = generator, req
+        self.admission = admission  # its place among its key's concurrent requests, its tokens counted there
+        if admission is not None:  # (released when its chunks end; if they never start, when it is collected)
+            weakref.finalize(self, admission.release)
         self.tokenizer = generator.tok
         self.prompt = prompt
         self.prompt_tokens = len(prompt)
@@ -153,11 +162,15 @@ class Generation:
                     self.completion_tokens += len(item.tokens)
                     if self.meter is not None:
                         self.meter.generated_tokens(len(item.tokens))
+                    if self.admission is not None:
+                        self.admission.tokens(len(item.tokens))
                     yield i, item
         finally:
             self.cancel()
             for t in tasks:
                 t.cancel()
+            if self.admission is not None:
+                self.admission.release()
             if self.meter is not None:
                 u = self.usage()
                 self.meter.cached_prompt(u.cached_tokens - u.cached_disk_tokens, u.cached_disk_tokens)
@@ -217,12 +230,16 @@ class Generation:
 class Generator:
     """The API's one way to run a request on the engine (``head``: the started
     ``Cluster``, or anything with its ``engine``, ``tokenizer``, ``vocab_size`` and
-    ``model_facts()``)."""
+    ``model_facts()``); ``others``: the models the head serves itself (``--also``), by name (``pick``)."""
 
-    def __init__(self, head, options: ApiOptions, metrics=None):
+    def __init__(self, head, options: ApiOptions, metrics=None, others: Sequence = (), quotas: Optional[Quotas] = None):
         self.head = head
         self.options = options
         self.metrics = metrics  # (metrics.Metrics: each key's own activity is counted there)
+        self.quotas = quotas or Quotas()  # each key's limits and priority class (quotas.py)
+        self.others: Dict[str, "Generator"] = {
+            m.name: Generator(m, replace(options, model_id=m.name, aliases=()), metrics, quotas=self.quotas)
+            for m in others}
         self.engine = head.engine
         self.tok = head.tokenizer
         self.vocab = head.vocab_size
@@ -241,13 +258,31 @@ class Generator:
         """The ``KeyMeter`` of the request's key, if this generator counts."""
         return self.metrics.key(req.tenant.key) if self.metrics is not None else None
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{self.options.model_id}'", param="model", code="model_not_found")
+    def served(self) -> List[str]:
+        """The names of the models served: the pipeline's, the head's others, the embedding model."""
+        embedder = getattr(self.head, "embedder", None)
+        return [self.options.model_id, *self.others, *([embedder.facts.name] if embedder is not None else [])]
+
+    def pick(self, name: Optional[str]) -> "Generator":
+        """The model a request names: another of the head's models by its name (Ollama's
+        ``:latest`` tag or not); any other name, the pipeline's (agents name their own)."""
+        name = (name or "").removesuffix(":latest")
+        return self.others.get(name, self)
+
+    def check_model(self, name: str) -> "Generator":
+        """``pick``, strictly (OpenAI's chat, completions and models): a name no served model
+        answers to is a 404 that lists the served ones."""
+        chosen = self.pick(name)
+        if chosen is self and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.served())
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return chosen
 
     async def start(self, req: GenerationRequest) -> Generation:
-        """The request's ``n`` streams on the engine, or an ApiError."""
+        """The request's ``n`` streams on the engine, or an ApiError (a 429 or 403 from its
+        key's limits: ``quotas.py``)."""
+        self.quotas.check_model(req.tenant.key, self.options.model_id)
         constrained = req.response_format is not None or req.forced_tool_call
         plan = await self.plan(req) if constrained else OutputPlan()
         if plan.bare is not None:  # a template that cannot show the model its tools: a note says the call
@@ -256,7 +291,26 @@ class Generator:
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
         media = await self.media(prompt, images) if images is not None else None  # the tower, where it must run
+        admission = self.quotas.admit(req.tenant.key, len(prompt))
+        try:
+            streams = self._submit(req, prompt, grammar, max_tokens, media)
+        except BaseException:
+            admission.release()
+            raise
+        thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
+        # (streaming) -> the Reply that splits a choice's text
+        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
+        if plan.bare is not None:
+            make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
+        gen = Generation(self, req, prompt, streams, make_reply, admission)
+        attach(gen)  # its tokens and timings go in the request's log line
+        return gen
+
+    def _submit(self, req: GenerationRequest, prompt: List[int], grammar: str, max_tokens: int,
+                media=None) -> List[RequestStream]:
+        """The request's ``n`` streams, submitted in its priority class (its key's, or lower if it asked)."""
         streams, salt = [], req.tenant.salt()
+        priority = effective(self.quotas.priority(req.tenant.key), req.priority, req.service_tier)
         try:
             for i in range(req.n):
                 # (choices share the prompt: the first alone scores it, when asked)
@@ -264,7 +318,8 @@ class Generator:
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts, cache_salt=salt, media=media))
+                                                  max_drafts=req.max_drafts, cache_salt=salt, media=media,
+                                                  trace=new_trace(), priority=priority))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -276,14 +331,7 @@ class Generator:
             for s in streams:
                 s.cancel()
             raise ApiError(400, str(err), param=getattr(err, "param", None) or "max_tokens")
-        thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
-        # (streaming) -> the Reply that splits a choice's text
-        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
-        if plan.bare is not None:
-            make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
-        gen = Generation(self, req, prompt, streams, make_reply)
-        attach(gen)  # its tokens and timings go in the request's log line
-        return gen
+        return streams
 
     async def prompt(self, req: GenerationRequest) -> List[int]:
         """The prompt's token ids: messages through the chat template, text tokenized, or ids checked."""
@@ -357,30 +405,8 @@ class Generator:
             raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
 
     def budget(self, req: GenerationRequest, prompt_len: int) -> int:
-        """The request's token budget, or a 400 saying what to change."""
-        options, context, asked = self.options, self.engine.max_context, req.max_tokens
-        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
-                                f"{options.max_prompt_tokens}", param=req.prompt_field, code="prompt_too_long")
-        limit = options.max_tokens_limit
-        if limit and (asked or 0) > limit and not req.clamp_max_tokens:
-            raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
-        served = f"{context} tokens ({self.engine.context_limit()})"
-        if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, your "
-                                f"prompt is {prompt_len} tokens. Please shorten it.",
-                           param=req.prompt_field, code="context_length_exceeded")
-        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
-            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
-            return max(min(options.default_max_tokens or context, limit or context, room), 1)
-        if req.clamp_max_tokens:
-            return min(asked, limit or context, context - prompt_len)
-        if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, you "
-                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
-                                f"for the completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return asked
+        """The request's token budget (``token_budget.py``), or a 400 saying what to change."""
+        return token_budget(self.options, self.engine, self.quotas.max_tokens(req.tenant.key), req, prompt_len)
 
     def error(self, req: GenerationRequest, err: Exception) -> ApiError:
         """A failure after the request started: the pipeline's (503, retry), or the

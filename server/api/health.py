@@ -80,11 +80,16 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
         if caller.operator:
             body.update(live_requests=engine.live, generated_tokens=engine.generated_tokens,
                         speculation=engine.speculation(), **_cluster(head))
+            if getattr(head, "extras", None):
+                body["head_models"] = [m.as_dict() for m in head.extras]
             if getattr(head, "vision", None) is not None:  # a vision model: its tower on the head, measured
                 body["vision"] = head.vision.report()
         else:  # its own
             meter = metrics.key(caller.identity)
             body.update(live_requests=meter.live, generated_tokens=meter.generated)
+        if getattr(head, "embedder", None) is not None:
+            body["embedding_model"] = head.embedder.as_dict() if caller.operator else {
+                "name": head.embedder.facts.name, "dimensions": head.embedder.facts.dimensions}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)
@@ -96,7 +101,7 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
             return Response(metrics.key(caller.identity).render(), media_type=CONTENT_TYPE_LATEST)
         stages = await engine.health(timeout=2.0)
         return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget(),
-                                       _cluster(head).get("links", ())),
+                                       _cluster(head).get("links", ()), getattr(head, "embedder", None)),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/nodes")

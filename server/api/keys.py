@@ -3,11 +3,14 @@ the ``Caller`` each HTTP request is served as.
 
 The key file (``--api-key-file``) holds one key a line, followed by the key's
 fields: ``KEY [field=value ...]`` (blank lines and lines starting with # left
-out). A field is one of ``KeyPolicy``'s; today ``role`` (``user``, the
-default, or ``operator``: an operator's /health and /metrics show every key's
-activity, a user's only its own). Later per-key limits (requests or tokens per
-minute, concurrency, priority, models allowed) are further fields of
-``KeyPolicy``, read the same way. ``$MLXPIPE_API_KEY`` is an operator's key;
+out). A field is one of ``KeyPolicy``'s: ``role`` (``user``, the default, or
+``operator``: an operator's /health and /metrics show every key's activity, a
+user's only its own), and the key's limits, which ``quotas.py`` enforces:
+``rpm`` (requests per minute), ``tpm`` (tokens per minute, prompt and
+generated), ``concurrency`` (requests at once), ``max_tokens`` (the longest
+reply a request may ask for), ``priority`` (``interactive``, the default, or
+``batch``: ``core/priority.py``) and ``models`` (the served models it may use,
+comma-separated; default: all). ``$MLXPIPE_API_KEY`` is an operator's key;
 a server without keys serves one user, ``LOCAL``, an operator (as ``mlxpipe
 generate`` is).
 
@@ -29,6 +32,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from mlxpipe.server.api.tenants import Tenant
 
 ROLES = ("user", "operator")
+PRIORITIES = ("interactive", "batch")  # (core/priority.py's classes, in order)
 SCOPE_KEY = "mlxpipe.caller"  # where the middleware leaves a request's Caller on its ASGI scope
 
 
@@ -38,6 +42,27 @@ def _role(value: str) -> str:
     return value
 
 
+def _count(name: str):
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name} is a whole number, at least 1, not {value!r}")
+        return int(value)
+    return parse
+
+
+def _priority(value: str) -> str:
+    if value not in PRIORITIES:
+        raise ValueError(f"priority is one of {', '.join(PRIORITIES)}, not {value!r}")
+    return value
+
+
+def _models(value: str) -> Tuple[str, ...]:
+    names = tuple(n for n in value.split(",") if n)
+    if not names:
+        raise ValueError("models names at least one model, comma-separated")
+    return names
+
+
 @dataclass(frozen=True)
 class KeyPolicy:
     """What one API key may do, from its line of the key file. Each field declares
@@ -45,6 +70,12 @@ class KeyPolicy:
     what is allowed)."""
 
     role: str = field(default="user", metadata={"parse": _role})  # "operator": sees every key's activity
+    rpm: Optional[int] = field(default=None, metadata={"parse": _count("rpm")})  # requests per minute
+    tpm: Optional[int] = field(default=None, metadata={"parse": _count("tpm")})  # tokens (prompt + generated) a minute
+    concurrency: Optional[int] = field(default=None, metadata={"parse": _count("concurrency")})  # requests at once
+    max_tokens: Optional[int] = field(default=None, metadata={"parse": _count("max_tokens")})  # longest reply asked
+    priority: str = field(default="interactive", metadata={"parse": _priority})  # its class in the scheduler
+    models: Tuple[str, ...] = field(default=(), metadata={"parse": _models})  # served models it may use (): all
 
     @property
     def operator(self) -> bool:

@@ -124,6 +124,21 @@ class _Links:
         yield from (latency, rate)
 
 
+class _Embeddings:
+    """What the head's embedding model embedded (``cluster/embedding_model.py``), at scrape time."""
+
+    def __init__(self):
+        self.model = None  # the head's EmbeddingModel, if any
+
+    def collect(self):
+        inputs = CounterMetricFamily("mlxpipe_embedding_inputs", "Inputs the embedding model embedded")
+        tokens = CounterMetricFamily("mlxpipe_embedding_tokens", "Tokens of the inputs the embedding model embedded")
+        if self.model is not None:
+            inputs.add_metric([], self.model.inputs)
+            tokens.add_metric([], self.model.tokens)
+            yield from (inputs, tokens)
+
+
 class KeyMeter:
     """One key's own activity, under the names an operator's view gives everyone's."""
 
@@ -186,6 +201,8 @@ class Metrics:
         r.register(self.budget)
         self.links = _Links()
         r.register(self.links)
+        self.embeddings = _Embeddings()
+        r.register(self.embeddings)
         self.keys: Dict[bytes, KeyMeter] = {}  # one per API key that was used (the key file bounds them)
 
     def key(self, identity: bytes) -> KeyMeter:
@@ -214,13 +231,14 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    def render(self, health, live: int, recoveries: int, drafts=None, budget=None, links=()) -> bytes:
+    def render(self, health, live: int, recoveries: int, drafts=None, budget=None, links=(), embedder=None) -> bytes:
         """The text exposition, with ``health`` (``Engine.health()``'s answer) and the
         engine's live requests, recoveries and draft counts (``DraftStats``) as of now,
         and the pipeline's frame times (``Engine.frame_budget()``: kind -> totals; they
         restart with a rebuilt pipeline)."""
         self.budget.kinds = budget or {}
         self.links.links = list(links)
+        self.embeddings.model = embedder
         self.live.set(live)
         self.recoveries.set(recoveries)
         if drafts is not None:

@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxpipe.server.api import traces
 from mlxpipe.server.api.errors import error_response
 from mlxpipe.server.api.keys import SCOPE_KEY, Keys
 from mlxpipe.server.api.metrics import Metrics
@@ -144,4 +145,8 @@ def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine, 
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)
     if options.log_requests:
-        app.add_middleware(RequestLog)  # outermost: it sees the status Outcomes answers
+        app.add_middleware(RequestLog)  # it sees the status Outcomes answers
+    url = traces.endpoint(options.otlp_endpoint)
+    if url:  # outermost: the HTTP span covers all the rest
+        app.state.traces = traces.Exporter(url)
+        app.add_middleware(traces.Traces, exporter=app.state.traces)

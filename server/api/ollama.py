@@ -8,7 +8,8 @@ back as newline-delimited JSON (``stream`` defaults to true, as in Ollama).
 stop, seed, repeat_penalty, presence/frequency_penalty); options about Ollama's
 own runtime (num_ctx, num_gpu, keep_alive, ...) mean nothing here and are
 ignored. ``format`` ("json" or a JSON schema) is enforced by the grammar, as
-``response_format`` is. Any model name is served by the one model.
+``response_format`` is. A name of another model the head serves (``--also``) reaches it;
+any other name is served by the pipeline's model.
 """
 
 from __future__ import annotations
@@ -239,17 +240,29 @@ async def _whole(gen: Generation, request: Request, model: str, key: str, starte
             **_done(gen, choice.finish_reason, started)}
 
 
-def _card(name: str, generator: Generator) -> Dict[str, Any]:
-    """The one model as Ollama's model listings describe one."""
-    facts = generator.model_facts()
+def _card(generator: Generator) -> Dict[str, Any]:
+    """A served model as Ollama's model listings describe one."""
+    name, facts = f"{generator.options.model_id}:latest", generator.model_facts()
     return {"name": name, "model": name, "modified_at": _now(), "size": facts["model_bytes"],
             "digest": facts["fingerprint"], "details": {
                 "parent_model": "", "format": "mlx", "family": facts["model_type"], "families": [facts["model_type"]],
                 "parameter_size": "", "quantization_level": f"Q{facts['bits']}" if facts["bits"] else "unquantized"}}
 
 
+def _embedding_card(generator: Generator) -> List[Dict[str, Any]]:
+    """The head's embedding model, if any, as Ollama lists one."""
+    embedder = getattr(generator.head, "embedder", None)
+    if embedder is None:
+        return []
+    f = embedder.facts
+    return [{"name": f"{f.name}:latest", "model": f"{f.name}:latest", "modified_at": _now(), "size": f.weight_bytes,
+             "digest": "", "details": {"parent_model": "", "format": "mlx", "family": f.model_type,
+                                       "families": [f.model_type], "parameter_size": "",
+                                       "quantization_level": "unquantized"}}]
+
+
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
-    name = f"{options.model_id}:latest"
+    every = [generator, *generator.others.values()]  # the pipeline's model, then the head's others
 
     @app.get("/api/version")
     async def version():
@@ -257,30 +270,32 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
 
     @app.get("/api/tags")
     async def tags():
-        return {"models": [_card(name, generator)]}
+        return {"models": [_card(g) for g in every] + _embedding_card(generator)}
 
     @app.get("/api/ps")
     async def ps():
-        return {"models": [_card(name, generator) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
-                                                      "context_length": generator.engine.max_context}]}
+        return {"models": [_card(g) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
+                                       "context_length": g.engine.max_context} for g in every]}
 
     @app.post("/api/show")
     async def show(body: ShowBody):
-        card, facts = _card(name, generator), generator.model_facts()
-        return {"modelfile": "", "parameters": "", "template": getattr(generator.tok, "chat_template", None) or "",
+        chosen = generator.pick(body.model or body.name)
+        card, facts = _card(chosen), chosen.model_facts()
+        return {"modelfile": "", "parameters": "", "template": getattr(chosen.tok, "chat_template", None) or "",
                 "details": card["details"], "modified_at": card["modified_at"],
                 "model_info": {"general.architecture": facts["model_type"],
-                               f"{facts['model_type']}.context_length": generator.engine.max_context,
+                               f"{facts['model_type']}.context_length": chosen.engine.max_context,
                                "general.block_count": facts["num_layers"]},
                 "capabilities": ["completion", "tools"] + (["vision"] if generator.vision is not None else [])}
 
     async def answer(body, request: Request, key: str):
         started = time.monotonic()
         req = request_of(body, options, caller_of(request).tenant(body.cache_salt))
-        gen = await generator.start(req)
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        gen = await chosen.start(req)
         if body.stream:
             return StreamingResponse(_lines(gen, body.model, key, started,
-                                            lambda e: generator.error(req, e).body("ollama")),
+                                            lambda e: chosen.error(req, e).body("ollama")),
                                      media_type="application/x-ndjson")
         return await _whole(gen, request, body.model, key, started)
 

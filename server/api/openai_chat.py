@@ -26,13 +26,13 @@ def chat_request(req: ChatCompletionRequest, options: ApiOptions, tenant: Tenant
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
         tool_choice=req.choice(), parallel_tool_calls=req.parallel_tool_calls,
         speculation=req.speculation, max_drafts=req.num_draft_tokens,
-        tenant=tenant)
+        tenant=tenant, priority=req.priority, service_tier=req.service_tier)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        generator.check_model(req.model)
-        gen = await generator.start(chat_request(req, options, caller_of(request).tenant(req.cache_salt)))
-        fmt = ChatFormat(generator.tok, options.model_id, req.logprobs)
+        chosen = generator.check_model(req.model)  # the pipeline's model, or another the head serves
+        gen = await chosen.start(chat_request(req, options, caller_of(request).tenant(req.cache_salt)))
+        fmt = ChatFormat(chosen.tok, chosen.options.model_id, req.logprobs)
         return await respond(request, gen, fmt, req.stream, req.include_usage())

@@ -174,7 +174,7 @@ def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
         parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input",
-        images=images), conversation
+        images=images, priority=req.priority, service_tier=req.service_tier), conversation
 
 
 def _echo(value):
@@ -353,14 +353,15 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
             items, previous = store.get(tenant.key, body.previous_response_id)
             history = items + _output_items(previous["output"])
         req, conversation = to_request(body, history, options, tenant)
-        resp = _Response(body, await generator.start(req))
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        resp = _Response(body, await chosen.start(req))
 
         def stored(obj: dict) -> None:
             if body.store:
                 store.put(tenant.key, obj, conversation)
 
         if body.stream:
-            return StreamingResponse(stream(resp, lambda e: generator.error(req, e).body()["error"], stored),
+            return StreamingResponse(stream(resp, lambda e: chosen.error(req, e).body()["error"], stored),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         obj = await whole(resp, request)
         stored(obj)

@@ -57,6 +57,14 @@ class ApiOptions:
     log_requests: bool = knob(True, "log one line per request that generates or is refused: method, path, status, "
                               "prompt/cached/completion tokens, time to first token, tok/s (default %(default)s)",
                               action=argparse.BooleanOptionalAction)
+    embedding_max_inputs: int = knob(2048, "inputs one embeddings request may hold, at most (default %(default)s, "
+                                     "as OpenAI's); tokens per input are bounded by the embedding model's own limit",
+                                     type=count)
+    otlp_endpoint: Optional[str] = knob(None, "send an OpenTelemetry trace of every API request (the HTTP span, "
+                                        "its wait, each prefill chunk and decode step with every stage's part of it) "
+                                        "to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (default: the "
+                                        "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT "
+                                        "if set, else off; needs the 'otel' extra)")
     retry_after_s: int = knob(2, "seconds a client refused for load is told to wait (Retry-After)", flag=None)
     # Images (a vision model's; ``images.py``): checked before anything reaches the model.
     max_images: int = knob(32, "images one request may hold, in all its messages (default %(default)s)", type=count)

@@ -82,6 +82,10 @@ class GenerationRequest:
     # what is stored for a request is its key's. Set where a protocol builds the request,
     # from the route's ``keys.caller_of``; no default, so no request is silently untenanted.
     tenant: Tenant = field(kw_only=True)
+    # Lowering its own priority class (``core/priority.py``; never above its key's): vLLM's
+    # ``priority`` (above 0: batch) and OpenAI's ``service_tier`` ("flex": batch).
+    priority: Optional[int] = None
+    service_tier: Optional[str] = None
     # The body field that holds the prompt, for errors that name it (None: "messages" for
     # messages, "prompt" for text or token ids).
     prompt_param: Optional[str] = None

@@ -170,6 +170,8 @@ class ResponsesRequest(Body):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     text: Optional[TextConfig] = None
+    priority: Optional[int] = Field(default=None, ge=-(1 << 31), lt=1 << 31)  # above 0: batch (core/priority.py)
+    service_tier: Optional[str] = Field(default=None, max_length=32)  # "flex": batch
     store: StrictBool = True
     previous_response_id: Optional[str] = None
     stream: StrictBool = False

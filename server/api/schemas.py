@@ -185,6 +185,10 @@ class OpenAIRequest(Body):
     speculation: Literal[SOURCES] = DEFAULT_SPECULATION
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
     cache_salt: Optional[str] = cache_salt_field()
+    # A request may lower its own priority (core/priority.py): vLLM's ``priority`` (above 0:
+    # batch) and OpenAI's ``service_tier`` ("flex": batch); it never rises above its key's class.
+    priority: Optional[int] = Field(default=None, ge=-(1 << 31), lt=1 << 31)
+    service_tier: Optional[str] = Field(default=None, max_length=32)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")

@@ -70,6 +70,7 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
 
     metrics = Metrics()
     cluster = await Cluster(config, observer=metrics, listening=[sock.getsockname()[:2]]).start()
+    app = None
     try:
         api = replace(options, model_id=model_id(config.model, cluster.model_path), aliases=(config.model,))
         app = create_app(cluster, api, metrics)
@@ -111,6 +112,9 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
             await task
         return exit_code
     finally:
+        exporter = getattr(app.state, "traces", None) if app is not None else None
+        if exporter is not None:  # what is still queued goes now
+            await asyncio.to_thread(exporter.close)
         await cluster.stop()
 
 

@@ -17,6 +17,8 @@ from mlxpipe.server.cluster import mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
+from mlxpipe.server.cluster.embedding_model import load_embedding_model
+from mlxpipe.server.cluster.head_model import check_head_memory, head_memory_lines, load_head_models
 from mlxpipe.server.cluster.vision import load_vision
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
@@ -28,7 +30,7 @@ from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budge
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.core.engine import Engine, Observer
 from mlxpipe.server.core.supervision import Rebuilt
 from mlxpipe.server.core.transport import PipelineError
@@ -57,6 +59,8 @@ class Cluster:
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
+        self.embedder = None  # embedding_model.EmbeddingModel (--embedding-model), which the API reaches
+        self.extras: List = []  # head_model.HeadModel (--also): more models the head serves itself
         self.vision = None  # vision.VisionRunner: a vision model's processor and tower, for the API
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
@@ -107,6 +111,14 @@ class Cluster:
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
                 "bits": bits, "context_length": self.engine.max_context, "vision": self.vision is not None}
 
+    def head_models(self) -> List[Tuple[str, int]]:
+        """What the head runs itself beside the pipeline, and the bytes each may hold: (what, bytes)."""
+        out = [(f"draft model {self.draft.path.name}", self.draft.weight_bytes())] if self.draft is not None else []
+        if self.embedder is not None:
+            out.append((f"embedding model {self.embedder.facts.name}", self.embedder.facts.weight_bytes))
+        return out + [(f"--also {m.name} ({m.max_batch} x {m.context} tokens of KV cache)", m.memory())
+                      for m in self.extras]
+
     def joined_nodes(self) -> List[dict]:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
         return joined_table(self.joined, {st.address for st in self.pipeline.stages})
@@ -143,6 +155,7 @@ class Cluster:
         if self.placer is not None:
             lines += self.placer.prediction
         kv = self.kv_line()
+        lines += head_memory_lines(self.head_models())
         lines.append(self.context_note())
         if self.vision is not None:  # a vision model's tower, on this head
             lines.append(self.vision.cost.line())
@@ -179,6 +192,16 @@ class Cluster:
         # A draft model that cannot draft for this one is refused before anything starts.
         self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.model.tokenizer)
         self.vision = await asyncio.to_thread(load_vision, self.model)  # None: the model takes no images
+        try:
+            self.embedder = await asyncio.to_thread(load_embedding_model, cfg.embedding_model)
+            self.extras = await asyncio.to_thread(load_head_models, cfg.also, PLANNED_CONTEXT, cfg.also_batch,
+                                                  (cfg.model, self.model.path.name))
+            check_head_memory(self.head_models(), self.model.weight_bytes)
+        except BaseException:
+            for m in [self.draft, self.vision, self.embedder, *self.extras]:
+                if m is not None:
+                    m.close()
+            raise
         pipeline = None
         try:
             await self._gather_stages()
@@ -253,8 +276,8 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory (and the head's vision tower)
-            head = self.vision.planned_bytes if self.vision is not None else 0
+        if self.local is not None:  # local stages share this machine's memory (and the head's own models)
+            head = sum(b for _, b in self.head_models()) + (self.vision.planned_bytes if self.vision is not None else 0)
             cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(addresses)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
@@ -377,8 +400,9 @@ class Cluster:
             self.local.stop()
         for source in self._quantized.values():
             source.close()
-        if self.vision is not None:
-            self.vision.close()
+        for m in [self.vision, self.embedder, *self.extras]:
+            if m is not None:
+                m.close()
 
     async def __aenter__(self) -> "Cluster":
         return await self.start()

@@ -15,6 +15,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.plan import Entry, PromptScores, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler
 from mlxpipe.server.core.sequence import TokenEvent
+from mlxpipe.server.core.tracing import Tracing
 from mlxpipe.server.core.workload import WorkloadMeter
 from mlxpipe.shards.params import wire
 
@@ -35,6 +36,7 @@ def seq_entry(e: Entry) -> pb.SeqEntry:
         out.context.extend(e.opening.context)
         out.generated.extend(e.opening.generated)
         out.kv_quantize_at = e.opening.kv_at
+        out.pool = e.opening.pool
         if e.opening.store:  # reused blocks read back from disk, kept in memory again
             out.store_first = e.opening.store_first
             out.store.extend(e.opening.store)
@@ -75,7 +77,7 @@ def step_result(result: pb.Result) -> StepResult:
     """The last stage's result as the scheduler takes it."""
     return StepResult(result.frame_id, [
         Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
-               t.done, t.error) for t in result.tokens],
+               t.done, t.error, list(t.embedding) or None) for t in result.tokens],
         [(t.decode_us + t.compute_us + t.encode_us) / 1e6 for t in result.timings])
 
 
@@ -96,14 +98,21 @@ class Framer:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.meter = WorkloadMeter()  # the workload the steps make (workload.py)
+        self.tracing = Tracing()  # traced requests' frames (tracing.py): nothing while none is traced
 
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
         steps = self.scheduler.schedule()
         for s in steps:
             self.meter.step(s)
+        if self.tracing.traces:
+            self.tracing.sent(steps)
         return [with_media(frame(s), s, self.scheduler.seqs) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
         """Take one Result; return the tokens it gave live sequences."""
-        return self.scheduler.on_result(step_result(result))
+        events = self.scheduler.on_result(step_result(result))
+        if self.tracing.traces:
+            self.tracing.result(result.frame_id, [(t.queued_us / 1e6, t.decode_us / 1e6, t.compute_us / 1e6,
+                                                   t.encode_us / 1e6) for t in result.timings], events)
+        return events

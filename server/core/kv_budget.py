@@ -157,8 +157,9 @@ class KvBudget:
     def cached_prefix(self, seq: Seq) -> List[int]:
         """The keys of the cached blocks ``seq`` may start after: all its first blocks
         that every stage holds, leaving at least its last token to compute. None for a
-        sequence that scores its prompt: a cached position's log-probability is not known."""
-        if self.prefix is None or seq.sampling.prompt_logprobs:
+        sequence that scores its prompt (a cached position's log-probability is not known)
+        or pools it (the last stage must see every position)."""
+        if self.prefix is None or seq.sampling.prompt_logprobs or seq.pool:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
         self._hashes(seq, usable)

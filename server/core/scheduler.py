@@ -55,6 +55,7 @@ from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.server.core.kv_budget import Fetch, KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.prefill import PrefillPolicy
+from mlxpipe.server.core.priority import Priorities
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
 from mlxpipe.server.core.speculation import Speculator
@@ -87,6 +88,7 @@ class Scheduler:
         self.max_running = room if config.max_running is None else config.max_running
         self.kv = KvBudget(config.max_kv_tokens, config.block_tokens, config.prefix_blocks)
         self.prefill = PrefillPolicy(config)  # how large each prefill chunk is
+        self.priorities = Priorities(config.batch_share, config.batch_reserve)  # interactive first (priority.py)
         self.speculator = Speculator(config, drafters, costs)  # (costs: per frame kind, core/budget.py)
         self.seqs: Dict[int, Seq] = {}
         self.waiting: Deque[Seq] = deque()
@@ -215,12 +217,13 @@ class Scheduler:
     def schedule(self) -> List[Step]:
         """The steps to run now, in order."""
         self.kv.new_round()  # (a sequence not started keeps the blocks it starts after: KvBudget.waiting)
+        self.priorities.note_live(self.seqs.values())
         self._admit()
         self.kv.set_room(self.kv_reserved)
         steps = self._verify_steps()    # may send a sequence back to a group...
         steps += self._decode_steps()   # ... or take one out of its group...
         steps += self._verify_steps()   # ... which then verifies at once
-        steps += self._prefill_steps()
+        steps = Priorities.order(steps + self._prefill_steps(), self.seqs)
         evict, discard = self.kv.take_evictions()
         if self.pending_free or evict or discard:
             if not steps:
@@ -233,14 +236,18 @@ class Scheduler:
 
     def _admit(self) -> None:
         holding = len(self.prefilling) + self.decoding
+        batch = sum(1 for s in self.seqs.values() if s.priority and s.phase in (Phase.PREFILL, Phase.RUNNING))
         reserved = self.kv_reserved
         while self.waiting and holding < self.max_running:
-            seq = self.waiting[0]
+            seq = self.priorities.admit_next(self.waiting, batch, self.max_running)  # interactive first
+            if seq is None:
+                break
             hit = self.kv.cached_prefix(seq)
             need = self.kv.need(seq)
             if not self.kv.admits(need, reserved, hit) and holding:
-                break  # wait for KV memory to free up (FIFO: nobody overtakes)
-            self.waiting.popleft()
+                break  # wait for KV memory to free up (in order: nobody of its class overtakes)
+            self.waiting.remove(seq)
+            batch += 1 if seq.priority else 0
             seq.phase = Phase.PREFILL
             seq.reuse, seq.stored = hit, len(hit)
             seq.sent = len(hit) * self.config.block_tokens
@@ -265,7 +272,7 @@ class Scheduler:
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
         return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
-                       *self.kv.promote(seq), kv_at=seq.kv_at or 0)
+                       *self.kv.promote(seq), kv_at=seq.kv_at or 0, pool=seq.pool)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
               tokens=(), epoch: int = 0, chunk: Optional[Tuple[int, int]] = None) -> Step:
@@ -276,8 +283,9 @@ class Scheduler:
     def _decode_steps(self) -> List[Step]:
         steps = []
         busy_groups = {f.group for f in self.inflight.values() if f.kind == StepKind.DECODE}
+        hold = self.priorities.hold_batch(self.prefilling)  # batch-only groups wait for an interactive prefill
         for g, members in enumerate(self.groups):
-            if not members or g in busy_groups:
+            if not members or g in busy_groups or (hold and all(self.seqs[s].priority for s in members)):
                 continue
             for sid in list(members):
                 if self.speculator.leaves_group(self.seqs[sid], self.live):
@@ -307,6 +315,9 @@ class Scheduler:
         """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
         admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
         ready = [s for s in self.prefilling if s.sent < len(s.feed) and not s.fetching]  # (blocks on disk: read first)
+        batch = sum(1 for f in self.inflight.values() if f.kind == StepKind.PREFILL
+                    and any(self.seqs[i].priority for i in f.seq_ids if i in self.seqs))
+        ready = self.priorities.prefill_candidates(ready, batch, self.config.max_prefill_inflight)
         if ready:
             oldest = ready[0]
             pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
@@ -374,7 +385,7 @@ class Scheduler:
         scored its prompt, and ends with the last stage's pick unused)."""
         if not seq.max_tokens:
             self._finish(seq, "length")
-            return TokenEvent(seq, -1, 0.0, None, True)
+            return TokenEvent(seq, -1, 0.0, None, True, embedding=t.embedding)
         seq.generated.append(t.token)
         if seq.phase == Phase.PREFILL:
             self.prefilling.remove(seq)

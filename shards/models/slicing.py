@@ -340,14 +340,15 @@ class SlicedModel:
         return [kinds.clone(self._template[k]) for k in self.own]
 
     def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list,
-                 lengths: Optional[Sequence[int]] = None, **extra) -> mx.array:
+                 lengths: Optional[Sequence[int]] = None, pooled: bool = False, **extra) -> mx.array:
         """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D];
         ``lengths``: each row's positions before these (for caches of kinds this stage
         does not hold, which some models read positions from); ``extra``: keywords the
         model's call takes besides (a vision model's ``splice`` and ``positions``,
         ``vision.TextPart``), passed where given.
 
-        Returns activations [B, L, D], or logits [B, L, V] on the last stage.
+        Returns activations [B, L, D], or logits [B, L, V] on the last stage (``pooled``:
+        the final hidden state there, after the model's norm: what its inner model returns).
         """
         full: List[Any] = [None] * len(self._template)
         for k, c in zip(self.own, caches):
@@ -357,7 +358,8 @@ class SlicedModel:
             full[k] = caches[j] if j is not None else kinds.phantom(self._template[k], list(rows))
         self._inbox.hidden = hidden
         try:
-            return self.model(tokens, cache=full, **{k: v for k, v in extra.items() if v is not None})
+            run = self.model.model if pooled else self.model  # (pooled: the inner model's final hidden state)
+            return run(tokens, cache=full, **{k: v for k, v in extra.items() if v is not None})
         except _Leave as leave:
             return leave.hidden
         finally:

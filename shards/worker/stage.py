@@ -1,42 +1,39 @@
 """A stage's state and work, without any networking: Frames in, Frames or Results out.
 
-``Shard`` owns the loaded layer range, every live sequence's caches and
-the micro-batch groups. It runs on the one thread that owns MLX in the stage
-process (see ``servicer.py``); nothing here blocks on I/O.
+``Shard`` owns the loaded layer range, every live sequence's caches and the micro-batch groups.
+It runs on the one thread that owns MLX in the stage process (see ``servicer.py``); nothing here
+blocks on I/O.
 
 Sequences and caches:
 
 - A PREFILL frame carries one chunk of one sequence. The sequence's caches
   are its own (mlx-lm ``KVCache`` per block) until it joins a decode group.
-- A DECODE frame carries one token for each member of micro-batch group
-  ``group``. The group's caches are batched (mlx-lm ``BatchKVCache``,
-  left-padded, so members may have different lengths). Members that the head
-  added since the group's last step are merged in; members it dropped are
-  filtered out; rows follow the frame's order.
-- ``free`` drops sequences wherever they are. Every frame is validated before
-  any state changes; a bad frame raises ``FrameError`` and changes nothing.
-- A VERIFY frame carries positions of one sequence (its last token and
-  tokens the head drafted: speculative decoding). The sequence leaves its
-  decode group for caches of its own; the last stage samples after every
-  position. The head judges the drafts; a later frame's ``trim`` takes back
-  the positions it rejected, before anything else: positional caches are
-  trimmed, state caches (rotating windows, state-space arrays) go back to a
-  snapshot taken before the verify frame, and what it accepted of that frame
-  is computed again (``caches.Rewind``). A stage can take back at most
-  ``ShardLimits.max_rewind`` positions and says so in its Load reply.
-- A sequence with a grammar (``grammar.py``, last stage only) never verifies
-  drafts; when it is replayed, its first frame names the tokens it generated
-  (``generated``) and the grammar advances past them again.
-- Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
-  first drops the blocks in ``evict``; a sequence's first frame may start it
-  after cached blocks (``reuse``); any later frame may name blocks of the
-  sequence to keep (``store``), copied out before the frame's work, with the
-  state at the end of the last (``snap``: the caches are exactly there). With a
-  disk tier, a first frame may start from blocks read back for it (``Fetch``),
-  which its ``store`` keeps in memory; ``discard`` drops blocks from disk too.
-- KV quantization (``kv_quant.py``): a sequence's caches turn quantized before
-  its first frame at or past its switch point (named in its first frame), after
-  the blocks that frame keeps; in a decode group its row moves to a quantized part.
+- A DECODE frame carries one token for each member of micro-batch group ``group``. The group's
+  caches are batched (mlx-lm ``BatchKVCache``, left-padded, so members may have different
+  lengths). Members that the head added since the group's last step are merged in; members it
+  dropped are filtered out; rows follow the frame's order.
+- ``free`` drops sequences wherever they are. Every frame is validated before any state changes;
+  a bad frame raises ``FrameError`` and changes nothing.
+- A VERIFY frame carries positions of one sequence (its last token and tokens the head drafted:
+  speculative decoding). The sequence leaves its decode group for caches of its own; the last
+  stage samples after every position. The head judges the drafts; a later frame's ``trim`` takes
+  back the positions it rejected, before anything else: positional caches are trimmed, state
+  caches (rotating windows, state-space arrays) go back to a snapshot taken before the verify
+  frame, and what it accepted of that frame is computed again (``caches.Rewind``). A stage can
+  take back at most ``ShardLimits.max_rewind`` positions and says so in its Load reply.
+- A sequence with a grammar (``grammar.py``, last stage only) never verifies drafts; when it is
+  replayed, its first frame names the tokens it generated (``generated``) and the grammar advances
+  past them again.
+- Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame first drops the
+  blocks in ``evict``; a sequence's first frame may start it after cached blocks (``reuse``); any
+  later frame may name blocks of the sequence to keep (``store``), copied out before the frame's
+  work, with the state at the end of the last (``snap``: the caches are exactly there). With a
+  disk tier, a first frame may start from blocks read back for it (``Fetch``), which its
+  ``store`` keeps in memory; ``discard`` drops blocks from disk too.
+- KV quantization (``kv_quant.py``): a sequence's caches turn quantized before its first frame at
+  or past its switch point (named in its first frame), after the blocks that frame keeps; in a
+  decode group its row moves to a quantized part.
+- An embedding request (``pool``, ``pooling.py``): the last stage pools its final hidden state.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
 from mlxpipe.shards.worker.launch import Launched, later
 from mlxpipe.shards.worker import images
+from mlxpipe.shards.worker.pooling import Pool
 from mlxpipe.shards.worker.sampler import (SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt,
                                            token_result)
 
@@ -80,6 +78,7 @@ class _Seq:
     kv_at: int = 0                    # its caches turn quantized before a frame starting here or later (0: never)
     kv_named: bool = False            # ... as its first frame said (no frame may cross it)
     quantized: bool = False           # they did
+    pool: Optional[Pool] = None       # last stage, an embedding request: its pooled hidden state (pooling.py)
 
 
 @dataclass
@@ -291,7 +290,7 @@ class Shard:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
             self.free([entry.seq_id])
         seq = _Seq(caches=self.model.make_cache(), session=session, kv_at=self.kv.point(entry.kv_quantize_at),
-                   kv_named=bool(entry.kv_quantize_at))
+                   kv_named=bool(entry.kv_quantize_at), pool=Pool.of(entry.pool, self.model.last))
         if entry.reuse:
             staged = self.prefix.unstage(entry.seq_id)  # read back from disk for it (Fetch)
             seq.length = self.prefix.start(entry.reuse, seq.caches, staged)
@@ -339,11 +338,14 @@ class Shard:
         self._turn_due(entry.seq_id, seq)
         self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
-        out = self.model(tokens, hidden, seq.caches, [seq.length], **images.extras(frame, rows_in, seq.length))
+        out = self.model(tokens, hidden, seq.caches, [seq.length], pooled=seq.pool is not None,
+                         **images.extras(frame, rows_in, seq.length))
         seq.length += entry.num_tokens
         if not self.model.last:
             mx.async_eval(out)
             return out
+        if seq.pool is not None:  # its vector once the prompt's last position is in; no sampling
+            return later([kinds.arrays(seq.caches), seq.pool.add(out)], seq.pool.results(entry))
         seq.sampler.observe(frame.tokens)
         scored = score_prompt(seq.sampler, entry.seq_id, entry.offset, frame.tokens, out[0])  # if it asked
         if not entry.sample:
