@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from mlxpipe.shards.models import mtp_layout
 from mlxpipe.shards.models.store import text_config
-from mlxpipe.shards.models.weights import LAYER_RE, read_header
+from mlxpipe.shards.models.weights import LAYER_RE, is_vision, read_header
 from mlxpipe.server.cluster.weight_bytes import Parts, Quant, Scheme
 from mlxpipe.shards.params.quant import BITS, DEFAULT_GROUP_SIZE, QuantSpec
 
@@ -136,13 +136,21 @@ def _num_experts(cfg: dict) -> int:
     return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def _moe_freq(cfg: dict, i: int) -> bool:
+    """DeepSeek's ``moe_layer_freq``: every n-th layer, or (MiMo-V2, MiniMax-M3) one flag per layer."""
+    freq = cfg.get("moe_layer_freq") or 1
+    if isinstance(freq, list):
+        return i < len(freq) and bool(freq[i])
+    return i % int(freq) == 0
+
+
 def _is_moe(cfg: dict, i: int) -> bool:
     # The union of the rules of DeepSeek (first_k_dense_replace, moe_layer_freq),
     # Qwen-MoE (decoder_sparse_step, mlp_only_layers) and Mixtral (every layer);
     # each config only sets its own keys, the others stay neutral.
     return (_num_experts(cfg) > 0
             and i >= int(cfg.get("first_k_dense_replace") or 0)
-            and i % int(cfg.get("moe_layer_freq") or 1) == 0
+            and _moe_freq(cfg, i)
             and (i + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0
             and i not in (cfg.get("mlp_only_layers") or []))
 
@@ -316,6 +324,8 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path], with_mt
                 nbytes = int(end) - int(start)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
+            if is_vision(name):  # a vision model's tower: the head's (server/cluster/vision.py), no stage's
+                continue
             mtp = mtp_layout.classify(name, L)
             m = LAYER_RE.search(name)
             if mtp is not None:                           # the MTP head: its first layer (not its copies)

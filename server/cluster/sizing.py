@@ -33,6 +33,7 @@ class StageLimits:
     disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
     kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
     mtp: bool = False           # the last stage loads the model's MTP head to draft with, where it has one
+    vision: bool = False        # run the language model as mlx-vlm's (a vision model: frames carry images)
 
 
 def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:

@@ -15,18 +15,9 @@ import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.worker.mtp_drafts import accepted
-from mlxpipe.shards.worker.sampler import SequenceFailure, pick_batch, pick_positions
+from mlxpipe.shards.worker.sampler import SequenceFailure, pick_batch, pick_positions, token_result
 
 logger = logging.getLogger(__name__)
-
-
-def token_result(seq_id: int, pick, done: bool = False, drafts: Sequence[int] = ()) -> pb.TokenResult:
-    token, logprob, top = pick
-    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done, drafts=drafts)
-    if top is not None:
-        r.top_ids.extend(top[0])
-        r.top_logprobs.extend(top[1])
-    return r
 
 
 def sample(entries: Sequence[pb.SeqEntry], seqs: list, logits: mx.array) -> List[pb.TokenResult]:
@@ -48,8 +39,9 @@ def sample(entries: Sequence[pb.SeqEntry], seqs: list, logits: mx.array) -> List
         if s.failed:
             out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
         else:
-            drafts = s.mtp.draft(s.length - 1, pick[0], e.mtp) if s.mtp is not None and e.mtp else ()
-            out.append(token_result(e.seq_id, pick, s.sampler.finished, drafts))
+            out.append(token_result(e.seq_id, pick, s.sampler.finished))
+            if s.mtp is not None and e.mtp:
+                out[-1].drafts.extend(s.mtp.draft(s.length - 1, pick[0], e.mtp))
     return out
 
 

@@ -189,8 +189,12 @@ class MtpLoad:
     nbytes: int = 0        # its weights
     kv_bytes: int = 0      # its cache, per token of context (kept at full precision)
 
-    def reply(self) -> dict:
-        return {"mtp_layers": self.layers, "mtp_note": self.note, "mtp_bytes": self.nbytes}
+    def reply(self, kv_reply: dict) -> dict:
+        """The Load reply's fields: the KV ones (``kv_reply``) with its cache's bytes per token
+        added (at full precision, before and after a KV switch alike), and its own."""
+        kv = {k: v + self.kv_bytes if k in ("kv_bytes_per_token", "kv_full_bytes_per_token") else v
+              for k, v in kv_reply.items()}
+        return {**kv, "mtp_layers": self.layers, "mtp_note": self.note, "mtp_bytes": self.nbytes}
 
 
 def load_drafting(wanted: bool, stage, path, config: dict, quant=None):

@@ -34,7 +34,8 @@ from mlxpipe.shards.models.grammar import tokenizer_from_json
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.metal import Metal
 from mlxpipe.shards.models.profile import memory_bandwidth, node_name, offered_memory, profile
-from mlxpipe.shards.models.slicing import SlicedModel, load_stage, read_weights, warm_up
+from mlxpipe.shards.models.digest import read_weights
+from mlxpipe.shards.models.slicing import SlicedModel, load_stage, warm_up
 from mlxpipe.shards.models.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
                                   text_config)
 from mlxpipe.shards.models.store import models_dir as default_models_dir
@@ -65,12 +66,13 @@ def _model_status(err: ValueError) -> grpc.StatusCode:
 
 
 class _Loaded:
-    """A loaded shard plus what Load replied."""
+    """A loaded shard plus what Load replied, and the head's offer of its weights (if any)."""
 
-    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest):
+    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest, offer=None):
         self.shard = shard
         self.reply = reply
         self.request = request
+        self.offer = offer  # weight_service.Offer: the same request over other weights is another shard
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -171,17 +173,17 @@ class StageServicer(pb_grpc.StageServicer):
         memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
         resident, before = memory.resident_bytes(), mx.get_active_memory()
         mx.reset_peak_memory()
-        stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
+        stage, config = load_stage(path, request.start, request.end, not partial, quant, request.vision)
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
-        read_weights(stage, progress=self.progress)
+        hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
         drafting, mtp = load_drafting(request.mtp, stage, path, config, quant)  # the model's MTP head (last stage)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
         hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
         max_context = int(text.get("max_position_embeddings") or 1 << 20)
         footprint = warm_up(stage, hidden)
-        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token, mtp.kv_bytes)
+        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
         weight_bytes = max(mx.get_active_memory() - before, 0)
         peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
         model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -192,13 +194,11 @@ class StageServicer(pb_grpc.StageServicer):
             max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
             block_tokens=request.block_tokens,
         )
-        tokenizer = None
-        if request.HasField("tokenizer") and stage.last:
-            spec = request.tokenizer
-            tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
-        model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
+        spec = request.tokenizer if request.HasField("tokenizer") and stage.last else None
+        tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids) if spec is not None else None
+        digest = hashing.result(config)
         shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                      self.disk.for_load(request, model_print, switch.kv if switch.slots else None), drafting)
+                      self.disk.for_load(request, digest, switch.kv if switch.slots else None), drafting)
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -208,7 +208,8 @@ class StageServicer(pb_grpc.StageServicer):
             weight_bytes=weight_bytes,
             model_bytes=model_bytes,
             max_context=max_context,
-            fingerprint=model_print,
+            fingerprint=request.fingerprint or quantized_fingerprint(fingerprint(path), quant),
+            unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
             max_cache_bytes=limits.max_cache_bytes,
             block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
             peak_bytes=peak_bytes,
@@ -216,29 +217,26 @@ class StageServicer(pb_grpc.StageServicer):
             memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
-            state_bytes=footprint.state_bytes,
-            **kv_reply, **mtp.reply(),
+            state_bytes=footprint.state_bytes, vision=request.vision,
+            **mtp.reply(kv_reply),
         )
-        return _Loaded(shard, reply, request)
+        return _Loaded(shard, reply, request, self.weights.offer(request))
 
     def close(self) -> None:
         """The node stops: finish the disk tier's writes (a while, at most)."""
         self.disk.close()
 
     def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
-                   full_bytes: int, mtp_bytes: int = 0) -> tuple[KvSwitch, dict]:
+                   full_bytes: int) -> tuple[KvSwitch, dict]:
         """The KV quantization this stage applies (the head's, else the node's own): the
         switch, and what the Load reply says of it: a token's KV bytes as the head is to
-        plan them, before and after the switch (``mtp_bytes``: the MTP head's cache, kept
-        at full precision), and why fewer caches turn quantized than asked (``kv_note``:
-        one line, logged here too)."""
+        plan them, before and after the switch, and why fewer caches turn quantized than
+        asked (``kv_note``: one line, logged here too)."""
         asked = wire.kv_from_wire(request.kv_cache) if request.HasField("kv_cache") else None
         kv = asked or self.kv
-        full_bytes += mtp_bytes
         if kv is None:
             return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
         switch, quantized_bytes, note = kv_switch(stage, hidden, kv)
-        quantized_bytes += mtp_bytes
         if note:
             logger.warning("layers [%d, %d): %s: %s", request.start, request.end, kv, note)
         # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
@@ -270,7 +268,8 @@ class StageServicer(pb_grpc.StageServicer):
             # run another frame (one could replay a stale prefill over a new
             # sequence of the same id), and their results are stale.
             await self._end_streams()
-            if self.loaded is not None and self.loaded.request == request:
+            if self.loaded is not None and self.loaded.request == request and \
+                    self.loaded.offer == self.weights.offer(request):
                 # The same shard again (a rebuilt pipeline): live sequences go, the
                 # prefix cache stays (the head learns what it holds from the reply).
                 await self._mlx(self.loaded.shard.free_all)
