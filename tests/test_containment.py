@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Dict, Tuple
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ from conftest import SECRET, run_async
 from mlxpipe.proto.rpc import Security
 from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.streams import SequenceFailed
 from mlxpipe.server.core.supervision import Supervision
 
@@ -145,7 +147,9 @@ def test_a_hostile_schema_gets_a_400_and_nobody_else_notices(server, case):
     assert took < 10, f"the 400 took {took:.1f} s"
     assert health.status_code == 200, health.text
     gaps = canary.gaps()
-    assert max(gaps) < max(3 * statistics.median(gaps), 0.5), (case, gaps)
+    # The floor: a body of megabytes (the 100,000-link chain is 3.5 MB) is read and
+    # checked at C speed, but on the event loop: a few hundred ms here under load.
+    assert max(gaps) < max(3 * statistics.median(gaps), 1.0), (case, gaps)
 
 
 # Two open alternatives (said so: undeclared keys are closed by default) of 250
@@ -387,13 +391,44 @@ def test_fuzz_the_grammar_path(server):
             out = json.loads(choice["message"]["content"])
             assert jsonschema_rs.validator_for(case[1]).is_valid(out), (case[1], out)
 
+    before = _prefill_cost(server.root)
     with Canary(server.root) as canary:
         one()
         health = httpx.get(f"{server.root}/health", timeout=10)
     assert health.status_code == 200 and health.json()["recoveries"] == 0, health.text
     assert seen["2xx"] >= 5 and seen["4xx"] >= 1, seen  # both paths were exercised
     gaps = canary.gaps()
-    print(f"\n[record] fuzz: {seen}; canary median gap {statistics.median(gaps):.3f} s, longest {max(gaps):.3f} s")
     # Fuzz requests share the pipeline with it (their prefill chunks interleave with its
-    # steps), so the bound is a stall's, not the hostile cases' 3x median.
-    assert max(gaps) < max(3 * statistics.median(gaps), 1.0), gaps
+    # steps), so the bound is a stall's, not the hostile cases' 3x median: a chunk holds a
+    # stage --max-stall, or its smallest chunk's time where that is longer (a slow stage:
+    # on this machine a position of the default model costs a stage tens of ms), and the
+    # canary's step may wait behind the chunks in flight.
+    cfg = SchedulerConfig()
+    stall = max(cfg.max_stall, cfg.min_chunk * _seconds_per_position(before, _prefill_cost(server.root)))
+    bound = max(3 * statistics.median(gaps), 1.0, statistics.median(gaps) + (cfg.max_prefill_inflight + 1) * stall)
+    print(f"\n[record] fuzz: {seen}; canary median gap {statistics.median(gaps):.3f} s, longest {max(gaps):.3f} s,"
+          f" a stall's bound {bound:.3f} s")
+    assert max(gaps) < bound, gaps
+
+
+def _prefill_cost(root: str) -> Tuple[Dict[str, float], float]:
+    """(each stage's seconds computing prefill frames, the positions they carried) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seconds, positions = {}, 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{root}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.labels.get("kind") != "prefill":
+                continue
+            if s.name == "mlxpipe_stage_frame_seconds_total" and s.labels["part"] == "compute":
+                seconds[s.labels["stage"]] = s.value
+            elif s.name == "mlxpipe_frame_tokens_timed_total":
+                positions = s.value
+    return seconds, positions
+
+
+def _seconds_per_position(before, after) -> float:
+    """The slowest stage's prefill seconds per position between two ``_prefill_cost``s."""
+    positions = after[1] - before[1]
+    assert positions > 0, "no prefill frame was timed"
+    return max(after[0][stage] - before[0].get(stage, 0.0) for stage in after[0]) / positions
