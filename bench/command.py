@@ -40,6 +40,8 @@ MODES = (
                    "in one process, vectors checked equal"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
+    ("mtp", "drafts from the model itself: an MTP head trained briefly on the model's own answers, acceptance and "
+            "decode tok/s beside speculation off"),
     ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "
                "head's vision tower, planned and measured"),
 )

@@ -19,6 +19,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 
 DEFAULT_PROMPT = "Why is the sky blue? Explain it to a curious ten-year-old."
 FILLER = ("The history of the river valley is a long story of farms, floods, bridges, markets and the "
@@ -140,7 +141,8 @@ class Baseline:
         self.proc.wait(timeout=30)
 
 
-async def pipeline_run(cluster, prompt: List[int], max_tokens: int, speculation: str = "auto") -> RunResult:
+async def pipeline_run(cluster, prompt: List[int], max_tokens: int,
+                       speculation: str = DEFAULT_SPECULATION) -> RunResult:
     t0 = time.monotonic()
     times, tokens = [], []
     # Like mlx-lm's generate_step, do not stop at end-of-sequence: both sides

@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill", "position_shift", "pool")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill", "mtp", "position_shift", "pool")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class SeqEntry(_message.Message):
     SNAP_FIELD_NUMBER: _ClassVar[int]
     KV_QUANTIZE_AT_FIELD_NUMBER: _ClassVar[int]
     SPILL_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     POSITION_SHIFT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
@@ -92,9 +93,10 @@ class SeqEntry(_message.Message):
     snap: bool
     kv_quantize_at: int
     spill: _containers.RepeatedScalarFieldContainer[int]
+    mtp: int
     position_shift: int
     pool: int
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ..., position_shift: _Optional[int] = ..., pool: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ..., mtp: _Optional[int] = ..., position_shift: _Optional[int] = ..., pool: _Optional[int] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -151,7 +153,7 @@ class Frame(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., embed_at: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
-    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "embedding", "error")
+    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "embedding", "error", "drafts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class TokenResult(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token: int
     logprob: float
@@ -168,7 +171,8 @@ class TokenResult(_message.Message):
     done: bool
     embedding: _containers.RepeatedScalarFieldContainer[float]
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., embedding: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., embedding: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptScores(_message.Message):
     __slots__ = ("seq_id", "start", "logprobs", "top_ids", "top_logprobs")
@@ -322,7 +326,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "vision")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "mtp", "vision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +340,7 @@ class LoadRequest(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
@@ -350,11 +355,12 @@ class LoadRequest(_message.Message):
     tokenizer: TokenizerSpec
     kv_cache: KvQuantization
     prefix_disk_bytes: int
+    mtp: bool
     vision: bool
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., vision: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., mtp: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "unit_digests", "weights_digest", "vision")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "mtp_layers", "mtp_note", "mtp_bytes", "unit_digests", "weights_digest", "vision")
     class UnitDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +394,9 @@ class LoadReply(_message.Message):
     KV_NOTE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
+    MTP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MTP_NOTE_FIELD_NUMBER: _ClassVar[int]
+    MTP_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
@@ -417,10 +426,13 @@ class LoadReply(_message.Message):
     kv_note: str
     mlx_peak_bytes: int
     memory_warning: str
+    mtp_layers: int
+    mtp_note: str
+    mtp_bytes: int
     unit_digests: _containers.ScalarMap[str, str]
     weights_digest: str
     vision: bool
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ..., vision: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., mtp_layers: _Optional[int] = ..., mtp_note: _Optional[str] = ..., mtp_bytes: _Optional[int] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

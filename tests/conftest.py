@@ -188,6 +188,46 @@ def chat_model(tmp_path_factory, dsv3_model) -> Path:
     return with_chat_template(tmp_path_factory.mktemp("chat") / "model", dsv3_model)
 
 
+# The prompts tests/test_mtp.py drafts on: the tiny models' MTP heads learn the models' continuations of them.
+MTP_PROMPTS = [[11, 400, 90, 3000, 5, 77, 1203, 9, 45, 600], [12, 407, 90, 3001, 18], [13, 414, 90, 3002, 31, 8, 2],
+               [14, 421, 90, 3003, 44, 1, 6, 2044, 71, 300, 12, 5]]
+
+
+@pytest.fixture(scope="session")
+def mtp_models(tmp_path_factory, default_model, dsv3_model):
+    """mtp_models(kind, random_layers=None) -> (the tiny model, the same with an MTP head under its
+    checkpoint's own names): "deepseek_v3" (the 4-bit tiny DeepSeek-V3: one more layer), "qwen3_next"
+    (``mtp.*``; heads of 32, so that KV groups of 32 quantize them), "mimo" (``model.mtp_layers.*``).
+    The head is trained for seconds on the model's greedy continuations of ``MTP_PROMPTS`` (its drafts
+    are often right there), or, with ``random_layers``, that many layers of random weights."""
+    from tiny_models import MTP_LAYOUTS, add_mtp
+
+    from mlxpipe.bench import mtp_head, tiny
+
+    root = tmp_path_factory.mktemp("mtp")
+    bases = {"deepseek_v3": lambda: dsv3_model,
+             "qwen3_next": lambda: tiny.build("qwen3_next", root / "qwen3_next", default_model, extra={"head_dim": 32}),
+             "mimo": lambda: tiny.build("mimo", root / "mimo", default_model)}
+    built = {}
+
+    def get(kind: str, random_layers=None):
+        key = (kind, random_layers)
+        if key not in built:
+            if not isinstance(bases[kind], Path):
+                bases[kind] = bases[kind]()
+            base = bases[kind]
+            out = root / f"{kind}-{random_layers or 'trained'}"
+            if random_layers:
+                add_mtp(base, out, layers=random_layers)
+            else:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    mtp_head.train(base, out, MTP_PROMPTS, tokens=28, steps=50, lr=5e-3, layout=MTP_LAYOUTS[kind])
+            built[key] = (base, out)
+        return built[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory, default_model):
     """sources(name) -> a full-precision model folder, built once per session: "dsv3" (bf16

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
+from mlxpipe.server.core.drafting import Either, PromptLookup, StageDrafts
 from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
@@ -19,6 +20,7 @@ from mlxpipe.shards.cache.quantized import KvSwitch
 from mlxpipe.shards.models.digest import read_weights
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.slicing import load_stage, warm_up
+from mlxpipe.shards.worker.mtp_drafts import load_drafting
 from mlxpipe.shards.worker.stage import ShardLimits, Shard
 
 
@@ -46,11 +48,13 @@ class WiredScheduler:
 
 class InProcess:
     def __init__(self, path: Path, ranges: Sequence[Tuple[int, int]], config: SchedulerConfig, eos=(),
-                 tokenizer=None, kv=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30):
+                 tokenizer=None, kv=None, disk: Optional[Path] = None, disk_bytes: int = 1 << 30,
+                 mtp: Optional[str] = None):
         """``tokenizer``: llguidance's, for the last stage's grammars; ``kv``: the stages'
         KV quantization (``KvQuant``; the scheduler's ``kv_start`` should be its start);
         ``disk``: where the stages keep the prefix cache's disk tier (each its own, of
-        ``disk_bytes``), as ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier)."""
+        ``disk_bytes``), as ``mlxpipe node`` does under $MLXPIPE_HOME (None: no disk tier); ``mtp``:
+        what sequences draft from with the last stage's MTP head loaded ("mtp", "auto": lookup first)."""
         self.eos = frozenset(eos)
         self.stages = []
         self.footprints = []
@@ -64,12 +68,15 @@ class InProcess:
             footprint = warm_up(model, int(cfg["hidden_size"]))
             switch, kv_bytes, _ = kv_switch(model, int(cfg["hidden_size"]), kv) if kv else (KvSwitch(), 0, "")
             tier = DiskTier(disk, start, end, disk_bytes) if disk is not None and config.block_tokens else None
+            drafting, self.mtp = load_drafting(bool(mtp), model, Path(path), cfg)
             self.stages.append(Shard(model, int(cfg["hidden_size"]), int(cfg["vocab_size"]), limits,
-                                     tokenizer if model.last else None, switch, tier))
+                                     tokenizer if model.last else None, switch, tier, drafting))
             self.footprints.append(footprint)
             if switch.slots:
                 self.kv_ratios.append(footprint.kv_bytes_per_token / kv_bytes)
-        self.scheduler = WiredScheduler(config)
+        drafters = {None: None, "mtp": lambda seq: StageDrafts(),
+                    "auto": lambda seq: Either(PromptLookup(), StageDrafts())}[mtp]
+        self.scheduler = WiredScheduler(config, drafters=drafters)
         self.scheduler.set_kv(bool(self.kv_ratios), max(self.kv_ratios, default=1.0))
         self.reset_prefix()
         self._ids = 0

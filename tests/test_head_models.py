@@ -41,6 +41,14 @@ def test_unknown_model_is_a_404_listing_the_served_ones(team_server):
     assert team_server.http.get(f"{team_server.base_url}/models/gpt-9").status_code == 404
 
 
+
+def test_a_head_model_refuses_drafts_it_has_no_source_for(team_server):
+    for source, missing in (("mtp", "MTP head"), ("draft_model", "draft model")):
+        r = team_server.http.post(f"{team_server.base_url}/completions", json={
+            "model": HEAD, "prompt": "Hi", "max_tokens": 2, "speculation": source})
+        assert r.status_code == 400 and f"no {missing}" in r.text and "speculation" in r.text
+
+
 def test_head_model_equals_mlx_lm_while_the_pipeline_streams(team_server, default_model, reference):
     from mlx_lm import load
 

@@ -286,6 +286,8 @@ def test_blocks_past_the_switch_are_keyed_with_it():
 class _Guess:
     """A drafter that always guesses token 7."""
 
+    source = "prompt_lookup"
+
     def prepare(self, tokens):
         pass
 

@@ -154,6 +154,8 @@ def test_media_gives_each_chunk_its_rows_and_positions():
 class _Oracle:
     """Drafts the reference's next tokens, every fourth one wrong (so some are taken back)."""
 
+    source = "prompt_lookup"
+
     def __init__(self, expected):
         self.expected, self.calls = list(expected), 0
 

@@ -288,3 +288,98 @@ def build_gemma4_shared(out: Path, tokenizer_from: Path) -> Path:
     from mlxpipe.bench import tiny
 
     return tiny.build("gemma4_text", out, tokenizer_from, extra=GEMMA4_SHARED)
+
+
+# -- multi-token-prediction heads, written into a checkpoint under its own names -----------------
+
+MTP_LAYOUTS = {"deepseek_v3": "layers", "mimo": "mtp_layers", "qwen3_next": "mtp", "glm4_moe": "layers"}
+
+
+def add_mtp(model_dir: Path, out: Path, layers: int = 1, seed: int = 1, quantize: bool = False) -> Path:
+    """``model_dir`` (its files linked, not copied) with random MTP layers written beside its
+    weights, in ``model-mtp.safetensors``, under the checkpoint's own names in mlx's form (as a
+    converter that kept them would write them; DeepSeek's layer with its copies of the embedding
+    and head); ``quantize``: at the folder's own bits."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from mlxpipe.shards.models import mtp, mtp_layout
+
+    model, config = load_model(model_dir, lazy=True)
+    kind = mtp.model_type(model)
+    layout, family = MTP_LAYOUTS[kind], mtp.FAMILIES[kind]
+    module = __import__(type(model).__module__, fromlist=["_"])
+    mx.random.seed(seed)
+    tensors = {}
+    num_layers = int(config["num_hidden_layers"])
+    for i in range(layers):
+        layer = mtp.MtpLayer(family.block(module, model.args, i), int(model.args.hidden_size), 1e-6,
+                             family.embed_first)
+        for _, m in layer.named_modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight = 1.0 + 0.1 * mx.random.normal(m.weight.shape)
+            elif isinstance(m, nn.Linear) and m.weight.shape[0] < 64 and "gate" in type(m).__name__.lower():
+                m.weight = mx.random.normal(m.weight.shape) * 0.5
+        if quantize and "quantization" in config:
+            q = config["quantization"]
+            nn.quantize(layer, q["group_size"], q["bits"],
+                        class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0
+                        and not p.endswith("gate"))
+        for key, value in tree_flatten(layer.parameters()):
+            role, rest = key.split(".", 1)
+            shared = layout == "mtp" and role != "block"
+            if shared and i:
+                continue
+            tensors[mtp_layout.checkpoint_name(layout, num_layers, mtp_layout.Name(-1 if shared else i, role, rest))] = value
+        if layout == "layers":  # DeepSeek's MTP layer carries the embedding and head again
+            own = dict(tree_flatten(model.parameters()))
+            for name in ("embed_tokens", "shared_head.head"):
+                src = "model.embed_tokens" if name == "embed_tokens" else "lm_head"
+                for k, v in own.items():
+                    if k.startswith(src + "."):
+                        tensors[f"model.layers.{num_layers + i}.{name}.{k[len(src) + 1:]}"] = v
+    mx.eval(tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    mx.save_safetensors(str(out / "model-mtp.safetensors"), tensors, metadata={"format": "mlx"})
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.setdefault("num_nextn_predict_layers", layers)
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+        (out / index.name).unlink()
+        (out / index.name).write_text(json.dumps(data, indent=2))
+    return out
+
+
+def add_hf_mtp(source: Path, out: Path, seed: int = 2) -> Path:
+    """A full-precision DeepSeek-V3 source (``build_deepseek_v3_source``: FP8 or bf16, Hugging Face's
+    layout) with the layer after its last as the published checkpoint has it: its last layer's
+    tensors again (per-expert, ``kv_b_proj``, FP8 with ``weight_scale_inv``), ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and copies of the embedding and head, in a file of its own."""
+    config = json.loads((source / "config.json").read_text())
+    n = int(config["num_hidden_layers"])
+    weights = mx.load(str(source / "model.safetensors"))
+    mx.random.seed(seed)
+    h = int(config["hidden_size"])
+    extra = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v for k, v in weights.items()
+             if k.startswith(f"model.layers.{n - 1}.")}
+    extra.update({f"model.layers.{n}.enorm.weight": (1 + 0.1 * mx.random.normal((h,))).astype(mx.bfloat16),
+                  f"model.layers.{n}.hnorm.weight": (1 + 0.1 * mx.random.normal((h,))).astype(mx.bfloat16),
+                  f"model.layers.{n}.shared_head.norm.weight": mx.ones((h,), dtype=mx.bfloat16),
+                  f"model.layers.{n}.eh_proj.weight": (mx.random.normal((h, 2 * h)) * (2 * h) ** -0.5).astype(mx.bfloat16),
+                  f"model.layers.{n}.embed_tokens.weight": weights["model.embed_tokens.weight"],
+                  f"model.layers.{n}.shared_head.head.weight": weights["lm_head.weight"]})
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    fp8 = [k for k in extra if k.replace(".weight", ".weight_scale_inv") in extra and extra[k].dtype == mx.uint8]
+    _save_labelled(out / "model-mtp.safetensors", extra, fp8)
+    (out / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1), indent=2))
+    return out

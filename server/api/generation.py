@@ -34,7 +34,7 @@ from mlxpipe.server.api.token_budget import token_budget
 from mlxpipe.server.api.traces import new_trace
 from mlxpipe.server.core.priority import effective
 from mlxpipe.server.core.sequence import QueueFull
-from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
+from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token, drafts_of
 from mlxpipe.shards.models.grammar import in_worker
 
 
@@ -55,6 +55,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from the prefix cache
     cached_disk_tokens: int = 0  # ... of which some stage read back from its disk (the rest: memory)
+    drafts: Dict[str, List[int]] = field(default_factory=dict)  # speculation: source -> [judged, accepted]
 
     def by_tier(self) -> dict:
         """Our own usage field: which tier of the prefix cache served the cached tokens."""
@@ -129,8 +130,8 @@ class Generation:
                       for i, t in enumerate(self.prompt)]
 
     def usage(self) -> Usage:
-        s = self.streams[0]
-        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens)
+        s, drafts = self.streams[0], drafts_of(self.streams)  # (drafts: over all n choices)
+        return Usage(self.prompt_tokens, self.completion_tokens, s.cached_tokens, s.cached_disk_tokens, drafts)
 
     async def chunks(self) -> AsyncIterator[tuple]:
         """(choice index, chunk) from all n streams, as they come; the streams are

@@ -195,6 +195,11 @@ class Metrics:
         self.accepted = Gauge("mlxpipe_draft_tokens_accepted", "Drafted tokens the last stage accepted", registry=r)
         self.trials = Gauge("mlxpipe_speculation_trials", "Trial windows of speculation weighed against decoding",
                             ["paid"], registry=r)
+        self.by_source = Gauge("mlxpipe_draft_tokens", "Drafted tokens the last stage judged, by what drafted them "
+                               "(prompt_lookup, mtp: the model's own multi-token-prediction head, draft_model) and "
+                               "whether it accepted them", ["source", "accepted"], registry=r)
+        self.acceptance = Gauge("mlxpipe_draft_acceptance", "Accepted over judged drafted tokens, by source",
+                                ["source"], registry=r)
         self.stages = _Stages()
         r.register(self.stages)
         self.budget = _Budget()
@@ -246,6 +251,10 @@ class Metrics:
             self.accepted.set(drafts.accepted)
             self.trials.labels(paid="yes").set(drafts.paid)
             self.trials.labels(paid="no").set(drafts.trials - drafts.paid)
+            for source, (judged, accepted) in drafts.by_source.items():
+                self.by_source.labels(source=source, accepted="yes").set(accepted)
+                self.by_source.labels(source=source, accepted="no").set(judged - accepted)
+                self.acceptance.labels(source=source).set(accepted / judged if judged else 0.0)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 

@@ -24,7 +24,22 @@ def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "cached_tokens_by_tier": u.by_tier()}  # (ours: which prefix-cache tier served them)
+            "completion_tokens_details": predictions(u),  # drafted tokens accepted and rejected
+            "cached_tokens_by_tier": u.by_tier(),  # (ours: which prefix-cache tier served them)
+            "speculation": speculation(u)}  # (ours: drafts per source, and their acceptance)
+
+
+def predictions(u: Usage) -> dict:
+    """OpenAI's ``completion_tokens_details``: drafted tokens accepted and rejected (speculation)."""
+    judged = sum(j for j, _ in u.drafts.values())
+    accepted = sum(a for _, a in u.drafts.values())
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": judged - accepted}
+
+
+def speculation(u: Usage) -> dict:
+    """Our own usage field: drafted tokens judged and accepted, per source (prompt_lookup, mtp, ...)."""
+    return {source: {"drafted_tokens": j, "accepted_tokens": a, "acceptance": round(a / j, 4) if j else None}
+            for source, (j, a) in sorted(u.drafts.items())}
 
 
 class _Format:

@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a link's throughput and one-way latency, e.g. 40Gbps,50us (Thunderbolt 5) or "
                         "1Gbps,300us: once for every hop, or once per hop between consecutive --nodes; the "
                         "prediction then prices each hop (the head on the first node)")
+    p.add_argument("--mtp", action="store_true", help="with the model's multi-token-prediction head on the last "
+                   "stage, which drafts with it (where its config declares one: num_nextn_predict_layers)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -115,11 +117,11 @@ class _Planned:
 def _weights_cost(args, spec: Optional[QuantSpec] = None) -> ModelCost:
     """The model's cost at 16-bit KV: at ``spec``, or the bits asked for (a recipe, a number, as stored)."""
     if spec is not None:
-        return load_model_cost(args.model, quant=spec)
+        return load_model_cost(args.model, quant=spec, mtp=args.mtp)
     bits = None if args.bits is None else args.bits.strip()
     if bits is not None and not bits.isdigit():  # a mixed recipe
-        return load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size))
-    return load_model_cost(args.model, None if bits is None else int(bits), args.group_size)
+        return load_model_cost(args.model, quant=QuantSpec.parse(bits, args.group_size), mtp=args.mtp)
+    return load_model_cost(args.model, None if bits is None else int(bits), args.group_size, mtp=args.mtp)
 
 
 def _cost_and_plan(args, nodes: List[NodeSpec]) -> _Planned:
@@ -130,7 +132,8 @@ def _cost_and_plan(args, nodes: List[NodeSpec]) -> _Planned:
     kv = args.kv_bits
     if args.bits is not None and args.bits.strip() == "auto":
         group = args.group_size or DEFAULT_GROUP_SIZE
-        cost_of = lambda spec: at_kv_bits(load_model_cost(args.model, quant=spec), kv, args.kv_group_size)  # noqa: E731
+        cost_of = lambda spec: at_kv_bits(load_model_cost(args.model, quant=spec, mtp=args.mtp), kv,  # noqa: E731
+                                          args.kv_group_size)
         lowest = min((cost_of(QuantSpec(r, group)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
         most = lowest.max_positions or PLANNED_CONTEXT
         context, choice, clamped = plan_context(

@@ -49,9 +49,23 @@ def from_head(url: str, key: str = "") -> str:
                  "tokens in all requests at once")
     if h.get("reason"):
         head += f"\n{h['reason']}"
+    head += _speculation(h.get("speculation") or {})
     warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]
     warnings += h.get("link_warnings", [])
     return head + "\n\n" + table(rows) + _links(h) + _workload(h) + "".join(f"\n{w}" for w in warnings)
+
+
+def _speculation(spec: dict) -> str:
+    """Drafts judged and accepted, per source; whether the model's MTP head drafts."""
+    mtp = spec.get("mtp") or {}
+    line = "\nspeculation: " + (", ".join(f"{source} {row['accepted_tokens']} of {row['drafted_tokens']} accepted"
+                                          for source, row in sorted((spec.get("by_source") or {}).items()))
+                                or "no drafts judged yet")
+    if mtp.get("loaded"):
+        line += "; the model's MTP head drafts"
+    elif mtp.get("note"):
+        line += f"; no MTP head ({mtp['note']})"
+    return line
 
 
 def _links(h: dict) -> str:

@@ -26,7 +26,7 @@ from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
 from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
 from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budget, prefix_blocks, scheduler_config,
-                                           stage_limits)
+                                           stage_limits, uses_mtp)
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
@@ -154,12 +154,23 @@ class Cluster:
             lines.append(self.plan_note)
         if self.placer is not None:
             lines += self.placer.prediction
-        kv = self.kv_line()
+        kv, mtp = self.kv_line(), self.mtp_line()
         lines += head_memory_lines(self.head_models())
         lines.append(self.context_note())
         if self.vision is not None:  # a vision model's tower, on this head
             lines.append(self.vision.cost.line())
-        return lines + ([kv] if kv else [])
+        return lines + ([kv] if kv else []) + ([mtp] if mtp else [])
+
+    def mtp_line(self) -> str:
+        """One line on the model's MTP head, where asked for (empty: not asked)."""
+        last = self.pipeline.stages[-1].load
+        if last is None or not uses_mtp(self.config):
+            return ""
+        if last.mtp_layers:
+            return (f"MTP:       drafting with the model's own multi-token-prediction head on the last stage "
+                    f"({last.mtp_bytes / 1e6:.1f} MB)")
+        return f"MTP:       none ({last.mtp_note or 'the last stage loaded none'}): drafts from prompt lookup only" + \
+            (" and the draft model" if self.draft is not None else "")
 
     def kv_line(self) -> str:
         """One line on the stages' KV quantization, where asked or applied (empty: neither)."""
@@ -234,7 +245,7 @@ class Cluster:
         self.addresses = list(cfg.nodes)
         self.security = cfg.security
         self.weights = WeightSource(self.model.path, fingerprint(self.model.path), self.model.num_layers,
-                                    rate=cfg.weights_rate)
+                                    rate=cfg.weights_rate, mtp=uses_mtp(cfg))
         if cfg.join_listen:
             self.join_server = await start_join_server(self, cfg.join_listen, self.security)
             while len(self.addresses) < max(cfg.wait_nodes, 1):
@@ -267,7 +278,8 @@ class Cluster:
                              eos_token_ids=sorted(self.model.tokenizer.eos_token_ids),
                              max_context=min(model_max, self.config.context or model_max),
                              rebuild=self.rebuild, supervision=self.config.supervision, observer=self.observer,
-                             draft_model=self.draft, vocab_size=self.model.vocab_size)
+                             draft_model=self.draft, vocab_size=self.model.vocab_size,
+                             speculation=self.config.speculation if self.config.speculate else "none")
         if self.config.context and self.config.context < model_max:
             self.engine.context_source = "--context"
         await self.engine.start()

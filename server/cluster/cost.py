@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from mlxpipe.shards.models import mtp_layout
 from mlxpipe.shards.models.store import text_config
 from mlxpipe.shards.models.weights import LAYER_RE, is_vision, read_header
 from mlxpipe.server.cluster.weight_bytes import Parts, Quant, Scheme
@@ -54,7 +55,7 @@ class ModelCost:
     embed_bytes: int          # the token embedding (on the first stage)
     embed_read_bytes: int     # one row per decoded token
     head_params: int          # final norm + output head (tied: the embedding matrix again)
-    head_bytes: int           # on the last stage
+    head_bytes: int           # on the last stage (with the model's MTP head, and the embedding it drafts with)
     head_read_bytes: int
     tied: bool                # output head shares the embedding matrix
     bits: Optional[int]       # None: 16-bit weights (or per-layer rungs: see quant)
@@ -240,8 +241,9 @@ def _bits_and_group(cfg: dict, bits: Optional[int], group_size: Optional[int],
 
 def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] = None,
                kv_dtype_bytes: Optional[int] = None, name: Optional[str] = None,
-               quant: Optional[QuantSpec] = None) -> ModelCost:
-    """Cost of every layer, the embedding and the head, from a Hugging Face / mlx-lm config dict.
+               quant: Optional[QuantSpec] = None, mtp: bool = False) -> ModelCost:
+    """Cost of every layer, the embedding and the head (``mtp``: and the MTP head the last stage
+    drafts with, where the config declares one), from a Hugging Face / mlx-lm config dict.
 
     Quantization (``bits`` b, affine group size g, default 64, as ``mlx_lm.convert``
     does it): every linear weight -- attention projections, MLP and expert
@@ -278,7 +280,12 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
     ends.matrix(q, vocab, h)
     embed = ends.bytes
     qh = q if tied else scheme("lm_head")                 # a tied head is the embedding
-    head = qh.matrix(vocab, h) + q.plain(h)               # output projection + final RMSNorm
+    head = head_read = qh.matrix(vocab, h) + q.plain(h)   # output projection + final RMSNorm
+    if mtp and mtp_layout.declared(cfg):  # its first MTP layer: one more layer, a projection of two states, norms
+        extra = _layer(cfg, num_layers, Scheme(bits, int(group_size), _dtype_bytes(cfg)), kv_dtype)  # (head's bits)
+        own = q.matrix(h, 2 * h) + q.plain(3 * h)
+        head += extra.weight_bytes + own + (0 if tied else embed)  # (and the embedding it drafts with)
+        head_read += extra.read_bytes + own + q.matrix(1, h)
     if not tied:
         ends.matrix(qh, vocab, h)
     return ModelCost(
@@ -286,7 +293,7 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         model_type=str(cfg.get("model_type", "")),
         layers=layers,
         embed_params=vocab * h, embed_bytes=embed, embed_read_bytes=q.matrix(1, h),
-        head_params=vocab * h + h, head_bytes=head, head_read_bytes=head,
+        head_params=vocab * h + h, head_bytes=head, head_read_bytes=head_read,
         tied=tied, bits=bits, group_size=int(group_size), source="config",
         quant=quant, ends_quant_params=ends.qparams, ends_quant_bits=ends.qbits, kv_dtype_bytes=kv_dtype,
         max_positions=int(cfg.get("max_position_embeddings") or 0) or None,
@@ -303,12 +310,13 @@ def read_safetensors_header(path: Path) -> Dict[str, dict]:
 _ROUTED_RE = re.compile(r"switch_mlp\.|\.experts\.\d+\.|block_sparse_moe\.experts\.")
 
 
-def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> ModelCost:
+def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path], with_mtp: bool = False) -> ModelCost:
     """``cost`` with exact weight and read bytes taken from the tensors' headers."""
     L = cost.num_layers
     layer_bytes, routed = [0] * L, [0] * L
-    embed = head = 0
+    embed = head = mtp_bytes = mtp_skipped = 0
     has_head = False
+    k, n = int(cfg.get("num_experts_per_tok") or 0), _num_experts(cfg)
     for path in files:
         for name, t in read_safetensors_header(path).items():
             try:
@@ -318,10 +326,15 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
                 raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
             if is_vision(name):  # a vision model's tower: the head's (server/cluster/vision.py), no stage's
                 continue
+            mtp = mtp_layout.classify(name, L)
             m = LAYER_RE.search(name)
-            if m:
+            if mtp is not None:                           # the MTP head: its first layer (not its copies)
+                if with_mtp and mtp.layer in (0, -1) and mtp.role != "copy":
+                    mtp_bytes += nbytes
+                    mtp_skipped += nbytes * (1 - k / n) if n and _ROUTED_RE.search(name) and "shared" not in name else 0
+            elif m:
                 i = int(m.group(1))
-                if i < L:                                 # beyond: MTP layers that mlx-lm drops
+                if i < L:
                     layer_bytes[i] += nbytes
                     if _ROUTED_RE.search(name) and "shared" not in name:
                         routed[i] += nbytes
@@ -330,8 +343,6 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
             else:
                 head += nbytes
                 has_head |= "lm_head" in name
-    k = int(cfg.get("num_experts_per_tok") or 0)
-    n = _num_experts(cfg)
     layers = []
     for i, l in enumerate(cost.layers):
         skipped = routed[i] * (1 - k / n) if l.kind == "moe" and n else 0
@@ -339,17 +350,21 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
                                 round(layer_bytes[i] - skipped), l.kv_bytes_per_token, l.quant_params,
                                 l.quant_bits))
     tied = not has_head
-    head_total = head + (embed if tied else 0)
     vocab = int(cfg["vocab_size"])
+    head_total = head + (embed if tied else 0)
+    read = head_total + (round(mtp_bytes - mtp_skipped) + -(-embed // vocab) if mtp_bytes else 0)
+    head_total += mtp_bytes + (embed if mtp_bytes and not tied else 0)  # (the MTP head drafts with the embedding)
     return ModelCost(cost.name, cost.model_type, tuple(layers), cost.embed_params, embed,
-                     -(-embed // vocab), cost.head_params, head_total, head_total, tied,
+                     -(-embed // vocab), cost.head_params, head_total, read, tied,
                      cost.bits, cost.group_size, "safetensors", cost.quant, cost.ends_quant_params,
                      cost.ends_quant_bits, cost.kv_dtype_bytes, max_positions=cost.max_positions)
 
 
 def load_model_cost(path: str | Path, bits: Optional[int] = None,
-                    group_size: Optional[int] = None, quant: Optional[QuantSpec] = None) -> ModelCost:
-    """Cost of the model at ``path``: a config.json file, or a folder holding one.
+                    group_size: Optional[int] = None, quant: Optional[QuantSpec] = None,
+                    mtp: bool = False) -> ModelCost:
+    """Cost of the model at ``path``: a config.json file, or a folder holding one (``mtp``: with the
+    MTP head on the last stage, where the model has one).
 
     When the folder also holds ``*.safetensors`` files and ``bits`` is unset or
     matches the folder's own quantization, weight bytes are the exact tensor
@@ -368,11 +383,11 @@ def load_model_cost(path: str | Path, bits: Optional[int] = None,
         raise ValueError(f"{cfg_path} is not a JSON object")
     cfg = text_config(cfg) if "num_hidden_layers" not in cfg else cfg
     name = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
-    cost = model_cost(cfg, bits, group_size, name=name, quant=quant)
+    cost = model_cost(cfg, bits, group_size, name=name, quant=quant, mtp=mtp)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() and quant is None else []
     stored = cfg.get("quantization") or {}
     if files and (bits is None or (bits == stored.get("bits") and cost.group_size == stored.get("group_size"))):
-        return _from_safetensors(cost, cfg, files)
+        return _from_safetensors(cost, cfg, files, mtp)
     if files:
         logger.info("%s holds weights of another precision; sizes computed from config.json", p)
     return cost

@@ -128,6 +128,8 @@ class ModelDrafter:
     In the worker thread only: the draft KV cache and ``_held``, the tokens it holds.
     """
 
+    source = "draft_model"
+
     def __init__(self, owner: DraftModel):
         self.owner = owner
         self.out: List[int] = []
@@ -160,6 +162,9 @@ class ModelDrafter:
             # Extend the drafts that still follow the sequence, or draft afresh after it.
             self._start(out if ready else list(tokens), self.owner.ahead)
         return ready
+
+    def offered(self, anchor: int, drafts: Sequence[int]) -> None:
+        pass
 
     def close(self) -> None:
         self.closed = True

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, Token
 from mlxpipe.shards.models.store import ModelNotFound, is_repo_id, resolve_model
 from mlxpipe.shards.params.quant import kv_bytes
@@ -76,12 +77,12 @@ class HeadEngine:
         return f"the model's maximum, within the head's memory for {self.owner.max_batch} requests"
 
     def check_speculation(self, speculation: str) -> None:
-        if speculation == "draft_model":
-            raise InvalidRequest(f"the model '{self.owner.name}' runs on the head without a draft model",
-                                 "speculation")
+        if speculation in ("draft_model", "mtp"):
+            raise InvalidRequest(f"the model '{self.owner.name}' runs on the head without drafts "
+                                 f"(no {'draft model' if speculation == 'draft_model' else 'MTP head'})", "speculation")
 
     def submit(self, prompt: Sequence[int], max_tokens: int, sampling: Sampling = Sampling(),
-               stop_at_eos: bool = True, speculation: str = "auto", max_drafts: Optional[int] = None,
+               stop_at_eos: bool = True, speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
                cache_salt: bytes = b"", media=None, trace=None, priority: int = 0) -> RequestStream:
         """Queue a request on the model's batch (``speculation``, ``max_drafts`` and ``cache_salt``
         change nothing here: no drafts, no prefix cache shared between requests; ``trace``: its

@@ -25,7 +25,7 @@ from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
 from mlxpipe.server.cluster.mix import effective_ratio
 from mlxpipe.server.cluster.model import Model
-from mlxpipe.server.cluster.sizing import planned_context
+from mlxpipe.server.cluster.sizing import planned_context, uses_mtp
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.transport import PipelineError
@@ -73,7 +73,7 @@ class Placer:
         else:
             return None
         if self._cost is None:
-            self._cost = load_model_cost(self.model.path, quant=self.model.quant)
+            self._cost = load_model_cost(self.model.path, quant=self.model.quant, mtp=uses_mtp(self.config))
         return self._cost, self._nodes(addresses, profiles, memory, self._cost, False, False)
 
     @property
@@ -122,7 +122,7 @@ class Placer:
         # scaled by bytes read to the bits each layer gets).
         profiled = QuantSpec("4", cfg.group_size) if auto else self.model.quant
         profiles, memory = await self._profile(pipeline, profiled)
-        cost = load_model_cost(path, quant=profiled)
+        cost = load_model_cost(path, quant=profiled, mtp=uses_mtp(cfg))
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
@@ -171,7 +171,7 @@ class Placer:
         quant = self.model.quant
         try:
             profiles, memory = await self._profile(pipeline, quant)
-            cost = load_model_cost(self.model.path, quant=quant)
+            cost = load_model_cost(self.model.path, quant=quant, mtp=uses_mtp(self.config))
         except (PipelineError, ValueError) as err:  # a stage that cannot time it, a config the cost model cannot read
             logger.warning("no prediction for this split: %s", err)
             return []
@@ -200,7 +200,8 @@ class Placer:
         most = self.model.max_positions
         order = None
         if cost is None:
-            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec), cfg.kv_bits, cfg.kv_group_size)  # noqa: E731
+            cost_of = lambda spec: at_kv_bits(load_model_cost(path, quant=spec, mtp=uses_mtp(cfg)),  # noqa: E731
+                                               cfg.kv_bits, cfg.kv_group_size)
             lowest = min((cost_of(QuantSpec(r, cfg.group_size)) for r in AUTO_RUNGS), key=lambda c: c.weight_bytes)
             context, choice, clamped = plan_context(
                 lambda c: plan_bits(cost_of, nodes, group_size=cfg.group_size, context=c, every_node=self.local,

@@ -32,6 +32,7 @@ class StageLimits:
     block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
     disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
     kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
+    mtp: bool = False           # the last stage loads the model's MTP head to draft with, where it has one
     vision: bool = False        # run the language model as mlx-vlm's (a vision model: frames carry images)
 
 
@@ -43,7 +44,12 @@ def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
 def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
     return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg),
-                       disk_bytes=cfg.prefix_cache_disk)
+                       disk_bytes=cfg.prefix_cache_disk, mtp=uses_mtp(cfg))
+
+
+def uses_mtp(cfg: ClusterConfig) -> bool:
+    """Whether requests may draft with the model's MTP head (so the last stage loads it)."""
+    return cfg.speculate and cfg.speculation in ("auto", "mtp")
 
 
 def planned_context(cfg: ClusterConfig, model_context: Optional[int]) -> int:

@@ -137,7 +137,8 @@ class Pipeline:
                                  max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                                  quantization=wire.quant_to_wire(quant) if quant else None,
                                  tokenizer=self.tokenizer if not nxt else None,
-                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, vision=lim.vision)
+                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, mtp=lim.mtp,
+                                 vision=lim.vision)
             if lim.disk_bytes is not None:
                 req.prefix_disk_bytes = lim.disk_bytes
             try:
@@ -267,7 +268,8 @@ class Pipeline:
         return [StageCaches(list(r.blocks), list(r.starts) + list(r.disk_starts) if r.state_bytes else None,
                             r.kv_bytes_per_token, r.state_bytes, r.max_rewind,
                             r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0, list(r.disk_blocks),
-                            list(r.disk_starts), dict(r.unit_digests)) for r in (st.load for st in self.stages)]
+                            list(r.disk_starts), dict(r.unit_digests), mtp_layers=r.mtp_layers, mtp_note=r.mtp_note)
+                for r in (st.load for st in self.stages)]
 
     async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
         """Have each stage read ``keys[i]`` back from its disk (all at once); per stage,

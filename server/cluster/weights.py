@@ -7,7 +7,8 @@ while the files are unchanged); the node answers that its own copy has those ver
 units (and says their digests, which the head checks), or which chunks it lacks, and
 the head streams them (``Receive``), each with its SHA-256, at most ``rate`` bytes a
 second, and sends again what fails its checksum. With ``--bits`` what travels is
-quantized (``QuantizedSource``).
+quantized (``QuantizedSource``). The last stage also gets the model's MTP head (the
+``mtp`` unit, and the embedding it drafts with) where it drafts with it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import mlx_lm
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.server.core.transport import PipelineError
 from mlxpipe.shards.models.progress import Progress
-from mlxpipe.shards.models.quantize import QuantizeError, prepare, stage_units, write_config, write_units
+from mlxpipe.shards.models.quantize import (QuantizeError, prepare, stage_units, write_config, write_mtp_unit,
+                                            write_units)
+from mlxpipe.shards.models import mtp_layout
 from mlxpipe.shards.models.store import mlxpipe_home
 from mlxpipe.shards.models.unit_digests import unit_digests
 from mlxpipe.shards.models.vision import takes_images
-from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, units_for_range
+from mlxpipe.shards.models.weights import CHUNK_BYTES, Unit, chunk_size, model_units, tensor_files, units_for_range
 from mlxpipe.shards.params.quant import QuantSpec, quantized_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ class WeightSource:
     num_layers: int
     rate: Optional[float] = None      # bytes per second at most, per node
     source_fingerprint: str = ""      # of the full-precision folder, when what is sent is quantized
+    mtp: bool = False                 # the last stage drafts with the model's MTP head: it gets it
 
     def __post_init__(self):
         self.units = model_units(self.folder)
@@ -57,7 +61,7 @@ class WeightSource:
 
     def range_units(self, start: int, end: int) -> List[Unit]:
         """The units a stage with layers ``[start, end)`` needs."""
-        return units_for_range(self.units, start, end, self.num_layers)
+        return units_for_range(self.units, start, end, self.num_layers, self.mtp)
 
     def digests(self, units: Iterable[Unit]) -> Dict[str, str]:
         """Each unit's content digest (kept ones while its files are unchanged, else hashed now)."""
@@ -95,18 +99,22 @@ class QuantizedSource(WeightSource):
         folder = mlxpipe_home() / "quantized" / quantized_key(
             full.digests(full.units.values()) | full.file_digests(), spec)
         write_config(config, folder)
+        has_mtp = mtp_layout.found(tensor_files(self.source), full.num_layers)[0] is not None  # (else: no embed for it)
         super().__init__(folder, quantized_fingerprint(full.fingerprint, spec), full.num_layers, rate,
-                         source_fingerprint=full.fingerprint)
+                         source_fingerprint=full.fingerprint, mtp=full.mtp and has_mtp)
 
     def _prepare(self) -> dict:
-        self._model, config = prepare(self.source, self.spec, takes_images(self.source))
-        return config
+        self._model, self._config = prepare(self.source, self.spec, takes_images(self.source))
+        return self._config
 
     def range_units(self, start: int, end: int) -> List[Unit]:
         return self._mlx.submit(self._range_units, start, end).result()
 
     def _range_units(self, start: int, end: int) -> List[Unit]:
-        missing = [u for u in stage_units(self._model, start, end) if u not in self.units]
+        missing = [u for u in stage_units(self._model, start, end, self.mtp) if u not in self.units]
+        if self.mtp and end == self.num_layers and "mtp" not in self.units and write_mtp_unit(
+                self.source, self._model, self._config, self.spec, self.folder):
+            self.units = model_units(self.folder)
         if missing:
             logger.info("quantizing %s for layers [%d, %d): %s", self.source, start, end, ", ".join(missing))
             try:
@@ -115,7 +123,7 @@ class QuantizedSource(WeightSource):
                 self._prepare()
                 write_units(self._model, self.folder, missing)
             self.units = model_units(self.folder)
-        return units_for_range(self.units, start, end, self.num_layers)
+        return units_for_range(self.units, start, end, self.num_layers, self.mtp)
 
     def close(self) -> None:
         self._mlx.shutdown(wait=False)

@@ -6,22 +6,28 @@ again. Agents resending and editing files, summaries and retrieval answers
 copy long runs from their prompt, so guesses there are often right; a wrong
 guess costs only the positions that verify it. No model is involved.
 
-A draft model (``cluster/draft_model.py``'s ``ModelDrafter``) drafts where the text has nothing
+The model's own multi-token-prediction head drafts on the last stage
+(``shards/worker/mtp_drafts.py``): after every token it guesses the next, and the
+guess comes back with the token (``StageDrafts``). A draft model
+(``cluster/draft_model.py``'s ``ModelDrafter``) drafts where the text has nothing
 to copy. Every drafter answers at once: what it has ready, possibly nothing
 (a model drafts in the background and wakes the engine when it has more).
-``Either`` asks prompt lookup first and the model only when lookup has no guess.
+``Either`` asks each of its drafters in turn (prompt lookup first, then the MTP
+head, then a draft model) and takes the first that has a guess.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Protocol, Sequence, Tuple
 
-SOURCES = ("auto", "prompt_lookup", "draft_model", "none")  # what a request may ask to draft from
-DEFAULT_SPECULATION = "auto"  # what it drafts from when it does not say: lookup, then the draft model if any
+SOURCES = ("auto", "prompt_lookup", "mtp", "draft_model", "none")  # what a request may ask to draft from
+DEFAULT_SPECULATION = "auto"  # the server's choice (``--speculation``; by default lookup, the MTP head, the draft model)
 
 
 class Drafter(Protocol):
-    """Drafts for one sequence."""
+    """Drafts for one sequence (``source``: what it drafts from, one of ``SOURCES``)."""
+
+    source: str
 
     def prepare(self, tokens: Sequence[int]) -> None:
         """The sequence was admitted with these tokens: get ready to draft after them."""
@@ -29,6 +35,9 @@ class Drafter(Protocol):
     def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
         """Up to ``k`` tokens that may follow ``tokens`` (the first ``confirmed`` of them
         only ever extended between calls, the rest drafts not yet judged), at once."""
+
+    def offered(self, anchor: int, drafts: Sequence[int]) -> None:
+        """The last stage guessed ``drafts`` after the sequence's first ``anchor`` tokens."""
 
     def close(self) -> None:
         """The sequence ended, or its drafter is replaced (a replay)."""
@@ -53,6 +62,8 @@ class PromptLookup:
     64 tokens came from single tokens.
     """
 
+    source = "prompt_lookup"
+
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._after: Dict[Tuple[int, ...], int] = {}
@@ -70,6 +81,9 @@ class PromptLookup:
     def close(self) -> None:
         pass
 
+    def offered(self, anchor: int, drafts: Sequence[int]) -> None:
+        pass
+
     def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
         """Up to ``k`` tokens that may follow ``tokens``: the sequence's first
         ``confirmed`` tokens (only ever extended between calls) and drafts not yet
@@ -85,19 +99,57 @@ class PromptLookup:
         return []
 
 
-class Either:
-    """Prompt lookup where the text repeats itself, a draft model elsewhere."""
+class StageDrafts:
+    """The guesses of the model's own MTP head, made on the last stage after each token and
+    sent back with it (``TokenResult.drafts``): they follow the tokens the sequence had then."""
 
-    def __init__(self, lookup: Drafter, model: Drafter):
-        self.lookup, self.model = lookup, model
+    source = "mtp"
+    mtp = True  # it needs the last stage's MTP head to draft (``SeqEntry.mtp``)
+
+    def __init__(self):
+        self.anchor, self.drafts = -1, []  # drafts of the tokens after the sequence's first ``anchor``
 
     def prepare(self, tokens: Sequence[int]) -> None:
-        # The model starts when lookup first has nothing (text that copies never needs it).
-        self.lookup.prepare(tokens)
+        pass
+
+    def offered(self, anchor: int, drafts: Sequence[int]) -> None:
+        self.anchor, self.drafts = anchor, list(drafts)
 
     def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
-        return self.lookup.propose(tokens, k, confirmed) or self.model.propose(tokens, k, confirmed)
+        n, a = len(tokens), self.anchor
+        if a < 0 or not a <= n < a + len(self.drafts) or list(tokens[a:n]) != self.drafts[: n - a]:
+            return []
+        return self.drafts[n - a : n - a + k]
 
     def close(self) -> None:
-        self.lookup.close()
-        self.model.close()
+        pass
+
+
+class Either:
+    """Each of ``drafters`` in turn (prompt lookup where the text repeats itself, the model's MTP
+    head, a draft model elsewhere): the first with a guess. ``source``: whose the last guesses were."""
+
+    def __init__(self, *drafters: Drafter):
+        self.drafters = drafters
+        self.source = drafters[0].source
+        self.mtp = any(getattr(d, "mtp", False) for d in drafters)
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        # A draft model starts when lookup first has nothing (text that copies never needs it).
+        self.drafters[0].prepare(tokens)
+
+    def offered(self, anchor: int, drafts: Sequence[int]) -> None:
+        for d in self.drafters:
+            d.offered(anchor, drafts)
+
+    def propose(self, tokens: Sequence[int], k: int, confirmed: int) -> List[int]:
+        for d in self.drafters:
+            guesses = d.propose(tokens, k, confirmed)
+            if guesses:
+                self.source = d.source
+                return guesses
+        return []
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()

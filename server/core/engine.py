@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Protocol, Sequence
 
-from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
+from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup, StageDrafts
 from mlxpipe.server.core.frames import Framer, prompt_scores
 from mlxpipe.server.core.media import Media
 from mlxpipe.server.core.plan import PromptScores
@@ -60,9 +60,12 @@ class Engine:
     def __init__(self, pipeline: Transport, config: SchedulerConfig,
                  eos_token_ids: Sequence[int] = (), max_context: int = 1 << 30,
                  rebuild: Optional[Rebuild] = None, supervision: Optional[Supervision] = None,
-                 observer: Optional[Observer] = None, draft_model=None, vocab_size: int = INT32):
+                 observer: Optional[Observer] = None, draft_model=None, vocab_size: int = INT32,
+                 speculation: str = DEFAULT_SPECULATION):
         self.pipeline = pipeline  # the one owner: only the supervisor replaces it, after a rebuild
         self.draft_model = draft_model  # draft_model.DraftModel, or None
+        self.default_speculation = speculation  # what a request that says "auto" drafts from (--speculation)
+        self.mtp_note: Optional[str] = None  # the last stage drafts with the model's MTP head ("") or why not
         self.scheduler = Scheduler(config, drafters=self._drafter, costs=self.frame_budget)
         self.framer = Framer(self.scheduler)  # the scheduler's steps as frames, results back as events
         self.eos = frozenset(eos_token_ids)
@@ -82,25 +85,49 @@ class Engine:
         self.stopping = False  # shutting down: a broken stream now is no fault to recover from
         self._fetches: set = set()  # tasks having stages read prefix blocks back from disk
 
+    @property
+    def mtp(self) -> bool:
+        """Whether the last stage drafts with the model's own MTP head."""
+        return self.mtp_note == ""
+
     def _drafter(self, seq: Seq) -> Drafter:
-        """A sequence's drafter, as its request asked ("auto": lookup, then the draft model)."""
-        if self.draft_model is None or seq.speculation == "prompt_lookup":
+        """A sequence's drafter, as its request asked ("auto": prompt lookup, then the model's MTP
+        head, then the draft model: the first that has a guess)."""
+        if seq.speculation == "prompt_lookup":
             return PromptLookup()
+        if seq.speculation == "mtp":
+            return StageDrafts()
         if seq.speculation == "draft_model":
             return self.draft_model.drafter()
-        return Either(PromptLookup(), self.draft_model.drafter())
+        chain = [PromptLookup()] + ([StageDrafts()] if self.mtp else []) + \
+            ([self.draft_model.drafter()] if self.draft_model is not None else [])
+        return chain[0] if len(chain) == 1 else Either(*chain)
 
-    def check_speculation(self, speculation: str) -> None:
-        """Raise InvalidRequest unless this engine can draft from ``speculation``."""
+    def check_speculation(self, speculation: str) -> str:
+        """What a request's ``speculation`` drafts from here ("auto": ``--speculation``'s); raise
+        InvalidRequest unless this engine can."""
         if speculation not in SOURCES:
             raise InvalidRequest(f"speculation must be one of {', '.join(SOURCES)}, not {speculation!r}",
                                  "speculation")
+        chosen = speculation == "auto"
+        if chosen:
+            speculation = self.default_speculation
         if speculation == "draft_model" and self.draft_model is None:
+            if chosen:
+                return "auto"
             raise InvalidRequest("this server has no draft model (start it with --draft-model)", "speculation")
+        if speculation == "mtp" and not self.mtp:
+            if chosen:
+                return "prompt_lookup"
+            raise InvalidRequest(f"this server drafts with no MTP head ({self.mtp_note or 'not loaded'})",
+                                 "speculation")
+        return speculation
 
     def speculation(self) -> dict:
-        """Drafted and accepted tokens since start, and the draft model's work."""
+        """Drafted and accepted tokens since start (per source), the MTP head's, and the draft model's work."""
         out = self.scheduler.drafts.as_dict()
+        out["mtp"] = {"loaded": self.mtp, "note": self.mtp_note or "",
+                      "acceptance": self.scheduler.drafts.acceptance("mtp")}
         if self.draft_model is not None:
             out["draft_model"] = self.draft_model.as_dict()
         return out
@@ -152,6 +179,7 @@ class Engine:
                                     [c.disk_blocks for c in caches], disk_capacity)
         self.scheduler.kv.set_model(model_salt(c.digests for c in caches), self.scheduler.seqs.values())
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
+        self.mtp_note = "" if caches[-1].mtp_layers else (caches[-1].mtp_note or None)
         quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
         self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
                                                      for c in quantizing), default=1.0))
@@ -199,7 +227,7 @@ class Engine:
         if not prompt:
             raise InvalidRequest("the prompt is empty", "prompt")
         sampling.validate(self.vocab_size)
-        self.check_speculation(speculation)
+        speculation = self.check_speculation(speculation)
         if sampling.seed is None:
             # Unseeded requests still get a seed, chosen here, so a request
             # replayed after a failure draws the same tokens again.
@@ -218,6 +246,7 @@ class Engine:
                                  f"have room for {self.scheduler.max_kv_tokens}", "max_tokens")
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
+        stream.drafts = seq.drafts  # (the speculator counts its drafts there as they are judged)
         self.streams[seq_id] = stream
         if trace is not None:
             self.framer.tracing.traces[seq_id] = trace

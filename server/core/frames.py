@@ -24,7 +24,8 @@ _KINDS = {StepKind.PREFILL: pb.Frame.PREFILL, StepKind.DECODE: pb.Frame.DECODE,
 
 
 def seq_entry(e: Entry) -> pb.SeqEntry:
-    out = pb.SeqEntry(seq_id=e.seq_id, offset=e.offset, num_tokens=e.num_tokens, sample=e.sample, trim=e.trim)
+    out = pb.SeqEntry(seq_id=e.seq_id, offset=e.offset, num_tokens=e.num_tokens, sample=e.sample, trim=e.trim,
+                      mtp=e.mtp)
     if e.store or e.spill:
         out.store_first = e.store_first
         out.store.extend(e.store)
@@ -77,7 +78,7 @@ def step_result(result: pb.Result) -> StepResult:
     """The last stage's result as the scheduler takes it."""
     return StepResult(result.frame_id, [
         Sample(t.seq_id, t.token, t.logprob, (list(t.top_ids), list(t.top_logprobs)) if t.top_ids else None,
-               t.done, t.error, list(t.embedding) or None) for t in result.tokens],
+               t.done, t.error, list(t.embedding) or None, list(t.drafts)) for t in result.tokens],
         [(t.decode_us + t.compute_us + t.encode_us) / 1e6 for t in result.timings])
 
 
@@ -103,16 +104,28 @@ class Framer:
     def schedule(self) -> List[pb.Frame]:
         """The frames to send now, in order."""
         steps = self.scheduler.schedule()
+        speculator, live = self.scheduler.speculator, self.scheduler.live
         for s in steps:
             self.meter.step(s)
+            for e in s.entries:  # what the last stage's MTP head is to draft after it
+                e.mtp = speculator.mtp_depth(self.scheduler.seqs[e.seq_id], live, e.opening is not None)
         if self.tracing.traces:
             self.tracing.sent(steps)
         return [with_media(frame(s), s, self.scheduler.seqs) for s in steps]
 
     def on_result(self, result: pb.Result) -> List[TokenEvent]:
-        """Take one Result; return the tokens it gave live sequences."""
-        events = self.scheduler.on_result(step_result(result))
+        """Take one Result; return the tokens it gave live sequences (and to their drafters, the
+        MTP head's guesses after the last of a sequence's tokens)."""
+        step = step_result(result)
+        events = self.scheduler.on_result(step)
         if self.tracing.traces:
             self.tracing.result(result.frame_id, [(t.queued_us / 1e6, t.decode_us / 1e6, t.compute_us / 1e6,
                                                    t.encode_us / 1e6) for t in result.timings], events)
+        for sample in step.samples:
+            if sample.drafts:
+                seq = self.scheduler.seqs.get(sample.seq_id)
+                mine = [s for s in step.samples if s.seq_id == sample.seq_id]
+                taken = sum(1 for ev in events if ev.seq.seq_id == sample.seq_id and ev.token >= 0 and not ev.error)
+                if seq is not None and taken == [s is sample for s in mine].index(True) + 1:  # (after the last taken)
+                    self.scheduler.speculator.offer(seq, sample.drafts)
         return events

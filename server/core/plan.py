@@ -50,6 +50,7 @@ class Entry:
     snap: bool = False      # with ``store``: stages with state caches keep the state at the last one's end
     spill: List[int] = field(default_factory=list)  # blocks after ``store``'s to write to disk only
     opening: Optional[Opening] = None  # set on its first step
+    mtp: int = 0            # drafts the last stage's MTP head makes after it (first step: > 0 to draft at all)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Sample:
     done: bool = False      # its grammar is complete
     error: str = ""         # the sequence failed on the stage: it ends here, alone
     embedding: Optional[List[float]] = None  # a pooled sequence's vector
+    drafts: List[int] = field(default_factory=list)  # the MTP head's guesses of the tokens after it
 
 
 @dataclass

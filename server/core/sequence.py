@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, Drafter
 from mlxpipe.server.core.media import Media
@@ -39,6 +39,7 @@ class SpeculationState:
     solo: bool = False              # verifying drafts, out of its group
     fed: int = 0                    # positions C, C+1, ... sent and not yet judged
     guesses: List[int] = field(default_factory=list)  # drafted tokens for positions C+1, C+2, ...
+    sources: List[str] = field(default_factory=list)  # ... and what drafted each (``drafting.SOURCES``)
     epoch: int = 0
     trim: int = 0                   # positions the stages hold beyond the confirmed: the next step drops them
     inflight: int = 0               # its VERIFY steps in flight
@@ -49,6 +50,15 @@ class SpeculationState:
     pause: int = 0                  # ... after the next trial that does not pay (doubles each time)
     since: Optional[float] = None   # when its current trial of speculation began (clock seconds)
     got: int = 0                    # tokens confirmed since then
+
+    def take(self) -> Tuple[int, str]:
+        """The first guess (sent, now judged) and what drafted it."""
+        return self.guesses.pop(0), self.sources.pop(0)
+
+    def drop(self) -> None:
+        """Every guess is void."""
+        self.guesses.clear()
+        self.sources.clear()
 
 
 @dataclass
@@ -85,6 +95,7 @@ class Seq:
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
     kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/params/kv.py)
+    drafts: Dict[str, List[int]] = field(default_factory=dict)  # source -> [drafts judged, accepted] (its usage)
     media: Optional[Media] = None  # a vision model's prompt: its images' rows and positions (media.py)
 
     @property

@@ -33,13 +33,20 @@ for ``pause`` decode steps, doubled after every trial that failed in a row (so
 where speculation cannot pay it stays off by itself, trying again ever more
 rarely), reset by one that pays. A sequence with a grammar never speculates:
 its grammar would have to take back rejected drafts.
+
+The model's own MTP head drafts on the last stage (``drafting.StageDrafts``): a
+sequence that drafts with it says so in its first frame (``mtp_depth``: the stage
+keeps an MTP cache for it), and a frame after which its drafts are wanted (it
+verifies, or may leave its group at its next step) asks for them; they come back
+with the frame's last accepted token (``offer``). Acceptance is counted per source
+(``DraftStats.by_source``, and per sequence for its usage).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter, PromptLookup
@@ -60,11 +67,31 @@ class DraftStats:
     accepted: int = 0
     trials: int = 0  # trial windows of speculation weighed against decoding
     paid: int = 0    # ... that beat it
+    by_source: Dict[str, List[int]] = field(default_factory=dict)  # source -> [judged, accepted]
+
+    def count(self, source: str, hit: bool, seq: Optional[Seq] = None) -> None:
+        self.judged += 1
+        self.accepted += hit
+        for book in (self.by_source, seq.drafts if seq is not None else {}):
+            row = book.setdefault(source, [0, 0])
+            row[0] += 1
+            row[1] += hit
+
+    def acceptance(self, source: str) -> Optional[float]:
+        judged, accepted = self.by_source.get(source, (0, 0))
+        return accepted / judged if judged else None
 
     def as_dict(self) -> dict:
         return {"drafted_tokens": self.judged, "accepted_tokens": self.accepted,
                 "acceptance": round(self.accepted / self.judged, 4) if self.judged else None,
-                "trials": self.trials, "trials_paid": self.paid}
+                "trials": self.trials, "trials_paid": self.paid,
+                "by_source": {s: by_source(judged, accepted) for s, (judged, accepted) in self.by_source.items()}}
+
+
+def by_source(judged: int, accepted: int) -> dict:
+    """One source's drafts judged and accepted, and the rate."""
+    return {"drafted_tokens": judged, "accepted_tokens": accepted,
+            "acceptance": round(accepted / judged, 4) if judged else None}
 
 
 @dataclass
@@ -143,8 +170,24 @@ class Speculator:
         st = seq.spec_state
         if len(st.guesses) < need:
             tokens = seq.tokens
-            st.guesses += st.drafter.propose(tokens + st.guesses, need - len(st.guesses), confirmed=len(tokens))
+            new = st.drafter.propose(tokens + st.guesses, need - len(st.guesses), confirmed=len(tokens))
+            st.guesses += new
+            st.sources += [st.drafter.source] * len(new)
         return len(st.guesses) >= need
+
+    def mtp_depth(self, seq: Seq, live: int, first: bool) -> int:
+        """What a step of ``seq`` asks of the last stage's MTP head (``SeqEntry.mtp``): on its first
+        step, whether to keep an MTP cache (any > 0: it drafts with the head); later, how many
+        drafts to make after the step's token (0: none wanted now)."""
+        st = seq.spec_state
+        if st is None or not getattr(st.drafter, "mtp", False) or not self.may(seq, live):
+            return 0
+        return st.depth if first or st.solo or st.cooldown <= 1 else 0
+
+    def offer(self, seq: Seq, drafts: Sequence[int]) -> None:
+        """The last stage's MTP head guessed ``drafts`` after ``seq``'s tokens as they are now."""
+        if seq.spec_state is not None:
+            seq.spec_state.drafter.offered(len(seq.tokens), drafts)
 
     def wants(self, seqs: Dict[int, Seq], live: int) -> Tuple[List[Seq], List[Verify]]:
         """The verifying sequences that go back to decoding in a group (the pipeline
@@ -157,7 +200,7 @@ class Speculator:
             st = seq.spec_state
             if st.inflight == 0 and (live > cfg.spec_max_running or st.cooldown or not self._draft(seq, 1)):
                 st.solo = False
-                st.guesses.clear()
+                st.drop()
                 self.solo.remove(sid)
                 back.append(seq)
                 continue
@@ -194,16 +237,16 @@ class Speculator:
             st.fed -= 1  # position C is confirmed now; C moves on by one
             if not st.fed:
                 if st.guesses and st.guesses[0] == t.token:
-                    st.guesses.pop(0)  # guessed but not yet sent: keep the rest of the guess
+                    st.take()  # guessed but not yet sent: keep the rest of the guess
                 else:
-                    st.guesses.clear()
+                    st.drop()
                 continue
-            guess = st.guesses.pop(0)  # the input already sent at the next position
-            if self._matched(st, guess == t.token):
+            guess, source = st.take()  # the input already sent at the next position
+            if self._matched(seq, guess == t.token, source):
                 continue
             # A miss: what the stages hold after the confirmed tokens is void.
             st.trim, st.fed = st.trim + st.fed, 0
-            st.guesses.clear()
+            st.drop()
             st.epoch += 1
             st.depth, st.streak = max(1, st.depth // 2), 0
             break
@@ -236,13 +279,13 @@ class Speculator:
         self.stats.paid += pays
         st.since, st.got = now, 0
 
-    def _matched(self, st: SpeculationState, hit: bool) -> bool:
+    def _matched(self, seq: Seq, hit: bool, source: str) -> bool:
         """Count one judged draft; on a hit, deepen after a streak as long as the depth."""
+        st = seq.spec_state
         st.judged += 1
-        self.stats.judged += 1
+        self.stats.count(source, hit, seq)
         if hit:
             st.matched += 1
-            self.stats.accepted += 1
             st.streak += 1
             if st.streak >= st.depth and st.depth < st.cap:
                 st.depth, st.streak = st.depth + 1, 0

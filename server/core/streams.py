@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 
 class InvalidRequest(ValueError):
@@ -54,6 +54,7 @@ class RequestStream:
         self.last_token_at: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
         self.cached_disk_tokens = 0  # ... of which some stage read back from its disk
+        self.drafts: Dict[str, List[int]] = {}  # speculation: source -> [drafted tokens judged, accepted]
         self.embedding: Optional[List[float]] = None  # an embedding request's vector (``Engine.submit(pool=)``)
 
     def __aiter__(self):
@@ -95,3 +96,13 @@ class RequestStream:
 async def collect(stream: RequestStream) -> List[Token]:
     """All tokens of a request."""
     return [t async for t in stream]
+
+
+def drafts_of(streams: Iterable[RequestStream]) -> Dict[str, List[int]]:
+    """Drafted tokens judged and accepted per source, summed over ``streams`` (a request's choices)."""
+    out: Dict[str, List[int]] = {}
+    for stream in streams:
+        for source, (judged, accepted) in stream.drafts.items():
+            row = out.setdefault(source, [0, 0])
+            row[0], row[1] = row[0] + judged, row[1] + accepted
+    return out

@@ -47,6 +47,8 @@ class StageCaches:
     disk_starts: List[int] = field(default_factory=list)  # ... of those, the ones stored with their end state
     digests: Dict[str, str] = field(default_factory=dict)  # what it computes with: unit -> SHA-256 of its tensors
                                                            # as loaded, and of the config (LoadReply.unit_digests)
+    mtp_layers: int = 0          # the model's MTP head's layers it drafts with (the last stage; 0: none)
+    mtp_note: str = ""           # asked to load one: why there is none
 
 
 class Transport(Protocol):

@@ -117,7 +117,9 @@ def _structure(path: Path) -> Tuple[List[str], Cuts, int]:
     """The kind of each block, the valid cuts and the hidden size, from the model built lazily."""
     from mlx_lm.utils import load_model
 
-    model, config = load_model(path, lazy=True)
+    from mlxpipe.shards.models.mtp import without_mtp
+
+    model, config = load_model(path, lazy=True, get_model_classes=without_mtp)
     kinds_of = [block_kind(b) for b in layer_list(model)]
     cuts = of_model(model, config.get("model_type", ""))
     return kinds_of, cuts, int(with_sizes(text_config(config))["hidden_size"])

@@ -39,6 +39,7 @@ from mlx_lm.convert import MODEL_CONVERSION_DTYPES, mixed_quant_predicate_builde
 from mlx_lm.utils import get_total_parameters, load_model, load_tokenizer, quantize_model, save_config
 
 from mlxpipe.shards.models.layers import layer_list
+from mlxpipe.shards.models.mtp import MtpHead, load_mtp, unit_tensors, without_mtp
 from mlxpipe.shards.models.weights import LAYER_RE, range_unit_names, unit_file, unit_of
 from mlxpipe.shards.params.quant import BITS, QuantSpec
 
@@ -55,16 +56,16 @@ def _num_layers(model: nn.Module) -> int:
     return len(layer_list(model))
 
 
-def _convert_dtype(model: nn.Module, config: dict) -> None:
+def _convert_dtype(model: nn.Module, config: dict, like: Optional[nn.Module] = None) -> None:
     """The dtype step of ``mlx_lm.convert.convert`` (inline there, so copied): cast
     floating parameters to ``torch_dtype`` (or ``text_config.dtype``), as the model's
-    ``cast_predicate`` allows."""
+    (or ``like``'s) ``cast_predicate`` allows."""
     dtype = config.get("torch_dtype", None)
     if dtype is None and (text := config.get("text_config", None)):
         dtype = text.get("dtype", None)
     if dtype in MODEL_CONVERSION_DTYPES:
         target = getattr(mx, dtype)
-        cast_predicate = getattr(model, "cast_predicate", lambda _: True)
+        cast_predicate = getattr(like or model, "cast_predicate", lambda _: True)
 
         def set_dtype(k, v):
             if cast_predicate(k) and mx.issubdtype(v.dtype, mx.floating):
@@ -123,7 +124,7 @@ def prepare(path: Union[str, Path], spec: QuantSpec, vision: bool = False) -> Tu
 
         model, config = load_text_part(Path(path))
     else:
-        model, config = load_model(Path(path), lazy=True)
+        model, config = load_model(Path(path), lazy=True, get_model_classes=without_mtp)
     if "quantization" in config:
         raise QuantizeError(f"{path} is already quantized ({config['quantization'].get('bits')}-bit); "
                             "quantize from a full-precision folder (bf16, fp16, fp32 or DeepSeek's FP8)")
@@ -142,14 +143,16 @@ def model_units(model: nn.Module) -> Dict[str, Dict[str, mx.array]]:
     return units
 
 
-def stage_units(model: nn.Module, start: int, end: int) -> Dict[str, Dict[str, mx.array]]:
-    """The tensors of each unit a stage with layers ``[start, end)`` needs (lazy)."""
+def stage_units(model: nn.Module, start: int, end: int, mtp: bool = False) -> Dict[str, Dict[str, mx.array]]:
+    """The tensors of each unit a stage with layers ``[start, end)`` needs (lazy; ``mtp``: it drafts
+    with the model's MTP head, so the last stage holds the embedding too; the head's own unit is
+    ``write_mtp_unit``'s)."""
     n = _num_layers(model)
     if not 0 <= start < end <= n:
         raise QuantizeError(f"layer range [{start}, {end}) is not inside the model's [0, {n})")
     units = model_units(model)
     tied = not any("lm_head" in k for k in units.get("head", {}))
-    return {u: units[u] for u in range_unit_names(start, end, n, tied) if u in units}
+    return {u: units[u] for u in range_unit_names(start, end, n, tied, mtp) if u in units}
 
 
 def materialize(tensors: Dict[str, mx.array]) -> None:
@@ -176,6 +179,37 @@ def quantize_range(path: Union[str, Path], start: int, end: int, spec: QuantSpec
         materialize(tensors)
         mx.clear_cache()
     return model, config
+
+
+def quantize_mtp(head: MtpHead, model: nn.Module, config: dict, spec: QuantSpec) -> None:
+    """The model's MTP head (``mtp.py``) as ``prepare`` makes the model: cast as ``convert``
+    casts it, quantized at the spec's own bits (a recipe's: mlx-lm's default, 4) under the
+    model's own predicate (Qwen3-Next's routers stay at 8 bits). Lazy, as the model is."""
+    _convert_dtype(head.layer, config, like=model)
+    bits = int(spec.bits) if spec.bits in BITS else 4
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> Union[bool, dict]:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % spec.group_size:
+            return False
+        return own(path, module) if own is not None else True
+
+    nn.quantize(head.layer, spec.group_size, bits, class_predicate=predicate)
+
+
+def write_mtp_unit(source: Union[str, Path], model: nn.Module, config: dict, spec: QuantSpec,
+                   out: Union[str, Path]) -> bool:
+    """The ``mtp`` unit of the full-precision model at ``source``, quantized by ``spec``, into
+    ``out`` (under the checkpoint's names: a node loads it as it loads a folder's). False: the
+    checkpoint has no MTP head to send."""
+    head, _ = load_mtp(Path(source), model, config)
+    if head is None:
+        return False
+    quantize_mtp(head, model, config, spec)
+    tensors = unit_tensors(head, _num_layers(model))
+    materialize(tensors)
+    mx.save_safetensors(str(Path(out) / unit_file("mtp")), tensors, metadata={"format": "mlx"})
+    return True
 
 
 def _release(model: nn.Module, names: Iterable[str]) -> None:

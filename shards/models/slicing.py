@@ -391,9 +391,9 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
 
     from mlx_lm.utils import load_config, load_model
 
-    from mlxpipe.shards.models.vision import load_text_part
-
+    from mlxpipe.shards.models.mtp import without_mtp
     from mlxpipe.shards.models.store import BrokenModel
+    from mlxpipe.shards.models.vision import load_text_part
 
     path = Path(path)
     try:
@@ -403,7 +403,7 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
         elif vision:
             model, config = load_text_part(path, strict=strict)
         else:
-            model, config = load_model(path, lazy=True, strict=strict)
+            model, config = load_model(path, lazy=True, strict=strict, get_model_classes=without_mtp)
     except (QuantizeError, Unsupported):
         raise
     except json.JSONDecodeError as err:

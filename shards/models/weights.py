@@ -1,11 +1,14 @@
 """Weights for nodes without the model: units, chunks, and the node's received cache.
 
 A model's tensors are grouped into *units*: one per layer (``layer-00012``),
-``embed`` (the token embedding) and ``head`` (everything else outside the
-layers: final norm, output head). A stage with layers ``[start, end)`` needs
-the units of its layers, ``embed`` if it is first (or last with a tied head),
-and ``head`` if it is last. A re-plan moves whole layers, so only units that
-change hands travel.
+``embed`` (the token embedding), ``head`` (everything else outside the
+layers: final norm, output head) and ``mtp`` (the model's multi-token-prediction
+head, where its checkpoint has one: ``mtp_layout.py``; the copies of the
+embedding and head it carries are ``unused``, and never travel). A stage with
+layers ``[start, end)`` needs the units of its layers, ``embed`` if it is first
+(or last with a tied head, or drafting with the MTP head, which embeds the
+tokens it drafts after), ``head`` if it is last, and ``mtp`` if it is last and
+drafts. A re-plan moves whole layers, so only units that change hands travel.
 
 Each unit travels as the data region of a safetensors file the node writes
 itself: the head sends the header (the unit's tensors, their dtypes, shapes
@@ -26,10 +29,12 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+from mlxpipe.shards.models.mtp_layout import classify
 
 CHUNK_BYTES = 4 << 20
-_UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
+_UNIT = re.compile(r"^(embed|head|mtp|layer-\d{5})$")
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # mlx-lm models name their block list so
 # Modules only images use (a vision-language model's tower, its projector): the head runs them
 # (shards/models/tower.py), so they are a unit of their own, ``vision``, that no stage needs.
@@ -142,10 +147,14 @@ class Unit:
         return bytes(out)
 
 
-def unit_of(name: str) -> str:
-    """The unit a tensor (or module) of this name belongs to."""
+def unit_of(name: str, num_layers: Optional[int] = None) -> str:
+    """The unit a tensor (or module) of this name belongs to (``num_layers``: the model's,
+    to tell its MTP head's tensors from its layers')."""
     if is_vision(name):
         return "vision"
+    mtp = classify(name, num_layers if num_layers is not None else 1 << 30)
+    if mtp is not None:
+        return "unused" if mtp.role == "copy" else "mtp"
     m = LAYER_RE.search(name)
     return f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
 
@@ -155,26 +164,59 @@ def unit_file(unit: str) -> str:
     return f"model-{unit}.safetensors"
 
 
-def range_unit_names(start: int, end: int, num_layers: int, tied: bool) -> List[str]:
+def range_unit_names(start: int, end: int, num_layers: int, tied: bool, mtp: bool = False) -> List[str]:
     """The units a stage holding layers ``[start, end)`` needs: its layers, ``embed``
-    if it is first (or last with a head ``tied`` to the embedding), ``head`` if last."""
+    if it is first (or last with a head ``tied`` to the embedding, or drafting with the
+    ``mtp`` head), ``head`` if last, and ``mtp`` if last and drafting."""
     names = [f"layer-{i:05d}" for i in range(start, end)]
-    if start == 0 or (end == num_layers and tied):
+    last = end == num_layers
+    if start == 0 or (last and (tied or mtp)):
         names.append("embed")
-    if end == num_layers:
+    if last:
         names.append("head")
+    if last and mtp:
+        names.append("mtp")
     return names
+
+
+def tensor_files(folder: Path) -> Dict[str, str]:
+    """Every tensor of a model folder and the file holding it: from the safetensors index
+    where there is one (``model.safetensors.index.json``), else from the files' headers."""
+    out: Dict[str, str] = {}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            out = {k: v for k, v in (json.loads(index.read_text()).get("weight_map") or {}).items()
+                   if (folder / v).is_file()}
+        except (OSError, ValueError, AttributeError):
+            out = {}
+    listed = set(out.values())
+    for path in sorted(folder.glob("*.safetensors")):
+        if path.name not in listed:
+            out.update({k: path.name for k in read_header(path)[0] if k != "__metadata__"})
+    return out
+
+
+def num_layers_of(folder: Path) -> Optional[int]:
+    """The model's layers, from its ``config.json`` (None: it says not)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+        return int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def model_units(folder: Path) -> Dict[str, Unit]:
     """Every unit of the mlx-lm model folder ``folder``, from its safetensors headers."""
     units: Dict[str, Unit] = {}
+    layers = num_layers_of(folder)
     for path in sorted(folder.glob("*.safetensors")):
         header, data_start = read_header(path)
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            unit = unit_of(name)
+            unit = unit_of(name, layers)
             begin, end = info["data_offsets"]
             units.setdefault(unit, Unit(unit)).tensors.append(
                 Source(name, info["dtype"], list(info["shape"]), path, data_start + begin, end - begin))
@@ -183,10 +225,12 @@ def model_units(folder: Path) -> Dict[str, Unit]:
     return units
 
 
-def units_for_range(units: Dict[str, Unit], start: int, end: int, num_layers: int) -> List[Unit]:
-    """The units a stage holding layers ``[start, end)`` needs."""
+def units_for_range(units: Dict[str, Unit], start: int, end: int, num_layers: int,
+                    mtp: bool = False) -> List[Unit]:
+    """The units a stage holding layers ``[start, end)`` needs (``mtp``: drafting with the
+    model's MTP head, where it has one)."""
     tied = not any("lm_head" in t.name for t in units.get("head", Unit("head")).tensors)
-    names = range_unit_names(start, end, num_layers, tied)
+    names = range_unit_names(start, end, num_layers, tied, mtp and "mtp" in units)
     missing = [n for n in names if n.startswith("layer") and n not in units]
     if missing:
         raise WeightsError(f"the model folder has no tensors for {missing[:3]}")

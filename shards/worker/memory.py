@@ -117,11 +117,14 @@ def _quantized_bytes(nbytes: int, dtype: str, shape, bits: int, group: int) -> i
     return params * bits // 8 + params // group * 4  # a 16-bit scale and bias per group
 
 
-def range_weights(path: Path, start: int, end: int, quant: Optional[QuantSpec] = None) -> StageNeed:
+def range_weights(path: Path, start: int, end: int, quant: Optional[QuantSpec] = None,
+                  mtp: bool = False) -> StageNeed:
     """Weights and read transient of layers ``[start, end)`` of the folder ``path``
-    (the embedding and head where the stage holds them), from the headers alone."""
+    (the embedding and head where the stage holds them, and the MTP head where it drafts
+    with it), from the headers alone."""
     config = text_config(json.loads((path / "config.json").read_text()))
-    units = units_for_range(model_units(path), start, end, int(config["num_hidden_layers"]))
+    layers = int(config["num_hidden_layers"])
+    units = units_for_range(model_units(path), start, end, layers, mtp)
     tensors = [t for u in units for t in u.tensors]
     if quant is None:
         weights = sum(t.nbytes for t in tensors)
@@ -129,7 +132,7 @@ def range_weights(path: Path, start: int, end: int, quant: Optional[QuantSpec] =
     weights = 0
     for t in tensors:
         m = LAYER_RE.search(t.name)
-        bits = rung_bits(quant.layer(int(m.group(1))) if m else quant.bits)[1]
+        bits = rung_bits(quant.layer(int(m.group(1))) if m and int(m.group(1)) < layers else quant.bits)[1]
         weights += _quantized_bytes(t.nbytes, t.dtype, t.shape, bits, quant.group_size)
     # One module at a time at full precision: a projection of all experts stacked (from per-expert
     # tensors, as mlx-lm's sanitize stacks them), about three times its bf16 size while it is built.
@@ -144,7 +147,7 @@ def check_load(path: Path, request: pb.LoadRequest, quant: Optional[QuantSpec], 
     """Raise ``MemoryShort`` when the shard ``request`` names would not fit ``budget``; else
     return what it needs. A range or folder that cannot be read is left for loading to report."""
     try:
-        need = range_weights(path, request.start, request.end, quant)
+        need = range_weights(path, request.start, request.end, quant, request.mtp)
     except (OSError, ValueError, KeyError):
         return StageNeed(0, 0, 0)
     need = replace(need, kv=request.max_cache_bytes)

@@ -46,6 +46,7 @@ from mlxpipe.shards.params.quant import quantized_fingerprint
 from mlxpipe.shards.worker import disk_service, memory
 from mlxpipe.shards.worker.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
 from mlxpipe.shards.worker.mlx_thread import MlxThread
+from mlxpipe.shards.worker.mtp_drafts import load_drafting
 from mlxpipe.shards.worker.stage import FrameError, ShardLimits, Shard
 from mlxpipe.shards.worker.weight_service import WeightService
 
@@ -176,6 +177,7 @@ class StageServicer(pb_grpc.StageServicer):
         if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
             stage.launch_blocks()
         hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
+        drafting, mtp = load_drafting(request.mtp, stage, path, config, quant)  # the model's MTP head (last stage)
         mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
         text = with_sizes(text_config(config))
         hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
@@ -192,13 +194,11 @@ class StageServicer(pb_grpc.StageServicer):
             max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
             block_tokens=request.block_tokens,
         )
-        tokenizer = None
-        if request.HasField("tokenizer") and stage.last:
-            spec = request.tokenizer
-            tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids)
+        spec = request.tokenizer if request.HasField("tokenizer") and stage.last else None
+        tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids) if spec is not None else None
         digest = hashing.result(config)
         shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                      self.disk.for_load(request, digest, switch.kv if switch.slots else None))
+                      self.disk.for_load(request, digest, switch.kv if switch.slots else None), drafting)
         reply = pb.LoadReply(
             model_path=str(path),
             model_type=config.get("model_type", ""),
@@ -218,7 +218,7 @@ class StageServicer(pb_grpc.StageServicer):
                                              f"layers [{request.start}, {request.end})"),
             max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
             state_bytes=footprint.state_bytes, vision=request.vision,
-            **kv_reply,
+            **mtp.reply(kv_reply),
         )
         return _Loaded(shard, reply, request, self.weights.offer(request))
 

@@ -34,11 +34,13 @@ Sequences and caches:
   or past its switch point (named in its first frame), after the blocks that frame keeps; in a
   decode group its row moves to a quantized part.
 - An embedding request (``pool``, ``pooling.py``): the last stage pools its final hidden state.
+- With the model's MTP head (``mtp_drafts.py``; last stage), a sequence whose first frame says
+  ``mtp`` keeps an MTP cache beside its caches, fed the hidden states of every forward, trimmed
+  with them, and drafts after a sample when a frame asks.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -57,13 +59,12 @@ from mlxpipe.shards.models.slicing import SlicedModel
 from mlxpipe.shards.params import wire
 from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
+from mlxpipe.shards.worker import answers
 from mlxpipe.shards.worker.launch import Launched, later
 from mlxpipe.shards.worker import images
+from mlxpipe.shards.worker.mtp_drafts import Drafting, SeqDrafts, decode_rows
 from mlxpipe.shards.worker.pooling import Pool
-from mlxpipe.shards.worker.sampler import (SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt,
-                                           token_result)
-
-logger = logging.getLogger(__name__)
+from mlxpipe.shards.worker.sampler import SeqSampler, score_prompt
 
 @dataclass
 class _Seq:
@@ -78,6 +79,7 @@ class _Seq:
     kv_at: int = 0                    # its caches turn quantized before a frame starting here or later (0: never)
     kv_named: bool = False            # ... as its first frame said (no frame may cross it)
     quantized: bool = False           # they did
+    mtp: Optional[SeqDrafts] = None   # last stage, drafting with the model's MTP head: its MTP cache
     pool: Optional[Pool] = None       # last stage, an embedding request: its pooled hidden state (pooling.py)
 
 
@@ -97,8 +99,9 @@ class Shard:
     groups and its prefix cache: frames in, frames (or, on the last stage, results) out."""
 
     def __init__(self, model: SlicedModel, hidden_size: int, vocab_size: int, limits: ShardLimits,
-                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None):
+                 tokenizer=None, kv: KvSwitch = KvSwitch(), disk=None, drafting: Optional[Drafting] = None):
         self.model = model
+        self.drafting = drafting if model.last else None  # the model's MTP head, drafting (mtp_drafts.py)
         self.tokenizer = tokenizer  # llguidance's, for grammars (last stage; None: sequences with one are refused)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
@@ -257,6 +260,8 @@ class Shard:
                 self._trim(self.seqs[e.seq_id], e.trim, e.position_shift)
         self.stats.begin()
         self.publish()
+        if self.drafting is not None:
+            self.drafting.begin()
         out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
@@ -304,6 +309,8 @@ class Shard:
                 constraint = Constraint(params.grammar, self.tokenizer, self.vocab_size, entry.generated)
             seq.sampler = SeqSampler(params, constraint)
             seq.sampler.observe(entry.context)
+            if self.drafting is not None and entry.mtp:
+                seq.mtp = self.drafting.start(seq.length)
         self.seqs[entry.seq_id] = seq
         return seq
 
@@ -347,11 +354,13 @@ class Shard:
         if seq.pool is not None:  # its vector once the prompt's last position is in; no sampling
             return later([kinds.arrays(seq.caches), seq.pool.add(out)], seq.pool.results(entry))
         seq.sampler.observe(frame.tokens)
+        if seq.mtp is not None:
+            seq.mtp.prefilled(self.drafting.rows()[0], frame.tokens, entry.sample)
         scored = score_prompt(seq.sampler, entry.seq_id, entry.offset, frame.tokens, out[0])  # if it asked
         if not entry.sample:
             return later([kinds.arrays(seq.caches), scored.arrays], scored.results)
         logits = out[:, -1, :]
-        return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
+        return later([logits, scored.arrays], lambda: scored.results() + answers.sample([entry], [seq], logits))
 
     def _trim(self, seq: _Seq, n: int, shift: int = 0) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
@@ -371,6 +380,8 @@ class Shard:
         seq.drafted -= n
         if seq.sampler is not None:
             seq.sampler.trim(n)
+        if seq.mtp is not None:
+            seq.mtp.trim(n)
 
     def _verify(self, frame: pb.Frame, hidden: Optional[mx.array]):
         entry = frame.seqs[0]
@@ -390,15 +401,9 @@ class Shard:
         if not self.model.last:
             mx.async_eval(out)
             return out
-        return later(out, lambda: self._pick_positions(entry, seq, out, list(frame.tokens)))
-
-    def _pick_positions(self, entry: pb.SeqEntry, seq: _Seq, out: mx.array, tokens: List[int]):
-        picks = pick_positions(seq.sampler, out[0], tokens, seq.length - entry.num_tokens)
-        failed = next((p for p in picks if isinstance(p, SequenceFailure)), None)
-        if failed is not None or seq.failed:
-            seq.failed = seq.failed or str(failed)
-            return [pb.TokenResult(seq_id=entry.seq_id, error=seq.failed)]
-        return [token_result(entry.seq_id, pick) for pick in picks]
+        if seq.mtp is not None:
+            seq.mtp.add(self.drafting.rows()[0], frame.tokens)
+        return later(out, lambda: answers.verify(entry, seq, out[0], list(frame.tokens)))
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
@@ -416,6 +421,9 @@ class Shard:
         if not self.model.last:
             mx.async_eval(out)
             return out
+        if any(seq.mtp is not None for seq in seqs):  # (the rows as the parts ran them)
+            rows = self.drafting.rows([i for _, part in parts for i in part])
+            decode_rows(frame.seqs, [s.mtp for s in seqs], frame.tokens, rows)
         for seq, t in zip(seqs, frame.tokens):
             seq.sampler.observe([t])
         picked = [i for i, e in enumerate(frame.seqs) if e.sample]
@@ -425,25 +433,4 @@ class Shard:
         if len(picked) < len(seqs):
             logits = logits[mx.array(picked)]
         entries, rows = [frame.seqs[i] for i in picked], [seqs[i] for i in picked]
-        return later(logits, lambda: self._sample(entries, rows, logits))
-
-    def _sample(self, entries, seqs, logits: mx.array) -> List[pb.TokenResult]:
-        """One pick per row; a row whose own sampling or grammar fails gets an error
-        result instead, and its sequence goes no further (the head ends it alone)."""
-        rows = [i for i, s in enumerate(seqs) if not s.failed]
-        picks = {}
-        if rows:
-            logits = logits if len(rows) == len(seqs) else logits[mx.array(rows)]
-            got = pick_batch([seqs[i].sampler for i in rows], logits, [seqs[i].length for i in rows])
-            picks = dict(zip(rows, got))
-        out = []
-        for i, (e, s) in enumerate(zip(entries, seqs)):
-            pick = picks.get(i)
-            if isinstance(pick, SequenceFailure):
-                s.failed = str(pick)
-                logger.info("sequence %d failed here: %s", e.seq_id, s.failed)
-            if s.failed:
-                out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
-            else:
-                out.append(token_result(e.seq_id, pick, s.sampler.finished))
-        return out
+        return later(logits, lambda: answers.sample(entries, rows, logits))

@@ -66,8 +66,11 @@ function renderSpeculation(spec) {
     el.textContent = "no drafts judged yet";
     return;
   }
+  const sources = Object.entries(spec.by_source || {})
+    .map(([source, s]) => `${source} ${Math.round((s.acceptance || 0) * 100)}%`).join(", ");
   el.textContent = `${Math.round(spec.acceptance * 100)}% accepted ` +
-    `(${spec.accepted_tokens} of ${spec.drafted_tokens} drafted tokens)`;
+    `(${spec.accepted_tokens} of ${spec.drafted_tokens} drafted tokens${sources ? `: ${sources}` : ""})` +
+    (spec.mtp && spec.mtp.loaded ? "; the model's MTP head drafts" : "");
 }
 
 // One reading of the head's generated-token counter becomes a rate since the last one.
