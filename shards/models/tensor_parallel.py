@@ -1,0 +1,416 @@
+"""Tensor parallel inside a stage: rank r of a group of k holds a slice of every block of
+the stage's range, and the ranks all-reduce inside each block with MLX's own collective
+(``mx.distributed.all_sum``: JACCL over Thunderbolt RDMA on Macs, the ring backend over
+TCP elsewhere). Megatron's cut, for any mlx-lm model whose blocks it recognizes:
+
+- attention by heads: each rank a contiguous run of query heads, as even as heads allow
+  (9 over 2 ranks: 5 and 4), with the KV heads they read. A KV head whose query heads
+  straddle the cut is held by both ranks; the rank's query projection then gains zero
+  heads before and after (``PadHeads``), so that the model's own grouped attention maps
+  each query head to its KV head, and the output projection drops them again. The output
+  projection is split by the same columns and summed over the ranks (``SumOut``).
+  DeepSeek's latent attention (MLA) is split by heads the same way (its latent KV is
+  every head's, so each rank keeps all of it).
+- MLP by columns: the input projections (gate, up) by rows, the output projection (down)
+  by columns, one all-reduce.
+- mixture of experts: each expert's intermediate columns, as mlx-lm's DeepSeek-V3
+  ``shard()`` does, where the quantization groups give every rank some; else the experts
+  across the ranks (where the router hands back indices and scores, as DeepSeek's does),
+  the others' scores zeroed. One all-reduce for the whole layer (``SumModule``).
+
+Quantized layers are sliced on quantization-group boundaries; a cut that cannot align is
+refused with the reason. What cannot be split (state-space and linear-attention layers,
+fused projections it does not know) is ``Unsplittable``, named in one line. Sums run in
+float32 and are cast back once, so that a split block rounds as the whole one does, but
+for the order of float32 additions.
+
+Embedding, norms, routers and the output head are not split: every rank of a first stage
+embeds; only the leader of a last stage runs the head (``SlicedModel(head=False)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+HEAD_NAMES = ("n_heads", "num_heads", "num_attention_heads", "n_head")
+KV_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head")
+# (input projections, output projection) of the MLPs it knows, by their names in mlx-lm's models.
+MLP_NAMES = ((("gate_proj", "up_proj"), "down_proj"), (("w1", "w3"), "w2"), (("fc1",), "fc2"),
+             (("c_fc",), "c_proj"))
+NORM_TYPES = (nn.RMSNorm, nn.LayerNorm)
+
+
+class Unsplittable(ValueError):
+    """A block (or a model) whose layers this group cannot split; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rank ``rank`` of a group of ``size``."""
+
+    rank: int
+    size: int
+
+    def run(self, n: int, unit: int = 1) -> Tuple[int, int]:
+        """This rank's contiguous share of ``n`` (in whole ``unit``s), first ranks the larger."""
+        a, b = runs(n // unit, self.size)[self.rank]
+        return a * unit, min(b * unit, n)
+
+
+def runs(n: int, k: int) -> List[Tuple[int, int]]:
+    """``n`` cut into ``k`` contiguous runs as even as possible, the first ones the larger."""
+    q, rem = divmod(n, k)
+    out, at = [], 0
+    for r in range(k):
+        size = q + (1 if r < rem else 0)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+# -- the sharded modules ---------------------------------------------------------------------
+
+
+class SumOut(nn.Module):
+    """An output projection sliced by input columns (``keep``: the columns of its input that are
+    this rank's, pads dropped), its result summed over the group in float32; its bias once."""
+
+    def __init__(self, inner: nn.Module, group, keep: Optional[Tuple[int, int]] = None):
+        super().__init__()
+        self.bias = inner.bias if "bias" in inner else None
+        if "bias" in inner:
+            del inner["bias"]
+        self.inner, self.group, self._keep = inner, group, keep
+        self._dtype = inner.scales.dtype if "scales" in inner else inner.weight.dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._keep is not None:
+            x = x[..., self._keep[0]:self._keep[1]]
+        out = mx.result_type(x.dtype, self._dtype)
+        y = mx.distributed.all_sum(self.inner(x.astype(mx.float32)), group=self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.astype(out)
+
+
+class SumModule(nn.Module):
+    """A whole layer (a mixture of experts) whose output is summed over the group."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def __call__(self, *args, **kwargs):
+        y = self.inner(*args, **kwargs)
+        return mx.distributed.all_sum(y.astype(mx.float32), group=self.group).astype(y.dtype)
+
+
+class PadHeads(nn.Module):
+    """A query projection sliced to this rank's heads, then ``before`` and ``after`` zero heads
+    of ``width`` columns added: the slots of the shared KV heads' other query heads."""
+
+    def __init__(self, inner: nn.Module, before: int, after: int, width: int):
+        super().__init__()
+        self.inner, self._pads = inner, (before * width, after * width)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.inner(x)
+        zeros = [mx.zeros((*y.shape[:-1], n), dtype=y.dtype) for n in self._pads]
+        return mx.concatenate([zeros[0], y, zeros[1]], axis=-1)
+
+
+class Nothing(nn.Module):
+    """A small sub-layer another rank holds whole: it adds nothing here."""
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return mx.zeros_like(x)
+
+
+class LocalExperts(nn.Module):
+    """A router whose choices are kept for the experts this rank holds, ``[lo, hi)``: their
+    indices made local, every other expert's score zeroed (and its index pointed at a local
+    expert, whose output the zero score cancels)."""
+
+    def __init__(self, router: nn.Module, lo: int, hi: int):
+        super().__init__()
+        self.router, self._span = router, (lo, hi)
+
+    def __call__(self, x: mx.array):
+        inds, scores = self.router(x)
+        lo, hi = self._span
+        mine = (inds >= lo) & (inds < hi)
+        return mx.where(mine, inds - lo, 0), scores * mine.astype(scores.dtype)
+
+
+# -- slicing one projection ---------------------------------------------------------------------
+
+
+def _quantized(mod: nn.Module) -> bool:
+    return "scales" in mod and hasattr(mod, "group_size")
+
+
+def in_features(mod: nn.Module) -> int:
+    w = mod.weight
+    return w.shape[-1] * 32 // mod.bits if _quantized(mod) else w.shape[-1]
+
+
+def out_features(mod: nn.Module) -> int:
+    return mod.weight.shape[-2]
+
+
+def take_rows(mod: nn.Module, a: int, b: int) -> None:
+    """Keep output features ``[a, b)`` of a (switch, quantized) linear layer, in place."""
+    for name in ("weight", "scales", "biases"):
+        if name in mod and mod[name] is not None:
+            mod[name] = mx.contiguous(mod[name][..., a:b, :])
+    if "bias" in mod:
+        mod["bias"] = mx.contiguous(mod["bias"][..., a:b])
+
+
+def take_cols(mod: nn.Module, a: int, b: int, what: str) -> None:
+    """Keep input features ``[a, b)``, in place; quantized, only on group boundaries."""
+    if not _quantized(mod):
+        mod["weight"] = mx.contiguous(mod["weight"][..., a:b])
+        return
+    gs, n = mod.group_size, in_features(mod)
+    if a % gs or (b % gs and b != n):
+        raise Unsplittable(f"{what}: a cut at input column {a if a % gs else b} is not on a quantization group "
+                           f"boundary (groups of {gs})")
+    mod["weight"] = mx.contiguous(mod["weight"][..., a * mod.bits // 32:b * mod.bits // 32])  # groups: 32 apart
+    for name in ("scales", "biases"):
+        if name in mod and mod[name] is not None:
+            mod[name] = mx.contiguous(mod[name][..., a // gs:(b + gs - 1) // gs])
+
+
+def take_experts(mod: nn.Module, lo: int, hi: int) -> None:
+    """Keep experts ``[lo, hi)`` of a switch layer, in place."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in mod and mod[name] is not None and mod[name].ndim >= 2:
+            mod[name] = mx.contiguous(mod[name][lo:hi])
+
+
+def zero_bias_off_leader(mod: nn.Module, part: Part) -> None:
+    """An output projection summed over the group by an enclosing layer adds its bias once."""
+    if part.rank and "bias" in mod:
+        mod["bias"] = mx.zeros_like(mod["bias"])
+
+
+def _unit(mod: nn.Module) -> int:
+    return mod.group_size if _quantized(mod) else 1
+
+
+# -- recognizing and splitting a block's layers ---------------------------------------------------
+
+
+def _has_weights(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Module) and "weight" in m and getattr(m["weight"], "ndim", 0) >= 2
+               for _, m in module.named_modules())
+
+
+def _per_head(attn: nn.Module, n: int, a: int, b: int, pads: Tuple[int, int] = (0, 0)) -> None:
+    """Arrays of the attention module itself with one entry per query head (gpt-oss's sinks):
+    this rank's heads, and zeros in the pad slots."""
+    for name, arr in list(attn.items()):
+        if isinstance(arr, mx.array) and arr.ndim >= 1 and arr.shape[0] == n:
+            z = [mx.zeros((p, *arr.shape[1:]), dtype=arr.dtype) for p in pads]
+            attn[name] = mx.contiguous(mx.concatenate([z[0], arr[a:b], z[1]]))
+
+
+def shard_attention(attn: nn.Module, part: Part, group, what: str) -> nn.Module:
+    """Grouped-query attention (q/k/v/o projections) by heads, in place."""
+    hname = next((n for n in HEAD_NAMES if isinstance(getattr(attn, n, None), int)), None)
+    kname = next((n for n in KV_NAMES if isinstance(getattr(attn, n, None), int)), None)
+    if hname is None:
+        raise Unsplittable(f"{what}: cannot tell how many heads it reshapes its queries to")
+    nq = getattr(attn, hname)
+    nkv = getattr(attn, kname) if kname else nq
+    if nq < part.size or nq % nkv:
+        raise Unsplittable(f"{what}: {nq} query heads over {nkv} KV heads cannot go to {part.size} ranks")
+    g = nq // nkv
+    qa, qb = part.run(nq)
+    ka, kb = qa // g, -(-qb // g)
+    before, after = qa - ka * g, kb * g - qb
+    q, o = attn["q_proj"], attn["o_proj"]
+    wq, wo = out_features(q) // nq, in_features(o) // nq
+    take_cols(o, qa * wo, qb * wo, f"{what}.o_proj")
+    take_rows(q, qa * wq, qb * wq)
+    for name in ("k_proj", "v_proj"):
+        w = out_features(attn[name]) // nkv
+        take_rows(attn[name], ka * w, kb * w)
+    _per_head(attn, nq, qa, qb, (before, after))
+    if before or after:
+        attn["q_proj"] = PadHeads(q, before, after, wq)
+    attn["o_proj"] = SumOut(o, group, (before * wo, (before + qb - qa) * wo) if before or after else None)
+    setattr(attn, hname, (kb - ka) * g)
+    if kname:
+        setattr(attn, kname, kb - ka)
+    return attn
+
+
+def shard_latent_attention(attn: nn.Module, part: Part, group, what: str) -> nn.Module:
+    """DeepSeek's multi-head latent attention by heads, in place: the per-head projections
+    (queries, ``embed_q``/``unembed_out`` or ``kv_b_proj``) sliced, the latent kept whole."""
+    n = getattr(attn, "num_heads", None)
+    if not isinstance(n, int) or n < part.size:
+        raise Unsplittable(f"{what}: cannot tell its heads, or fewer than {part.size}")
+    a, b = part.run(n)
+    o = attn["o_proj"]
+    wo = in_features(o) // n
+    take_cols(o, a * wo, b * wo, f"{what}.o_proj")
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if name in attn:
+            w = out_features(attn[name]) // n
+            take_rows(attn[name], a * w, b * w)
+    for name in ("embed_q", "unembed_out"):
+        if name in attn:
+            take_experts(attn[name], a, b)  # (heads, out, in): by their first axis
+    _per_head(attn, n, a, b)
+    attn["o_proj"] = SumOut(o, group)
+    attn.num_heads = b - a
+    return attn
+
+
+def _mlp_names(mlp: nn.Module) -> Optional[Tuple[Sequence[str], str]]:
+    return next(((ins, out) for ins, out in MLP_NAMES if all(n in mlp for n in ins) and out in mlp), None)
+
+
+def shard_mlp(mlp: nn.Module, part: Part, group, what: str, reduce: bool = True) -> nn.Module:
+    """An MLP by its intermediate columns, in place (``reduce``: summed over the group here;
+    else an enclosing layer sums it). Too few quantization groups for every rank: rank 0
+    holds it whole."""
+    ins, out = _mlp_names(mlp)
+    down = mlp[out]
+    a, b = part.run(in_features(down), _unit(down))
+    if in_features(down) // _unit(down) < part.size:  # whole on rank 0
+        if part.rank:
+            return SumModule(Nothing(), group) if reduce else Nothing()
+        a, b = 0, in_features(down)
+    else:
+        for name in ins:
+            take_rows(mlp[name], a, b)
+        take_cols(down, a, b, f"{what}.{out}")
+    if reduce:
+        mlp[out] = SumOut(down, group)
+    else:
+        zero_bias_off_leader(down, part)
+    return mlp
+
+
+def _switch(module: nn.Module) -> bool:
+    """A layer of experts (mlx-lm's SwitchGLU / SwitchMLP): projections with an expert axis."""
+    names = _mlp_names(module)
+    return names is not None and module[names[1]].weight.ndim == 3
+
+
+def shard_experts(moe: nn.Module, part: Part, group, what: str) -> nn.Module:
+    """A mixture of experts: each expert's intermediate columns where every rank gets some
+    quantization groups of them, else the experts across the ranks (a router that returns
+    indices and scores); shared experts by their columns; one sum over the group."""
+    (sname, switch), = [(n, m) for n, m in moe.children().items() if isinstance(m, nn.Module) and _switch(m)]
+    ins, out = _mlp_names(switch)
+    down = switch[out]
+    if in_features(down) // _unit(down) >= part.size:
+        a, b = part.run(in_features(down), _unit(down))
+        for name in ins:
+            take_rows(switch[name], a, b)
+        take_cols(down, a, b, f"{what}.{sname}.{out}")
+        zero_bias_off_leader(down, part)
+    else:
+        router = moe["gate"] if "gate" in moe else None
+        if router is None or isinstance(router, (nn.Linear, nn.QuantizedLinear)):
+            raise Unsplittable(f"{what}: its experts' {in_features(down)} intermediate columns are fewer than "
+                               f"{part.size} quantization groups, and its router's choices cannot be filtered")
+        lo, hi = part.run(down.weight.shape[0])
+        for name in (*ins, out):
+            take_experts(switch[name], lo, hi)
+        moe["gate"] = LocalExperts(router, lo, hi)
+    for name, child in moe.children().items():
+        if name != sname and isinstance(child, nn.Module) and _mlp_names(child) is not None:
+            moe[name] = shard_mlp(child, part, group, f"{what}.{name}", reduce=False)
+    return SumModule(moe, group)
+
+
+def shard_layer(child: nn.Module, part: Part, group, what: str) -> nn.Module:
+    """One weighted sub-layer of a block, split (in place, or wrapped: the module to put back)."""
+    if all(n in child for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return shard_attention(child, part, group, what)
+    if "o_proj" in child and ("embed_q" in child or "kv_b_proj" in child):
+        return shard_latent_attention(child, part, group, what)
+    if any(isinstance(m, nn.Module) and _switch(m) for m in child.children().values()):
+        return shard_experts(child, part, group, what)
+    if _mlp_names(child) is not None:
+        return shard_mlp(child, part, group, what)
+    raise Unsplittable(f"{what} ({type(child).__name__}) cannot be split across ranks: only attention by heads, "
+                       "MLPs and experts by columns are (not state-space, linear-attention or fused layers)")
+
+
+def shard_block(block: nn.Module, part: Part, group, what: str) -> None:
+    """Every weighted sub-layer of ``block``, split for ``part``, in place."""
+    for name, child in list(block.children().items()):
+        if isinstance(child, nn.Module):
+            if not isinstance(child, NORM_TYPES) and _has_weights(child):
+                block[name] = shard_layer(child, part, group, f"{what}.{name}")
+        elif any(isinstance(m, nn.Module) and _has_weights(m) for m in
+                 (child.values() if isinstance(child, dict) else child)):
+            raise Unsplittable(f"{what}.{name}: a list of layers this group cannot split")
+
+
+def shard_blocks(blocks: Sequence[nn.Module], first: int, part: Part, group) -> None:
+    """A stage's blocks (``first``: the index of the first), split for rank ``part``."""
+    for i, block in enumerate(blocks):
+        shard_block(block, part, group, f"layer {first + i}'s {type(block).__name__}")
+
+
+_WHY: Dict[tuple, Optional[str]] = {}
+
+
+def why_not(config: dict, size: int) -> Optional[str]:
+    """Why a model of ``config`` cannot run as groups of ``size`` ranks (None: it can): one
+    line, from its blocks built lazily (nothing is computed) and split on paper."""
+    import json
+
+    key = (json.dumps(config, sort_keys=True, default=str), size)
+    if key not in _WHY:
+        _WHY[key] = _try_split(config, size)
+    return _WHY[key]
+
+
+def _build(config: dict) -> nn.Module:
+    """The mlx-lm model of ``config``, lazily (nothing computed), quantized as its config says
+    (per-layer entries, else where the groups fit, as mlx-lm's converter does)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    quant = config.get("quantization")
+    if quant:
+        gs = quant.get("group_size", 64)
+        nn.quantize(model, group_size=gs, bits=quant.get("bits", 4), mode=quant.get("mode", "affine"),
+                    class_predicate=lambda p, m: quant[p] if p in quant else
+                    hasattr(m, "to_quantized") and m.weight.shape[-1] % gs == 0)
+    return model
+
+
+def _try_split(config: dict, size: int) -> Optional[str]:
+    from mlx.utils import tree_flatten
+
+    from mlxpipe.shards.models.layers import layer_list
+
+    try:
+        for rank in range(size):  # every rank's cuts (a model built afresh for each: the split is in place)
+            model = _build(config)
+            seen = set()
+            for i, block in enumerate(layer_list(model)):
+                kind = (type(block), tuple((k, v.shape) for k, v in tree_flatten(block.parameters())))
+                if kind not in seen:  # one block of each kind and shape
+                    seen.add(kind)
+                    shard_block(block, Part(rank, size), None, f"layer {i}'s {type(block).__name__}")
+    except Unsplittable as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - a config mlx-lm cannot build: no group of it either
+        return f"its blocks cannot be built to check ({type(err).__name__}: {err})"
+    return None
