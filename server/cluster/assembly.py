@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster import mix
+from mlxpipe.server.cluster import groups, mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
@@ -49,7 +49,8 @@ class Cluster:
         self.engine: Optional[Engine] = None  # owns the running pipeline
         self.model: Optional[Model] = None
         self.placer: Optional[Placer] = None
-        self.addresses: List[str] = []   # every stage we may use, in pipeline order
+        self.addresses: List[str] = []   # every stage we may use, in pipeline order (a group's leader)
+        self.layout = groups.Layout([])  # the stages' tensor-parallel groups: each leader's other ranks
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
@@ -188,14 +189,17 @@ class Cluster:
         cfg = self.config
         if not (cfg.nodes or cfg.join_listen or cfg.discover):
             # Local stages: a random cluster secret of their own, so that other
-            # users of this machine cannot drive them either.
+            # users of this machine cannot drive them either. A stage of k ranks: k processes.
             self.security = Security(secret=secrets.token_urlsafe(32))
-            self.local = LocalStages(cfg.stages, self.security.secret, self.model.path.parent,
-                                     cpus=placement(cfg.stages, cfg.pin), log_level=cfg.stage_log_level,
+            widths = groups.widths_of(cfg.stages, cfg.tp)
+            self.local = LocalStages(sum(widths), self.security.secret, self.model.path.parent,
+                                     cpus=placement(sum(widths), cfg.pin), log_level=cfg.stage_log_level,
                                      launch_ahead=cfg.launch_ahead)
-            self.addresses = self.local.start()
+            self.layout = groups.layout_of(self.local.start(), widths)
+            self.addresses = list(self.layout.leaders)
             return
-        self.addresses = list(cfg.nodes)
+        self.layout = groups.from_nodes(cfg.nodes)
+        self.addresses = list(self.layout.leaders)
         self.security = cfg.security
         self.weights = WeightSource(self.model.path, fingerprint(self.model.path), self.model.num_layers,
                                     rate=cfg.weights_rate)
@@ -208,10 +212,14 @@ class Cluster:
                 await self._node_added.wait()
         if cfg.discover:
             await self._discover()
-        await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
-        refused = {a: why for a, why in (await vet(self.addresses, self.security)).items() if why}
+        await await_nodes(self._every(), self.security, cfg.rejoin_timeout_s)
+        refused = {a: why for a, why in (await vet(self._every(), self.security)).items() if why}
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
+
+    def _every(self) -> List[str]:
+        """Every node the stages may use, a group's ranks beside its leader."""
+        return [a for leader in self.addresses for a in self.layout.ranks(leader)]
 
     def _budget(self, pipeline: Pipeline) -> Tuple[int, int, int]:
         """The KV positions and prefix-cache blocks (in memory, on disk) a loaded pipeline's stages hold."""
@@ -236,15 +244,15 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory
-            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(addresses)
+        if self.local is not None:  # local stages (and a group's ranks) share this machine's memory
+            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(self.local.procs)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.
         probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
                                                                      self.config.chunk_size)
         return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec, probe=probe)
+                        tokenizer=self.model.tokenizer_spec, probe=probe, followers=self.layout.followers)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -291,9 +299,10 @@ class Cluster:
         if meter is not None and meter.enough:
             self.placer.measured = meter.mix()  # a re-plan balances for what the head measured
         gone = self.discovery.gone if self.discovery is not None else set
-        alive = await answering([a for a in self.addresses if a not in gone()], self.security, self.local,
-                                cfg.restart, cfg.rejoin_timeout_s, why, suspects, gone=gone)
-        pipeline = await build_leaving_out(alive, self._build, why)
+        layout = groups.Layout([a for a in self.addresses if a not in gone()], self.layout.followers)
+        alive = await answering(layout, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s, why, suspects,
+                                gone=gone)
+        pipeline = await build_leaving_out(alive, self._build, why, self.layout)
         return Rebuilt(pipeline, *self._budget(pipeline))
 
     # -- nodes found on the LAN, nodes that join, stopping --------------------------------

@@ -30,7 +30,7 @@ embeds; only the leader of a last stage runs the head (``SlicedModel(head=False)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -75,23 +75,32 @@ def runs(n: int, k: int) -> List[Tuple[int, int]]:
 # -- the sharded modules ---------------------------------------------------------------------
 
 
+@dataclass
+class Sums:
+    """A group's collective, and the sums a forward built with it, in order (``Taped`` launches them)."""
+
+    group: object
+    tape: List[mx.array] = field(default_factory=list)
+
+
 class SumOut(nn.Module):
     """An output projection sliced by input columns (``keep``: the columns of its input that are
     this rank's, pads dropped), its result summed over the group in float32; its bias once."""
 
-    def __init__(self, inner: nn.Module, group, keep: Optional[Tuple[int, int]] = None):
+    def __init__(self, inner: nn.Module, sums: Sums, keep: Optional[Tuple[int, int]] = None):
         super().__init__()
         self.bias = inner.bias if "bias" in inner else None
         if "bias" in inner:
             del inner["bias"]
-        self.inner, self.group, self._keep = inner, group, keep
+        self.inner, self._sums, self._keep = inner, sums, keep
         self._dtype = inner.scales.dtype if "scales" in inner else inner.weight.dtype
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._keep is not None:
             x = x[..., self._keep[0]:self._keep[1]]
         out = mx.result_type(x.dtype, self._dtype)
-        y = mx.distributed.all_sum(self.inner(x.astype(mx.float32)), group=self.group)
+        y = mx.distributed.all_sum(self.inner(x.astype(mx.float32)), group=self._sums.group)
+        self._sums.tape.append(y)
         if self.bias is not None:
             y = y + self.bias
         return y.astype(out)
@@ -100,13 +109,37 @@ class SumOut(nn.Module):
 class SumModule(nn.Module):
     """A whole layer (a mixture of experts) whose output is summed over the group."""
 
-    def __init__(self, inner: nn.Module, group):
+    def __init__(self, inner: nn.Module, sums: Sums):
         super().__init__()
-        self.inner, self.group = inner, group
+        self.inner, self._sums = inner, sums
 
     def __call__(self, *args, **kwargs):
         y = self.inner(*args, **kwargs)
-        return mx.distributed.all_sum(y.astype(mx.float32), group=self.group).astype(y.dtype)
+        total = mx.distributed.all_sum(y.astype(mx.float32), group=self._sums.group)
+        self._sums.tape.append(total)
+        return total.astype(y.dtype)
+
+
+class Taped:
+    """A stage's range (``slicing.SlicedModel``) whose group's sums all run on every rank, whatever a
+    frame goes on to evaluate. MLX computes lazily: a last stage's leader that evaluates only its
+    caches (a prompt chunk it does not sample) would skip its last layer's sums, which its other
+    ranks (whose output is that layer's) run, and the ranks would fall out of step. After every
+    forward, the sums it built are launched, in the order it built them."""
+
+    def __init__(self, stage, sums: Sums):
+        self._stage, self._sums = stage, sums
+
+    def __getattr__(self, name):
+        return getattr(self._stage, name)
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self._stage(*args, **kwargs)
+        finally:
+            built, self._sums.tape[:] = list(self._sums.tape), []
+            if built:
+                mx.async_eval(built)
 
 
 class PadHeads(nn.Module):
@@ -220,7 +253,7 @@ def _per_head(attn: nn.Module, n: int, a: int, b: int, pads: Tuple[int, int] = (
             attn[name] = mx.contiguous(mx.concatenate([z[0], arr[a:b], z[1]]))
 
 
-def shard_attention(attn: nn.Module, part: Part, group, what: str) -> nn.Module:
+def shard_attention(attn: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
     """Grouped-query attention (q/k/v/o projections) by heads, in place."""
     hname = next((n for n in HEAD_NAMES if isinstance(getattr(attn, n, None), int)), None)
     kname = next((n for n in KV_NAMES if isinstance(getattr(attn, n, None), int)), None)
@@ -244,14 +277,14 @@ def shard_attention(attn: nn.Module, part: Part, group, what: str) -> nn.Module:
     _per_head(attn, nq, qa, qb, (before, after))
     if before or after:
         attn["q_proj"] = PadHeads(q, before, after, wq)
-    attn["o_proj"] = SumOut(o, group, (before * wo, (before + qb - qa) * wo) if before or after else None)
+    attn["o_proj"] = SumOut(o, sums, (before * wo, (before + qb - qa) * wo) if before or after else None)
     setattr(attn, hname, (kb - ka) * g)
     if kname:
         setattr(attn, kname, kb - ka)
     return attn
 
 
-def shard_latent_attention(attn: nn.Module, part: Part, group, what: str) -> nn.Module:
+def shard_latent_attention(attn: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
     """DeepSeek's multi-head latent attention by heads, in place: the per-head projections
     (queries, ``embed_q``/``unembed_out`` or ``kv_b_proj``) sliced, the latent kept whole."""
     n = getattr(attn, "num_heads", None)
@@ -269,7 +302,7 @@ def shard_latent_attention(attn: nn.Module, part: Part, group, what: str) -> nn.
         if name in attn:
             take_experts(attn[name], a, b)  # (heads, out, in): by their first axis
     _per_head(attn, n, a, b)
-    attn["o_proj"] = SumOut(o, group)
+    attn["o_proj"] = SumOut(o, sums)
     attn.num_heads = b - a
     return attn
 
@@ -278,7 +311,7 @@ def _mlp_names(mlp: nn.Module) -> Optional[Tuple[Sequence[str], str]]:
     return next(((ins, out) for ins, out in MLP_NAMES if all(n in mlp for n in ins) and out in mlp), None)
 
 
-def shard_mlp(mlp: nn.Module, part: Part, group, what: str, reduce: bool = True) -> nn.Module:
+def shard_mlp(mlp: nn.Module, part: Part, sums: Sums, what: str, reduce: bool = True) -> nn.Module:
     """An MLP by its intermediate columns, in place (``reduce``: summed over the group here;
     else an enclosing layer sums it). Too few quantization groups for every rank: rank 0
     holds it whole."""
@@ -287,14 +320,14 @@ def shard_mlp(mlp: nn.Module, part: Part, group, what: str, reduce: bool = True)
     a, b = part.run(in_features(down), _unit(down))
     if in_features(down) // _unit(down) < part.size:  # whole on rank 0
         if part.rank:
-            return SumModule(Nothing(), group) if reduce else Nothing()
+            return SumModule(Nothing(), sums) if reduce else Nothing()
         a, b = 0, in_features(down)
     else:
         for name in ins:
             take_rows(mlp[name], a, b)
         take_cols(down, a, b, f"{what}.{out}")
     if reduce:
-        mlp[out] = SumOut(down, group)
+        mlp[out] = SumOut(down, sums)
     else:
         zero_bias_off_leader(down, part)
     return mlp
@@ -306,7 +339,7 @@ def _switch(module: nn.Module) -> bool:
     return names is not None and module[names[1]].weight.ndim == 3
 
 
-def shard_experts(moe: nn.Module, part: Part, group, what: str) -> nn.Module:
+def shard_experts(moe: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
     """A mixture of experts: each expert's intermediate columns where every rank gets some
     quantization groups of them, else the experts across the ranks (a router that returns
     indices and scores); shared experts by their columns; one sum over the group."""
@@ -330,39 +363,39 @@ def shard_experts(moe: nn.Module, part: Part, group, what: str) -> nn.Module:
         moe["gate"] = LocalExperts(router, lo, hi)
     for name, child in moe.children().items():
         if name != sname and isinstance(child, nn.Module) and _mlp_names(child) is not None:
-            moe[name] = shard_mlp(child, part, group, f"{what}.{name}", reduce=False)
-    return SumModule(moe, group)
+            moe[name] = shard_mlp(child, part, sums, f"{what}.{name}", reduce=False)
+    return SumModule(moe, sums)
 
 
-def shard_layer(child: nn.Module, part: Part, group, what: str) -> nn.Module:
+def shard_layer(child: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
     """One weighted sub-layer of a block, split (in place, or wrapped: the module to put back)."""
     if all(n in child for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return shard_attention(child, part, group, what)
+        return shard_attention(child, part, sums, what)
     if "o_proj" in child and ("embed_q" in child or "kv_b_proj" in child):
-        return shard_latent_attention(child, part, group, what)
+        return shard_latent_attention(child, part, sums, what)
     if any(isinstance(m, nn.Module) and _switch(m) for m in child.children().values()):
-        return shard_experts(child, part, group, what)
+        return shard_experts(child, part, sums, what)
     if _mlp_names(child) is not None:
-        return shard_mlp(child, part, group, what)
+        return shard_mlp(child, part, sums, what)
     raise Unsplittable(f"{what} ({type(child).__name__}) cannot be split across ranks: only attention by heads, "
                        "MLPs and experts by columns are (not state-space, linear-attention or fused layers)")
 
 
-def shard_block(block: nn.Module, part: Part, group, what: str) -> None:
+def shard_block(block: nn.Module, part: Part, sums: Sums, what: str) -> None:
     """Every weighted sub-layer of ``block``, split for ``part``, in place."""
     for name, child in list(block.children().items()):
         if isinstance(child, nn.Module):
             if not isinstance(child, NORM_TYPES) and _has_weights(child):
-                block[name] = shard_layer(child, part, group, f"{what}.{name}")
+                block[name] = shard_layer(child, part, sums, f"{what}.{name}")
         elif any(isinstance(m, nn.Module) and _has_weights(m) for m in
                  (child.values() if isinstance(child, dict) else child)):
             raise Unsplittable(f"{what}.{name}: a list of layers this group cannot split")
 
 
-def shard_blocks(blocks: Sequence[nn.Module], first: int, part: Part, group) -> None:
+def shard_blocks(blocks: Sequence[nn.Module], first: int, part: Part, sums: Sums) -> None:
     """A stage's blocks (``first``: the index of the first), split for rank ``part``."""
     for i, block in enumerate(blocks):
-        shard_block(block, part, group, f"layer {first + i}'s {type(block).__name__}")
+        shard_block(block, part, sums, f"layer {first + i}'s {type(block).__name__}")
 
 
 _WHY: Dict[tuple, Optional[str]] = {}
@@ -408,7 +441,7 @@ def _try_split(config: dict, size: int) -> Optional[str]:
                 kind = (type(block), tuple((k, v.shape) for k, v in tree_flatten(block.parameters())))
                 if kind not in seen:  # one block of each kind and shape
                     seen.add(kind)
-                    shard_block(block, Part(rank, size), None, f"layer {i}'s {type(block).__name__}")
+                    shard_block(block, Part(rank, size), Sums(None), f"layer {i}'s {type(block).__name__}")
     except Unsplittable as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - a config mlx-lm cannot build: no group of it either

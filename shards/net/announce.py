@@ -44,8 +44,11 @@ def addresses(host: str) -> List[str]:
 def properties(name: str, memory_bytes: int, secret: str) -> dict:
     """The TXT record: short keys, short values."""
     v = hello.versions()
-    return {"name": name[:63], "cid": hello.cluster_id(secret), "mem": str(memory_bytes), "chip": hello.chip()[:63],
-            "ver": v["mlxpipe"], "mlx": v["mlx"], "mlxlm": v["mlx_lm"]}
+    props = {"name": name[:63], "cid": hello.cluster_id(secret), "mem": str(memory_bytes),
+             "chip": hello.chip()[:63], "ver": v["mlxpipe"], "mlx": v["mlx"], "mlxlm": v["mlx_lm"]}
+    if hello.rdma_devices():  # peers over Thunderbolt 5 RDMA (JACCL): a tensor group's fast link; none on Linux
+        props["rdma"] = ",".join(hello.rdma_devices())[:63]
+    return props
 
 
 class Announcer:

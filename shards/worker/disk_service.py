@@ -36,6 +36,8 @@ class DiskService:
         if limit is None and request.HasField("prefix_disk_bytes"):
             limit = request.prefix_disk_bytes
         root = tier_root(mlxpipe_home(), model_print, request.block_tokens, kv)
+        if request.HasField("group"):  # a tensor group's rank keeps its own heads' blocks, apart from any other's
+            root = root.with_name(f"{root.name}-tp{request.group.rank}of{request.group.size}")
         if self.tier is not None and (limit == 0 or not request.block_tokens or self.tier.base != root):
             self.tier.close()
             self.tier = None
