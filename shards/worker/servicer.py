@@ -202,26 +202,7 @@ class StageServicer(pb_grpc.StageServicer):
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
                 await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
-            if self.next_link is not None:
-                self.next_link.stop()
-                self.next_link = None
-            if self.next_channel is not None:
-                await self.next_channel.close()
-                self.next_channel = self.next_stub = None
-            self.in_link = links.LiveLink()
-            if request.next_address:
-                self.next_channel = self.security.channel(request.next_address)
-                self.next_stub = pb_grpc.StageStub(self.next_channel)
-                try:  # a stage that cannot reach its successor is no use in this pipeline
-                    await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S,
-                                                metadata=self.security.metadata())
-                except grpc.aio.AioRpcError as err:
-                    self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"next stage {request.next_address} is unreachable from this stage: "
-                        f"{err.code().name}: {err.details()}",
-                    )
+            await self._connect_next(request, context)
             self.loaded = loaded
             self.state, self.detail = "ready", ""
             self._join_group(loaded)
@@ -231,6 +212,30 @@ class StageServicer(pb_grpc.StageServicer):
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return self._reply(loaded)
+
+    async def _connect_next(self, request: pb.LoadRequest, context) -> None:
+        """The channel to the next stage (none on the last), checked: a stage that cannot reach
+        its successor is no use in this pipeline."""
+        if self.next_link is not None:
+            self.next_link.stop()
+            self.next_link = None
+        if self.next_channel is not None:
+            await self.next_channel.close()
+            self.next_channel = self.next_stub = None
+        self.in_link = links.LiveLink()
+        if request.next_address:
+            self.next_channel = self.security.channel(request.next_address)
+            self.next_stub = pb_grpc.StageStub(self.next_channel)
+            try:  # a stage that cannot reach its successor is no use in this pipeline
+                await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S,
+                                            metadata=self.security.metadata())
+            except grpc.aio.AioRpcError as err:
+                self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"next stage {request.next_address} is unreachable from this stage: "
+                    f"{err.code().name}: {err.details()}",
+                )
 
     async def TimeNextHop(self, request: pb.LinkProbe, context):
         """Time the hop to the next stage (``links.py``), then keep its latency current. The head

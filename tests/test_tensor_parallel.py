@@ -1,0 +1,127 @@
+"""A stage split across ranks (a tensor-parallel group: shards/models/tensor_parallel.py,
+shards/worker/group.py) gives single-process mlx-lm's greedy tokens: real rank processes on
+loopback joined by MLX's ring backend, each holding its share of every layer's heads and
+columns (uneven on the default model: 9 query heads over 3 KV heads, 5 and 4 per rank), one
+stage of 2 ranks or 2 stages of which one has 2 ranks. In one cluster: 8 streams batched,
+the same again from the prefix cache, one stream that speculates (prompt lookup), then a rank
+killed mid-stream (the group is rebuilt as a unit and the stream replayed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from conftest import PROMPTS, REPEAT_CODE, run_async
+
+from mlxpipe.server.cluster.assembly import Cluster
+from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.core.streams import collect
+from mlxpipe.server.core.supervision import Supervision
+
+NEW_TOKENS = 24
+MORE = ["Name a color.", "What is two plus two? Answer with a number and a short explanation.",
+        "Describe a cat in one sentence.", "Give me a haiku about autumn leaves.",
+        "Translate 'good morning' into French, Spanish and German, please."]
+FAST = Supervision(health_interval_s=0.5, health_timeout_s=2.0)
+
+
+def _chat(path, contents):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(path)
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in contents]
+
+
+async def _scenario(path, stages: int, tp, kv_bits: int = 16, kill: bool = True, streams: int = 8):
+    """Everything a group must keep doing, in one cluster: what each step gave, and what the stages said."""
+    cfg = ClusterConfig(model=str(path), stages=stages, tp=tp, split="even", chunk_size=8, kv_bits=kv_bits,
+                        quantized_kv_start=0, supervision=FAST)
+    prompts = _chat(path, [*PROMPTS, *MORE][:streams])
+    (repeat,) = _chat(path, [REPEAT_CODE])
+    out = {}
+    async with Cluster(cfg) as cluster:
+        async def run(ps):
+            streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
+            got = await asyncio.gather(*map(collect, streams))
+            return [[t.id for t in toks] for toks in got], [s.cached_tokens for s in streams]
+
+        out["batched"], _ = await run(prompts)
+        out["again"], out["cached"] = await run(prompts[:3])
+        (out["alone"],), _ = await run([repeat])
+        out["drafts"] = cluster.engine.scheduler.drafts.accepted
+        group = next(st for st in cluster.pipeline.stages if st.ranks)
+        if kill:  # the group's other rank, once the stream is under way
+            out["killed"] = []
+
+            async def consume(stream):
+                async for t in stream:
+                    out["killed"].append(t.id)
+
+            task = asyncio.ensure_future(consume(cluster.engine.submit(prompts[1], NEW_TOKENS)))
+            while len(out["killed"]) < 6:
+                await asyncio.sleep(0.01)
+            os.kill(cluster.local.procs[cluster.local.addresses.index(group.ranks[0])].pid, signal.SIGKILL)
+            await task
+            out["recoveries"] = cluster.engine.stats.recoveries
+        await cluster.engine.drain()
+        out["health"] = await cluster.pipeline.health()
+        out["loads"] = [st.load for st in cluster.pipeline.stages]
+    return prompts, repeat, out
+
+
+def _check(path, stages, tp, reference, kv_bits=16, kill=True, streams=8):
+    prompts, repeat, out = run_async(_scenario(path, stages, tp, kv_bits, kill, streams), timeout=600)
+    kv = (kv_bits, 64, 0) if kv_bits < 16 else None
+
+    def want(p):
+        return reference(path, p, NEW_TOKENS, kv)
+
+    for p, got in zip(prompts, out["batched"]):
+        assert got == want(p), f"{stages} stages with ranks {tp}: {streams} streams diverged from mlx-lm"
+    for p, got, hit in zip(prompts, out["again"], out["cached"]):
+        assert hit >= 16, f"a resent prompt was not taken from the prefix cache ({hit} cached tokens)"
+        assert got == want(p), "diverged after a prefix-cache hit"
+    assert out["alone"] == want(repeat), "diverged while speculating"
+    if kill:
+        assert out["killed"] == want(prompts[1]), "diverged after a rank was killed mid-stream"
+        assert out["recoveries"] == 1
+    widths = tp * stages if len(tp) == 1 else tp
+    for (st, reply, err), width in zip(out["health"], widths):
+        assert err == "" and reply.state == "ready" and list(reply.live_seqs) == []
+        assert reply.group_size == (width if width > 1 else 0) and len(st.ranks) == width - 1
+        assert all(r is not None and r.state == "ready" and list(r.live_seqs) == [] for _, r, _ in st.rank_health)
+    return out
+
+
+def test_a_stage_of_two_ranks_beside_one_equals_mlx_lm(default_model, reference):
+    """The default model (uneven heads), stage 0 two ranks, stage 1 one: 3 streams batched, a
+    prefix-cache hit, speculation (8 streams and a rank killed: the extended run's)."""
+    out = _check(default_model, 2, [2, 1], reference, kill=False, streams=3)
+    assert out["drafts"] > 0, "the copied code was not drafted from the prompt"
+    group = out["loads"][0]
+    assert group.group_size == 2 and group.allreduces_per_token == 2 * 15 and group.allreduce_seconds > 0
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("model, stages, tp", [("default_model", 1, [2]), ("default_model", 2, [2, 1]),
+                                               ("dsv3_model", 1, [2]),
+                                               ("dsv3_model", 2, [2, 1])])
+def test_groups_equal_mlx_lm(model, stages, tp, request, reference):
+    """One stage of two ranks; DeepSeek-V3's latent attention by heads and its experts across ranks."""
+    _check(request.getfixturevalue(model), stages, tp, reference)
+
+
+@pytest.mark.extended
+def test_a_sliding_window_model_in_a_group_equals_mlx_lm(tmp_path, default_model, reference):
+    """Gemma 3's rotating windows (shorter than the prompts) split by heads; its last stage a group."""
+    from mlxpipe.bench import tiny
+
+    _check(tiny.build("gemma3_text", tmp_path / "gemma3", default_model), 2, [1, 2], reference)
+
+
+@pytest.mark.extended
+def test_a_quantized_kv_cache_in_a_group_equals_mlx_lm(default_model, reference):
+    """`--kv-bits 8`: each rank quantizes its own heads' keys and values, as mlx-lm does all of them."""
+    _check(default_model, 1, [2], reference, kv_bits=8, kill=False)
