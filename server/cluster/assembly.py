@@ -128,7 +128,12 @@ class Cluster:
         lines = [f"model {self.model_path}" + (f", quantized on load: {quant.describe()}" if quant else "")]
         for i, st in enumerate(self.pipeline.stages):
             mb = st.load.weight_bytes / 1e6 if st.load else 0
-            lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
+            group = ""
+            if st.ranks and st.load is not None:  # a tensor-parallel group: the leader's share, and its sums
+                group = (f" per rank, a group of {1 + len(st.ranks)} ranks; all-reduces "
+                         f"{st.load.allreduce_seconds * st.load.allreduces_per_token * 1e3:.2f} ms a token")
+            lines.append(f"stage {i}: {'+'.join([st.address, *st.ranks])} layers [{st.start}, {st.end}) {mb:.1f} MB"
+                         + group)
         if self.plan_note:
             lines.append(self.plan_note)
         if self.placer is not None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import linkplan, planner
+from mlxpipe.server.cluster import groupplan, linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
@@ -91,9 +92,10 @@ class Placer:
             wanted = [] if self.profiles else [0]  # one profile serves every local stage
         for i, reply in zip(wanted, await pipeline.profile(wanted, self.config.profile_batch, quant)):
             self.profiles[addresses[i]] = reply
-        if self.local:
+        if self.local:  # this machine's memory shared by every rank: a group's stage gets its ranks' shares
             first = next(iter(self.profiles.values()))
-            return [first] * count, [first.memory_bytes // count] * count
+            widths = [1 + len(st.ranks) for st in pipeline.stages]
+            return [first] * count, [first.memory_bytes * w // sum(widths) for w in widths]
         profiles = [self.profiles[a] for a in addresses]
         return profiles, [p.memory_bytes for p in profiles]
 
@@ -113,6 +115,22 @@ class Placer:
                 prefill_embed_seconds=prof.prefill_embed_seconds, decode_rows=self.config.profile_batch))
         return nodes
 
+    def _grouped(self, pipeline: Pipeline, cost: ModelCost, nodes: List[planner.NodeSpec]) -> List[planner.NodeSpec]:
+        """A stage that is a tensor-parallel group planned as one node (``groupplan.group_node``): local
+        ranks (``nodes``' memory theirs together) over loopback; a group of remote nodes (the leader's
+        profile for each) over what its ranks measured when they last loaded, else free links."""
+        out = []
+        for st, node in zip(pipeline.stages, nodes):
+            k = 1 + len(st.ranks)
+            if k == 1:
+                out.append(node)
+                continue
+            measured = st.load.allreduce_seconds if st.load is not None else 0.0
+            hop = groupplan.LOOPBACK if self.local else linkplan.Hop(measured / (2 * (k - 1)))
+            member = node if not self.local else replace(node, memory_bytes=node.memory_bytes // k)
+            out.append(groupplan.group_node(cost, [member] * k, hop, int(self.model.config["hidden_size"])))
+        return out
+
     async def plan(self, pipeline: Pipeline) -> Tuple[List[Tuple[int, int]], List[int]]:
         """Layer ranges that balance stage time within each node's memory, and the indices
         of the stages that get them (all, for local stages)."""
@@ -126,7 +144,8 @@ class Placer:
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
-        nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
+        nodes = self._grouped(pipeline, cost, self._nodes([st.address for st in pipeline.stages], profiles, memory,
+                                                          cost, on_paper, auto))
         links = None if self.local or auto else await self._links(pipeline)
         ratio, whence = self.ratio()
         work = planner.Workload(ratio, cfg.chunk_size)
@@ -176,7 +195,8 @@ class Placer:
             logger.warning("no prediction for this split: %s", err)
             return []
         addresses = [st.address for st in pipeline.stages]
-        nodes = self._nodes(addresses, profiles, memory, cost, any(not p.layer_seconds for p in profiles), False)
+        nodes = self._grouped(pipeline, cost, self._nodes(addresses, profiles, memory, cost,
+                                                          any(not p.layer_seconds for p in profiles), False))
         table = pipeline.links
         links = linkplan.Links(pipeline.probe[0], tuple(_hop(table.head[i].link) if i in table.head else
                                                         linkplan.Hop() for i in range(len(addresses))),
