@@ -36,6 +36,8 @@ MODES = (
                  "and mlx-lm; and where a real model's decode token goes"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
+    ("tp", "a stage split across 2 ranks (tensor parallel) beside mlx-lm, mlx_lm.server, the 2-stage pipeline and "
+           "mlx_lm.server under 2 ring ranks: one stream and 8"),
 )
 
 

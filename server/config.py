@@ -92,7 +92,10 @@ def _node_list(text: str) -> List[str]:
 
 
 def _widths(text: str) -> List[int]:
-    """--tp: ranks per stage, each at least 1 (a ValueError: one line, before anything loads)."""
+    """--tp: ranks per stage, each at least 1, or 'auto' ([0]: the planner's choice); a ValueError
+    (one line, before anything loads) for anything else."""
+    if text.strip() == "auto":
+        return [0]
     try:
         return [count(x) for x in text.split(",") if x.strip()]
     except (ValueError, argparse.ArgumentTypeError) as err:
@@ -161,7 +164,8 @@ class ClusterConfig:
     tp: List[int] = knob(help="ranks per local stage (default 1): a stage of k ranks is a tensor-parallel group, each "
                          "rank a process of its own on a core of its own holding 1/k of every layer of the stage's "
                          "range, MLX's own collective between them (as k Macs would); one number for every stage "
-                         "(2), or one per stage (2,1)", factory=list, parse=_widths, cli_default="")
+                         "(2), or one per stage (2,1). With --nodes, 'auto': the planner groups the nodes from the "
+                         "measured links (docs/multi-mac.md)", factory=list, parse=_widths, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
     prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "

@@ -125,3 +125,56 @@ def test_a_sliding_window_model_in_a_group_equals_mlx_lm(tmp_path, default_model
 def test_a_quantized_kv_cache_in_a_group_equals_mlx_lm(default_model, reference):
     """`--kv-bits 8`: each rank quantizes its own heads' keys and values, as mlx-lm does all of them."""
     _check(default_model, 1, [2], reference, kv_bits=8, kill=False)
+
+
+@pytest.fixture
+def three_nodes(tmp_path, default_model):
+    """Three `mlxpipe node` processes on loopback, each with its own home, holding the default model."""
+    from conftest import node_process
+
+    nodes = [node_process(tmp_path / f"home{i}", "--models-dir", str(default_model.parent)) for i in range(3)]
+    try:
+        assert all(address for _, address in nodes), [p.stderr.read() for p, _ in nodes]
+        yield [address for _, address in nodes]
+    finally:
+        for proc, _ in nodes:
+            proc.kill()
+            proc.wait()
+
+
+async def _through_nodes(model, nodes, **kw):
+    from conftest import SECRET
+
+    from mlxpipe.proto.rpc import Security
+
+    prompts = _chat(model, PROMPTS)
+    cfg = ClusterConfig(model=str(model), nodes=nodes, security=Security(secret=SECRET), chunk_size=8, **kw)
+    async with Cluster(cfg) as cluster:
+        outs = [[t.id for t in toks] for toks in
+                await asyncio.gather(*(collect(cluster.engine.submit(p, NEW_TOKENS)) for p in prompts))]
+        stages = [(st.address, list(st.ranks)) for st in cluster.pipeline.stages]
+        return prompts, outs, stages, cluster.plan_note, cluster.describe()
+
+
+@pytest.mark.extended
+def test_nodes_named_as_a_group_equal_mlx_lm(default_model, three_nodes, reference):
+    """`--nodes a+b,c`: stage 0 split across nodes a and b (the head names their peers in Load),
+    stage 1 on c; every call with the cluster secret."""
+    a, b, c = three_nodes
+    prompts, outs, stages, _, banner = run_async(_through_nodes(default_model, [f"{a}+{b}", c], split="even"))
+    assert stages == [(a, [b]), (c, [])]
+    assert any("a group of 2 ranks" in line for line in banner), banner
+    for p, got in zip(prompts, outs):
+        assert got == reference(default_model, p, NEW_TOKENS)
+
+
+@pytest.mark.extended
+def test_tp_auto_plans_groups_from_the_measured_links(default_model, three_nodes, reference):
+    """`--tp auto`: the head times every link and prints each layout's predicted tokens/s, then runs
+    the one it chose (whichever: a group or a pipeline) with mlx-lm's tokens."""
+    prompts, outs, stages, note, _ = run_async(_through_nodes(default_model, three_nodes, tp=[0]))
+    assert note.startswith("layouts") and "pipeline 1,1,1" in note and "tensor parallel 3" in note, note
+    chosen = next(line for line in note.splitlines() if line.startswith("->"))
+    assert sum(1 + len(ranks) for _, ranks in stages) == 3, (chosen, stages)
+    for p, got in zip(prompts, outs):
+        assert got == reference(default_model, p, NEW_TOKENS)

@@ -20,7 +20,7 @@ from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
-from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
+from mlxpipe.server.cluster.rebuild import answering, await_nodes, await_up, build_leaving_out
 from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits)
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
@@ -262,13 +262,18 @@ class Cluster:
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
         split, layers = self.config.split, self.model.num_layers
+        if self.config.tp == [0]:  # --tp auto: every node planned alone first, then grouped as the plan says
+            self.layout = groups.Layout(list(addresses))
         pipeline = self._pipeline(addresses)
         try:
             if split in (None, "auto"):
                 ranges, keep = await self.placer.plan(pipeline)
-                if keep != list(range(len(addresses))):  # the planner left nodes out
+                if self.config.tp == [0] and self.placer.widths:
+                    self.layout = groups.layout_of([addresses[i] for i in keep], self.placer.widths)
+                if keep != list(range(len(addresses))) or self.layout.followers:  # nodes left out, or grouped
                     await pipeline.close()
-                    pipeline = self._pipeline([addresses[i] for i in keep])
+                    pipeline = self._pipeline(self.layout.leaders if self.layout.followers
+                                              else [addresses[i] for i in keep])
             elif split == "even" or len(split.split(",")) == len(addresses):
                 ranges = fixed_ranges(layers, len(addresses), split, self.model.cuts)
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
@@ -304,10 +309,12 @@ class Cluster:
         if meter is not None and meter.enough:
             self.placer.measured = meter.mix()  # a re-plan balances for what the head measured
         gone = self.discovery.gone if self.discovery is not None else set
-        layout = groups.Layout([a for a in self.addresses if a not in gone()], self.layout.followers)
+        followers = {} if cfg.tp == [0] else self.layout.followers  # (--tp auto: the plan groups them again)
+        layout = groups.Layout([a for a in self.addresses if a not in gone()], followers)
         alive = await answering(layout, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s, why, suspects,
                                 gone=gone)
-        pipeline = await build_leaving_out(alive, self._build, why, self.layout)
+        pipeline = await build_leaving_out(alive, self._build, why, self.layout, wait=lambda restarting: await_up(
+            dict.fromkeys(restarting, "restarting"), self.security, cfg.rejoin_timeout_s))
         return Rebuilt(pipeline, *self._budget(pipeline))
 
     # -- nodes found on the LAN, nodes that join, stopping --------------------------------

@@ -48,6 +48,7 @@ class Placer:
         self.measured: Optional[dict] = None  # the workload the head measured (core/workload.py's mix)
         self._cost: Optional[ModelCost] = None  # the model's cost as it runs (for the measured mix's split)
         self.planned = 0  # tokens per request the last plan made room for (0: no plan yet)
+        self.widths: Optional[Tuple[int, ...]] = None  # ``--tp auto``: each stage's group, as the last plan chose
 
     def ratio(self) -> Tuple[float, str]:
         """The prompt tokens per generated token the split is balanced for, and whence."""
@@ -150,6 +151,8 @@ class Placer:
         ratio, whence = self.ratio()
         work = planner.Workload(ratio, cfg.chunk_size)
         cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
+        if cfg.tp == [0] and links is not None and len(nodes) > 1:  # --tp auto: groups from the links
+            return self._plan_groups(cost, nodes, links, work, cuts)
         plan, order = self._plan(nodes, None if auto else cost, work, cuts, links)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
@@ -161,6 +164,26 @@ class Placer:
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
         return ranges, order
+
+    def _plan_groups(self, cost: ModelCost, nodes: List[planner.NodeSpec], links: linkplan.Links,
+                     work: planner.Workload, cuts) -> Tuple[List[Tuple[int, int]], List[int]]:
+        """``--tp auto``: the best layout of the nodes, in order, as stages of tensor-parallel groups
+        (``groupplan.py``); its widths in ``widths``, every layout in words in ``note``."""
+        from mlx_lm.utils import load_config
+
+        from mlxpipe.shards.models.tensor_parallel import why_not
+
+        cfg, raw, quant = self.config, load_config(self.model.path), self.model.quant
+        if quant is not None and quant.bits.isdigit():  # split as the stages will quantize it
+            raw = dict(raw, quantization={"bits": int(quant.bits), "group_size": quant.group_size})
+        cost = at_kv_bits(cost, cfg.kv_bits, cfg.kv_group_size)
+        best, choices = groupplan.choose(cost, nodes, links, int(self.model.config["hidden_size"]),
+                                         lambda k: why_not(raw, k), context=self.context,
+                                         concurrency=cfg.concurrency, workload=work, cuts=cuts)
+        self.widths, self.planned = best.widths, self.context
+        self.note = "\n".join(groupplan.lines(best, choices, cfg.concurrency))
+        logger.info(self.note)
+        return best.priced.plan.ranges, list(range(len(nodes)))
 
     async def _links(self, pipeline: Pipeline) -> Optional[linkplan.Links]:
         """Every hop among the nodes and to the head, timed one after the other (once per pair);

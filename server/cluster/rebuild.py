@@ -80,14 +80,20 @@ async def answering(layout: Layout, security: Security, local: Optional[LocalSta
 
 
 async def build_leaving_out(alive: List[str], build: Callable[[List[str]], Awaitable], why: str,
-                            layout: Optional[Layout] = None):
+                            layout: Optional[Layout] = None, wait: Optional[Callable[[List[str]], Awaitable]] = None):
     """``build(alive)``, again without the stages a failed build blames (a group's rank: its
-    stage), until one loads."""
+    stage), until one loads. Nodes that restart to leave a tensor group (a plan that groups them
+    anew) are waited for (``wait``) and tried once more first."""
     layout = layout or Layout([])
+    waited = False
     while alive:
         try:
             return await build(alive)
         except PipelineError as err:  # e.g. a stage that cannot reach its successor
+            if wait is not None and not waited and "this node restarts" in str(err):
+                waited = True
+                await wait(list(err.suspects))
+                continue
             gone = {a for a in alive if set(layout.ranks(a)) & set(err.suspects)}
             if not gone:
                 raise
