@@ -117,3 +117,35 @@ def test_plan_prints_the_layouts_beside_each_other(capsys):
     assert plan_command.run(args) == 0
     out = capsys.readouterr().out
     assert "-> tensor parallel 4" in out and "   pipeline 1,1,1,1" in out and "mixed 2,2" in out
+
+
+# -- naming groups ----------------------------------------------------------------------------------
+
+
+def test_groups_named_by_hand_and_refused_with_one_line(default_model):
+    from mlxpipe.server import config as tree
+    from mlxpipe.server.cluster import groups
+    from mlxpipe.server.cluster.model import open_model
+    from mlxpipe.server.config import ClusterConfig
+
+    layout = groups.from_nodes(["a:1+b:2", "c:3"])
+    assert layout.leaders == ["a:1", "c:3"] and layout.ranks("a:1") == ["a:1", "b:2"] and layout.widths() == [2, 1]
+    assert layout.without(["b:2"]).leaders == ["c:3"], "a group goes as a unit"
+    assert groups.widths_of(2, [2]) == [2, 2] and groups.layout_of(list("pqr"), [2, 1]).followers == {"p": ["q"]}
+    with pytest.raises(ValueError, match="--tp names 3 stages' ranks"):
+        groups.widths_of(2, [2, 1, 1])
+    assert tree._widths("auto") == [0] and tree._widths("2,1") == [2, 1]
+    with pytest.raises(ValueError, match="--tp takes whole numbers"):
+        tree._widths("2,x")
+    with pytest.raises(ValueError, match="--tp auto groups remote nodes"):
+        open_model(ClusterConfig(model=str(default_model), tp=[0]))
+    with pytest.raises(ValueError, match="name a stage's group as a\\+b"):
+        open_model(ClusterConfig(model=str(default_model), tp=[2], nodes=["a:1"]))
+
+
+def test_a_node_names_its_group_port_and_on_linux_no_rdma_devices():
+    from mlxpipe.shards.net import announce, hello
+
+    assert hello.rdma_devices() == ()
+    assert "rdma" not in announce.properties("n", 1, "s")  # (a Mac with RDMA: its devices, in one short field)
+    assert hello.reply("s", 1, "n", (), set(), group_port=4321).group_port == 4321

@@ -24,7 +24,9 @@ NEW_TOKENS = 24
 MORE = ["Name a color.", "What is two plus two? Answer with a number and a short explanation.",
         "Describe a cat in one sentence.", "Give me a haiku about autumn leaves.",
         "Translate 'good morning' into French, Spanish and German, please."]
-FAST = Supervision(health_interval_s=0.5, health_timeout_s=2.0)
+# Checked often, but given time to answer: on a loaded machine a rank's core is shared (the kill is
+# found by the broken stream anyway).
+FAST = Supervision(health_interval_s=0.5, health_timeout_s=5.0)
 
 
 def _chat(path, contents):
@@ -105,6 +107,7 @@ def test_a_stage_of_two_ranks_beside_one_equals_mlx_lm(default_model, reference)
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("model, stages, tp", [("default_model", 1, [2]), ("default_model", 2, [2, 1]),
                                                ("dsv3_model", 1, [2]),
                                                ("dsv3_model", 2, [2, 1])])

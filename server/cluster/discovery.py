@@ -55,6 +55,7 @@ class Found:
     chip: str = ""
     versions: Dict[str, str] = field(default_factory=dict)
     cluster: str = ""        # "this", "another" or "unknown" (no secret here to tell)
+    rdma: List[str] = field(default_factory=list)  # its RDMA devices (Thunderbolt 5: a tensor group's fast link)
     usable: bool = False
     why: str = "not checked yet"
     present: bool = True     # False: silent past DROP_AFTER_S (kept, to notice it come back)
@@ -169,6 +170,7 @@ class Discovery:
         found = Found(instance, f"{host}:{info.port}", props.get("name", ""), int(props.get("mem", "0") or 0),
                       props.get("chip", ""), {k: props.get(p, "") for k, p in
                                               (("mlxpipe", "ver"), ("mlx", "mlx"), ("mlx_lm", "mlxlm"))})
+        found.rdma = [d for d in props.get("rdma", "").split(",") if d]
         await self._check(found, props.get("cid", ""), on_link(host))
 
     async def _check(self, found: Found, cid: str, near: bool) -> None:

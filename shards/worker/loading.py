@@ -51,7 +51,7 @@ def load(node, request: pb.LoadRequest) -> Loaded:
     broke, the first failure's error on the rank that failed, a ``GroupError`` on the others."""
     spec = groups.Spec.from_wire(request.group) if request.HasField("group") else None
     if spec is None:
-        return _finish(node, request, *_read(node, request))
+        return _finish(node, request, _read(node, request))
     group = groups.join(spec)
     try:
         read, failure = _read(node, request, spec, group), None
@@ -61,7 +61,7 @@ def load(node, request: pb.LoadRequest) -> Loaded:
         raise failure or groups.GroupError(f"another rank of the group could not load layers "
                                            f"[{request.start}, {request.end})")
     try:
-        loaded = _finish(node, request, *read, spec=spec, group=group)
+        loaded = _finish(node, request, read, spec=spec, group=group)
     except Exception as err:  # noqa: BLE001 - past the first all-reduce: the ranks are out of step
         raise groups.GroupError(f"the group broke loading layers [{request.start}, {request.end}): "
                                 f"{type(err).__name__}: {err}") from err
@@ -69,9 +69,22 @@ def load(node, request: pb.LoadRequest) -> Loaded:
     return loaded
 
 
-def _read(node, request: pb.LoadRequest, spec=None, group=None):
-    """The range read lazily (and quantized), split for this rank: (stage, config, path, partial, quant,
-    offered, resident, before), nothing computed yet."""
+@dataclass
+class _Read:
+    """A range read lazily (and quantized), split for this rank; nothing computed yet."""
+
+    stage: SlicedModel
+    config: dict
+    path: object           # the model folder
+    partial: bool          # it holds only the weights received for this range
+    quant: object          # how it was quantized on load (None: as stored)
+    offered: int           # memory this node offers
+    resident: int          # the process's resident bytes before
+    before: int            # MLX's active bytes before
+
+
+def _read(node, request: pb.LoadRequest, spec=None, group=None) -> _Read:
+    """The range read lazily (and quantized), split for this rank (``spec``, ``group``)."""
     path, partial = node.weights.model_path(request)
     # Weights received from the head come quantized already; a full-precision
     # folder of our own is quantized here, one module at a time.
@@ -91,11 +104,11 @@ def _read(node, request: pb.LoadRequest, spec=None, group=None):
         stage = tp.Taped(stage, sums)
     elif node.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
         stage.launch_blocks()
-    return stage, config, path, partial, quant, offered, resident, before
+    return _Read(stage, config, path, partial, quant, offered, resident, before)
 
 
-def _finish(node, request: pb.LoadRequest, stage: SlicedModel, config: dict, path, partial, quant, offered,
-            resident, before, spec=None, group=None) -> Loaded:
+def _finish(node, request: pb.LoadRequest, read: _Read, spec=None, group=None) -> Loaded:
+    stage, config, path, before = read.stage, read.config, read.path, read.before
     read_weights(stage, progress=node.progress)
     mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
     text = with_sizes(text_config(config))
@@ -104,20 +117,21 @@ def _finish(node, request: pb.LoadRequest, stage: SlicedModel, config: dict, pat
     footprint = warm_up(stage, hidden)
     switch, kv_reply = kv_settings(node, request, stage, hidden, footprint.kv_bytes_per_token, spec is not None)
     weight_bytes = max(mx.get_active_memory() - before, 0)
-    peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
+    peak_bytes = memory.load_peak_bytes(read.resident, mx.get_peak_memory() - before)
     model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    cap = request.max_cache_bytes or max(read.offered - weight_bytes, 0)
     limits = ShardLimits(
         max_batch=request.max_batch or ShardLimits.max_batch,
         max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
         max_context=max_context,
         # A group's leader holds the most heads (the first ranks get the extra ones): its cap binds.
-        max_cache_bytes=0 if spec and not spec.leader else request.max_cache_bytes or max(offered - weight_bytes, 0),
+        max_cache_bytes=0 if spec and not spec.leader else cap,
         block_tokens=request.block_tokens,
     )
     tokenizer = None
     if request.HasField("tokenizer") and stage.last:
         tokenizer = tokenizer_from_json(request.tokenizer.json, vocab, request.tokenizer.eos_token_ids)
-    model_print = request.fingerprint if partial else quantized_fingerprint(fingerprint(path), quant)
+    model_print = request.fingerprint if read.partial else quantized_fingerprint(fingerprint(path), read.quant)
     shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
                   node.disk.for_load(request, model_print, switch.kv if switch.slots else None))
     reply = pb.LoadReply(

@@ -86,6 +86,7 @@ class StageServicer(pb_grpc.StageServicer):
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
+        self.weights.following = self._following
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
         self.disk = disk_service.DiskService(disk_bytes)  # the prefix cache's disk tier, across Loads
         self.name = platform.node()  # what Hello and the announcement call this node
