@@ -53,6 +53,9 @@ def load(node, request: pb.LoadRequest) -> Loaded:
     if spec is None:
         return _finish(node, request, _read(node, request))
     group = groups.join(spec)
+    # Every rank runs the same collectives in the same order: each frame finishes before the next
+    # item is handed on (no frame launched ahead of another's sums, no block launched as it is built).
+    node.mlx.ahead = False
     try:
         read, failure = _read(node, request, spec, group), None
     except Exception as err:  # noqa: BLE001 - every rank hears of it before the first all-reduce
