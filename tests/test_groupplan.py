@@ -149,3 +149,25 @@ def test_a_node_names_its_group_port_and_on_linux_no_rdma_devices():
     assert hello.rdma_devices() == ()
     assert "rdma" not in announce.properties("n", 1, "s")  # (a Mac with RDMA: its devices, in one short field)
     assert hello.reply("s", 1, "n", (), set(), group_port=4321).group_port == 4321
+
+
+def test_health_metrics_and_status_show_each_group():
+    from mlxpipe.proto import pipeline_pb2 as pb
+    from mlxpipe.server.api.health import _stage
+    from mlxpipe.server.api.metrics import Metrics
+    from mlxpipe.server.cli.status import _groups
+    from mlxpipe.server.cluster.stage_client import Placement
+
+    st = Placement("10.0.0.1:1", 0, 30, ranks=["10.0.0.2:1"])
+    reply = pb.HealthReply(state="ready", group_rank=0, group_size=2, allreduce_seconds=1e-4, allreduces_per_token=60,
+                           stats=pb.StageStats(mirror_seconds=0.5, mirrored=10))
+    st.rank_health = [("10.0.0.2:1", pb.HealthReply(state="ready", group_rank=1, group_size=2), "")]
+    info, why = _stage(0, st, reply, "")
+    assert not why and info["group"]["ranks"] == [{"rank": 0, "address": "10.0.0.1:1", "state": "ready"},
+                                                   {"rank": 1, "address": "10.0.0.2:1", "state": "ready"}]
+    assert info["group"]["allreduce_ms_per_token"] == pytest.approx(6.0)
+    text = Metrics().render([(st, reply, "")], 0, 0).decode()
+    assert 'mlxpipe_group_rank_up{address="10.0.0.2:1",rank="1",stage="0"} 1.0' in text
+    assert 'mlxpipe_group_allreduce_seconds_per_token{stage="0"} 0.006' in text
+    assert "a group of 2 ranks (0 10.0.0.1:1 ready, 1 10.0.0.2:1 ready); all-reduces 6.00 ms a token" in \
+        _groups({"stages": [info]})
