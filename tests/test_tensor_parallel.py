@@ -93,7 +93,8 @@ def _check(path, stages, tp, reference, kv_bits=16, kill=True, streams=8):
     for (st, reply, err), width in zip(out["health"], widths):
         assert err == "" and reply.state == "ready" and list(reply.live_seqs) == []
         assert reply.group_size == (width if width > 1 else 0) and len(st.ranks) == width - 1
-        assert all(r is not None and r.state == "ready" and list(r.live_seqs) == [] for _, r, _ in st.rank_health)
+        ranks = [(a, r.state if r else e, list(r.live_seqs) if r else None) for a, r, e in st.rank_health]
+        assert all(state == "ready" and live == [] for _, state, live in ranks), ranks
     return out
 
 
@@ -117,6 +118,7 @@ def test_groups_equal_mlx_lm(model, stages, tp, request, reference):
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(1200)
 def test_a_sliding_window_model_in_a_group_equals_mlx_lm(tmp_path, default_model, reference):
     """Gemma 3's rotating windows (shorter than the prompts) split by heads; its last stage a group."""
     from mlxpipe.bench import tiny
@@ -125,6 +127,7 @@ def test_a_sliding_window_model_in_a_group_equals_mlx_lm(tmp_path, default_model
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(1200)
 def test_a_quantized_kv_cache_in_a_group_equals_mlx_lm(default_model, reference):
     """`--kv-bits 8`: each rank quantizes its own heads' keys and values, as mlx-lm does all of them."""
     _check(default_model, 1, [2], reference, kv_bits=8, kill=False)

@@ -181,12 +181,14 @@ class Mirror:
     def __init__(self, group):
         self.group = group
         self.seconds, self.count = 0.0, 0  # time spent handing items on, and how many
+        self.broken = lambda why: None  # told when a hand-off fails, whoever asked for it (the servicer restarts)
 
     def send(self, item: pb.GroupItem) -> None:
         t0 = time.perf_counter()
         try:
             _share(self.group, item.SerializeToString())
         except RuntimeError as err:  # the collective failed: a rank is gone
+            self.broken(f"the group's other ranks are gone: {err}")
             raise GroupError(f"the group's other ranks are gone: {err}") from err
         self.seconds += time.perf_counter() - t0
         self.count += 1

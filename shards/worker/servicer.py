@@ -282,7 +282,8 @@ class StageServicer(pb_grpc.StageServicer):
         if loaded.spec is None:
             return
         loop = asyncio.get_running_loop()
-        if loaded.spec.leader:
+        if loaded.spec.leader:  # (a hand-off that fails, on any path: the node restarts)
+            loaded.shard.mirror.broken = lambda why: loop.call_soon_threadsafe(self.group_broken, why)
             self._beat = asyncio.ensure_future(self._heartbeat(loaded))
             return
 
