@@ -13,7 +13,7 @@ import os
 import signal
 
 import pytest
-from conftest import PROMPTS, REPEAT_CODE, run_async
+from conftest import PROMPTS, REPEAT_CODE, run_async, until
 
 from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.config import ClusterConfig
@@ -68,7 +68,13 @@ async def _scenario(path, stages: int, tp, kv_bits: int = 16, kill: bool = True,
             await task
             out["recoveries"] = cluster.engine.stats.recoveries
         await cluster.engine.drain()
-        out["health"] = await cluster.pipeline.health()
+
+        async def settled():  # (a rank runs the leader's last frees a moment after the leader: asked again)
+            health = await cluster.pipeline.health()
+            ranks = [r for st, _, _ in health for _, r, _ in st.rank_health]
+            return health if all(r is not None and list(r.live_seqs) == [] for r in ranks) else None
+
+        out["health"] = await until(settled, 10, "every rank to free its sequences", step=0.2)
         out["loads"] = [st.load for st in cluster.pipeline.stages]
     return prompts, repeat, out
 
