@@ -114,16 +114,19 @@ class Taped:
 
 class PadHeads(nn.Module):
     """A query projection sliced to this rank's heads, then ``before`` and ``after`` zero heads
-    of ``width`` columns added: the slots of the shared KV heads' other query heads."""
+    of ``width`` columns added: the slots of the shared KV heads' other query heads (``queries``:
+    a fused q|k|v projection's query columns, padded where keys and values follow)."""
 
-    def __init__(self, inner: nn.Module, before: int, after: int, width: int):
+    def __init__(self, inner: nn.Module, before: int, after: int, width: int, queries: Optional[int] = None):
         super().__init__()
-        self.inner, self._pads = inner, (before * width, after * width)
+        self.inner, self._pads, self._queries = inner, (before * width, after * width), queries
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.inner(x)
         zeros = [mx.zeros((*y.shape[:-1], n), dtype=y.dtype) for n in self._pads]
-        return mx.concatenate([zeros[0], y, zeros[1]], axis=-1)
+        if self._queries is None:
+            return mx.concatenate([zeros[0], y, zeros[1]], axis=-1)
+        return mx.concatenate([zeros[0], y[..., :self._queries], zeros[1], y[..., self._queries:]], axis=-1)
 
 
 class Nothing(nn.Module):
@@ -167,11 +170,19 @@ def out_features(mod: nn.Module) -> int:
 
 def take_rows(mod: nn.Module, a: int, b: int) -> None:
     """Keep output features ``[a, b)`` of a (switch, quantized) linear layer, in place."""
-    for name in ("weight", "scales", "biases"):
-        if name in mod and mod[name] is not None:
-            mod[name] = mx.contiguous(mod[name][..., a:b, :])
-    if "bias" in mod:
-        mod["bias"] = mx.contiguous(mod["bias"][..., a:b])
+    take_row_runs(mod, [(a, b)])
+
+
+def take_row_runs(mod: nn.Module, spans: List[Tuple[int, int]]) -> None:
+    """Keep the output features of each of ``spans``, one after the other (a fused q|k|v projection), in place."""
+    for name in ("weight", "scales", "biases", "bias"):
+        arr = mod[name] if name in mod else None
+        if arr is None:
+            continue
+        if name == "bias":
+            mod[name] = mx.contiguous(mx.concatenate([arr[..., a:b] for a, b in spans], axis=-1))
+        else:
+            mod[name] = mx.contiguous(mx.concatenate([arr[..., a:b, :] for a, b in spans], axis=-2))
 
 
 def take_cols(mod: nn.Module, a: int, b: int, what: str) -> None:

@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from mlxpipe.shards.models.sharded import (LocalExperts, Nothing, PadHeads, Part, SumModule, SumOut, Sums, Taped,
                                            Unsplittable, in_features, out_features, runs, take_cols, take_experts,
-                                           take_rows, unit, zero_bias_off_leader)
+                                           take_row_runs, take_rows, unit, zero_bias_off_leader)
 
 __all__ = ["Part", "Sums", "Taped", "Unsplittable", "runs", "shard_blocks", "why_not"]
 
@@ -45,7 +45,9 @@ HEAD_NAMES = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 KV_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head")
 # (input projections, output projection) of the MLPs it knows, by their names in mlx-lm's models.
 MLP_NAMES = ((("gate_proj", "up_proj"), "down_proj"), (("w1", "w3"), "w2"), (("fc1",), "fc2"),
-             (("c_fc",), "c_proj"))
+             (("c_fc",), "c_proj"), (("gate_up_proj",), "down_proj"))
+FUSED = ("gate_up_proj",)  # input projections whose rows are [gate | up]: each half cut alike
+ATTN_OUT = ("o_proj", "dense", "out_proj")  # an attention's output projection, by its names in mlx-lm's models
 NORM_TYPES = (nn.RMSNorm, nn.LayerNorm)
 
 
@@ -66,8 +68,8 @@ def _per_head(attn: nn.Module, n: int, a: int, b: int, pads: Tuple[int, int] = (
             attn[name] = mx.contiguous(mx.concatenate([z[0], arr[a:b], z[1]]))
 
 
-def shard_attention(attn: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
-    """Grouped-query attention (q/k/v/o projections) by heads, in place."""
+def _head_counts(attn: nn.Module, part: Part, what: str) -> Tuple[str, Optional[str], int, int]:
+    """The attributes its code reshapes by, and its query and KV heads (``Unsplittable``: unknown, or too few)."""
     hname = next((n for n in HEAD_NAMES if isinstance(getattr(attn, n, None), int)), None)
     kname = next((n for n in KV_NAMES if isinstance(getattr(attn, n, None), int)), None)
     if hname is None:
@@ -76,25 +78,38 @@ def shard_attention(attn: nn.Module, part: Part, sums: Sums, what: str) -> nn.Mo
     nkv = getattr(attn, kname) if kname else nq
     if nq < part.size or nq % nkv:
         raise Unsplittable(f"{what}: {nq} query heads over {nkv} KV heads cannot go to {part.size} ranks")
+    return hname, kname, nq, nkv
+
+
+def shard_attention(attn: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
+    """Grouped-query attention (q/k/v/o projections, or one fused q|k|v projection) by heads, in place."""
+    hname, kname, nq, nkv = _head_counts(attn, part, what)
     g = nq // nkv
     qa, qb = part.run(nq)
     ka, kb = qa // g, -(-qb // g)
     before, after = qa - ka * g, kb * g - qb
-    q, o = attn["q_proj"], attn["o_proj"]
-    wq, wo = out_features(q) // nq, in_features(o) // nq
+    fused = "qkv_proj" in attn
+    oname = next(n for n in ATTN_OUT if n in attn)
+    q, o = attn["qkv_proj" if fused else "q_proj"], attn[oname]
+    wo = in_features(o) // nq
+    wq = wo if fused else out_features(q) // nq  # (fused: q, k and v heads alike)
+    wk = wq if fused else out_features(attn["k_proj"]) // nkv
     for name, m in attn.children().items():  # a norm over every head at once (OLMo 2's) would need them all
         if isinstance(m, NORM_TYPES) and getattr(m, "weight", None) is not None and m.weight.shape[-1] in (
-                out_features(q), out_features(attn["k_proj"])) and m.weight.shape[-1] not in (wq, wq * g):
+                nq * wq, nkv * wk) and m.weight.shape[-1] not in (wq, wq * g):
             raise Unsplittable(f"{what}.{name}: a norm across all of its heads at once")
-    take_cols(o, qa * wo, qb * wo, f"{what}.o_proj")
-    take_rows(q, qa * wq, qb * wq)
-    for name in ("k_proj", "v_proj"):
-        w = out_features(attn[name]) // nkv
-        take_rows(attn[name], ka * w, kb * w)
+    take_cols(o, qa * wo, qb * wo, f"{what}.{oname}")
+    if fused:  # [q | k | v] rows: this rank's of each
+        k0, v0 = nq * wq, nq * wq + nkv * wk
+        take_row_runs(q, [(qa * wq, qb * wq), (k0 + ka * wk, k0 + kb * wk), (v0 + ka * wk, v0 + kb * wk)])
+    else:
+        take_rows(q, qa * wq, qb * wq)
+        for name in ("k_proj", "v_proj"):
+            take_rows(attn[name], ka * wk, kb * wk)
     _per_head(attn, nq, qa, qb, (before, after))
     if before or after:
-        attn["q_proj"] = PadHeads(q, before, after, wq)
-    attn["o_proj"] = SumOut(o, sums, (before * wo, (before + qb - qa) * wo) if before or after else None)
+        attn["qkv_proj" if fused else "q_proj"] = PadHeads(q, before, after, wq, (qb - qa) * wq if fused else None)
+    attn[oname] = SumOut(o, sums, (before * wo, (before + qb - qa) * wo) if before or after else None)
     setattr(attn, hname, (kb - ka) * g)
     if kname:
         setattr(attn, kname, kb - ka)
@@ -140,8 +155,9 @@ def shard_mlp(mlp: nn.Module, part: Part, sums: Sums, what: str, reduce: bool = 
             return SumModule(Nothing(), sums) if reduce else Nothing()
         a, b = 0, in_features(down)
     else:
+        n = in_features(down)
         for name in ins:
-            take_rows(mlp[name], a, b)
+            take_row_runs(mlp[name], [(a, b), (n + a, n + b)] if name in FUSED else [(a, b)])
         take_cols(down, a, b, f"{what}.{out}")
     if reduce:
         mlp[out] = SumOut(down, sums)
@@ -189,7 +205,8 @@ def shard_experts(moe: nn.Module, part: Part, sums: Sums, what: str) -> nn.Modul
 
 def shard_layer(child: nn.Module, part: Part, sums: Sums, what: str) -> nn.Module:
     """One weighted sub-layer of a block, split (in place, or wrapped: the module to put back)."""
-    if all(n in child for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if any(n in child for n in ATTN_OUT) and (all(n in child for n in ("q_proj", "k_proj", "v_proj"))
+                                              or "qkv_proj" in child):
         return shard_attention(child, part, sums, what)
     if "o_proj" in child and ("embed_q" in child or "kv_b_proj" in child):
         return shard_latent_attention(child, part, sums, what)
