@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 60.0  # how long a rank waits for the others to connect
 FIRST_BYTES = 16 << 10  # an item's first all-reduce: its length and up to this many bytes
 BACKENDS = ("ring", "jaccl")
+MAX_RANKS = 64  # ranks in a group, at most (a Load naming more is refused)
 
 
 class GroupError(RuntimeError):
@@ -65,7 +66,7 @@ class Spec:
     def from_wire(cls, group: pb.TensorGroup) -> "Spec":
         """The spec a Load names; ValueError (INVALID_ARGUMENT) for one that cannot be."""
         spec = cls(group.rank, group.size, tuple(group.peers), group.backend or "ring")
-        if spec.size < 2 or not 0 <= spec.rank < spec.size or len(spec.peers) != spec.size:
+        if not 2 <= spec.size <= MAX_RANKS or not 0 <= spec.rank < spec.size or len(spec.peers) != spec.size:
             raise ValueError(f"tensor group: rank {spec.rank} of {spec.size} with {len(spec.peers)} peers")
         if spec.backend not in BACKENDS:
             raise ValueError(f"tensor group: backend {spec.backend!r} is none of {', '.join(BACKENDS)}")
