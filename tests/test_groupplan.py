@@ -171,3 +171,18 @@ def test_health_metrics_and_status_show_each_group():
     assert 'mlxpipe_group_allreduce_seconds_per_token{stage="0"} 0.006' in text
     assert "a group of 2 ranks (0 10.0.0.1:1 ready, 1 10.0.0.2:1 ready); all-reduces 6.00 ms a token" in \
         _groups({"stages": [info]})
+
+
+def test_a_load_naming_a_group_that_cannot_be_is_refused():
+    from mlxpipe.proto import pipeline_pb2 as pb
+    from mlxpipe.shards.worker.group import Spec
+
+    ok = Spec.from_wire(pb.TensorGroup(rank=1, size=2, peers=["10.0.0.1:7", "10.0.0.2:7"]))
+    assert (ok.rank, ok.size, ok.backend, ok.leader) == (1, 2, "ring", False)
+    for group, why in ((pb.TensorGroup(rank=2, size=2, peers=["a:1", "b:1"]), "rank 2 of 2"),
+                       (pb.TensorGroup(rank=0, size=3, peers=["a:1", "b:1"]), "with 2 peers"),
+                       (pb.TensorGroup(rank=0, size=99, peers=["a:1"] * 99), "rank 0 of 99"),
+                       (pb.TensorGroup(rank=0, size=2, peers=["a:1", "b:1"], backend="mpi"), "backend 'mpi'"),
+                       (pb.TensorGroup(rank=0, size=2, peers=["a:1", "b"]), "host:port")):
+        with pytest.raises(ValueError, match=why):
+            Spec.from_wire(group)
