@@ -26,6 +26,8 @@ MODES = (
     ("prefill", "time to first token of a long prompt: chunked prefill vs not"),
     ("fairness", "a short request's time to first token while long prompts prefill: mlxpipe serve vs "
                  "mlx_lm.server"),
+    ("stall", "a lone long prompt's time to first token with --max-stall against --max-stall 0 (by default "
+              "32k positions on a tiny long-context model)"),
     ("balance", "per-stage step time under load: planner split vs even split"),
     ("chat", "multi-turn chat and agent-like prompts: prefix reuse, mlxpipe serve vs mlx_lm.server"),
     ("quality", "perplexity of a model at full precision and quantized at several bits"),
@@ -34,10 +36,14 @@ MODES = (
     ("soak", "a bounded soak: streaming clients, random hang-ups, stages killed on a clock"),
     ("overhead", "the pipeline's own cost per hop (a model of negligible compute) beside a raw gRPC ping-pong "
                  "and mlx-lm; and where a real model's decode token goes"),
+    ("embeddings", "embeddings per second: mlxpipe serve --embedding-model over HTTP vs the model's own library "
+                   "in one process, vectors checked equal"),
     ("models", "every mlx-lm architecture through the pipeline: equality with mlx-lm plain, after a prefix-cache "
                "hit, while speculating, after a replay"),
     ("tp", "a stage split across 2 ranks (tensor parallel) beside mlx-lm, mlx_lm.server, the 2-stage pipeline and "
            "mlx_lm.server under 2 ring ranks: one stream and 8"),
+    ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "
+               "head's vision tower, planned and measured"),
 )
 
 

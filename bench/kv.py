@@ -38,8 +38,9 @@ from mlxpipe.server.cli.options import table
 from mlxpipe.server.cluster.splits import even_split
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.shards.cache import kinds
+from mlxpipe.shards.models.digest import read_weights
 from mlxpipe.shards.models.layers import with_sizes
-from mlxpipe.shards.models.slicing import load_stage, read_weights
+from mlxpipe.shards.models.slicing import load_stage
 from mlxpipe.shards.models.store import models_dir, resolve_model, text_config
 from mlxpipe.shards.params.kv import KvQuant
 
@@ -166,7 +167,7 @@ async def bench_kv(args) -> dict:
     stages = []
     for a, b in even_split(layers, args.stages):
         st, _ = load_stage(Path(path), a, b)
-        read_weights(st)
+        read_weights(st).result()
         stages.append(st)
     kv = sorted({int(b) for b in args.kv.split(",")}, reverse=True)
     rows = [r for context in contexts for r in measure(stages, hidden, kv, context, args)]

@@ -315,7 +315,7 @@ async def bench_models(args) -> dict:
     text = table(outcomes, {t: w for t, w in tiny.NOT_HERE.items() if not args.types or t in types})
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(HEADER + text)
+        Path(args.markdown).write_text(HEADER + text + "\n" + VISION)
     return {"outcomes": [o.__dict__ for o in outcomes]}
 
 
@@ -329,6 +329,35 @@ what each column checks. Caches: P positional (keys and values), R rotating
 window, S state-space or linear-attention arrays, L a list of caches, C a
 model's own cache class.
 
+"""
+
+
+# Written after the table: vision-language models, tested apart (tests/test_vision.py).
+VISION = """## Vision-language models
+
+With `pip install 'mlxpipe[vision]'` (mlx-vlm), a model folder that mlx-vlm loads and
+that holds its vision tower takes images (README, "Images"; docs/ARCHITECTURE.md,
+"Images"): the head runs the model's processor and tower, the stages run mlx-vlm's
+language model, cut like the types above. Tested against single-process mlx-vlm's
+greedy tokens on the same weights, with one and two images, beside a text stream and
+again from the prefix cache (`tests/test_vision.py`, tiny random-weight models of
+`bench/tiny_vision.py`):
+
+| family (mlx-vlm type) | how an image enters | positions | stages |
+| --- | --- | --- | --- |
+| qwen2_5_vl | a run of image-pad tokens per image (between vision start and end), one per 2x2 merged patches of its grid | its own: three rotary axes (time, height, width), shifted after each image | 1, 2, 3 |
+| gemma3 | `<start_of_image>`, 256 (here 16) `<image_soft_token>`, `<end_of_image>` | the tokens' offsets (mlx-vlm's Gemma 3 attends causally over image tokens too) | 1, 2, 3 |
+| mistral3 | rows of `[IMG]` broken by `[IMG_BREAK]`, then `[IMG_END]` (Pixtral) | the tokens' offsets | 1, 2, 3 |
+
+Other mlx-vlm families whose language model takes the first stage's rows and
+nothing more (Llava-style towers and projectors, Qwen2-VL, PaliGemma, Idefics) go the
+same way untested. Refused with the reason when an image arrives: those whose
+language model needs more than the rows at the first stage (Qwen3-VL's deepstack
+features added in its first layers, Llama 3.2's cross-attention states). Without
+mlx-vlm, such a folder is served as text (mlx-lm's own class of the type, above), and
+images get a 400 naming the extra. What mlx-vlm adds to an install, measured on top of
+a plain `pip install mlxpipe` (Linux x86_64): about 0.8 GB (1,215 MB against 423 MB: datasets with pandas, pyarrow and
+scipy, OpenCV, mlx-audio; its first import takes seconds), so it is an extra; `[test]` installs it.
 """
 
 

@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_context_size: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SeqEntry(_message.Message):
-    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill")
+    __slots__ = ("seq_id", "offset", "num_tokens", "sample", "sampling", "reuse", "store_first", "store", "context", "trim", "generated", "snap", "kv_quantize_at", "spill", "position_shift", "pool")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class SeqEntry(_message.Message):
     SNAP_FIELD_NUMBER: _ClassVar[int]
     KV_QUANTIZE_AT_FIELD_NUMBER: _ClassVar[int]
     SPILL_FIELD_NUMBER: _ClassVar[int]
+    POSITION_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     offset: int
     num_tokens: int
@@ -90,7 +92,9 @@ class SeqEntry(_message.Message):
     snap: bool
     kv_quantize_at: int
     spill: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ...) -> None: ...
+    position_shift: int
+    pool: int
+    def __init__(self, seq_id: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reuse: _Optional[_Iterable[int]] = ..., store_first: _Optional[int] = ..., store: _Optional[_Iterable[int]] = ..., context: _Optional[_Iterable[int]] = ..., trim: _Optional[int] = ..., generated: _Optional[_Iterable[int]] = ..., snap: _Optional[bool] = ..., kv_quantize_at: _Optional[int] = ..., spill: _Optional[_Iterable[int]] = ..., position_shift: _Optional[int] = ..., pool: _Optional[int] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("queued_us", "decode_us", "compute_us", "encode_us")
@@ -105,7 +109,7 @@ class StageTiming(_message.Message):
     def __init__(self, queued_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings", "sent_us")
+    __slots__ = ("frame_id", "kind", "group", "seqs", "tokens", "hidden", "free", "evict", "discard", "timings", "sent_us", "embeds", "embed_at", "positions")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PREFILL: _ClassVar[Frame.Kind]
@@ -127,6 +131,9 @@ class Frame(_message.Message):
     DISCARD_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SENT_US_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    EMBED_AT_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     frame_id: int
     kind: Frame.Kind
     group: int
@@ -138,16 +145,20 @@ class Frame(_message.Message):
     discard: _containers.RepeatedScalarFieldContainer[int]
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
     sent_us: int
-    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ...) -> None: ...
+    embeds: Tensor
+    embed_at: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, frame_id: _Optional[int] = ..., kind: _Optional[_Union[Frame.Kind, str]] = ..., group: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqEntry, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., free: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[int]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., sent_us: _Optional[int] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., embed_at: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
-    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "error")
+    __slots__ = ("seq_id", "token", "logprob", "top_ids", "top_logprobs", "done", "embedding", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token: int
@@ -155,8 +166,9 @@ class TokenResult(_message.Message):
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     done: bool
+    embedding: _containers.RepeatedScalarFieldContainer[float]
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., embedding: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PromptScores(_message.Message):
     __slots__ = ("seq_id", "start", "logprobs", "top_ids", "top_logprobs")
@@ -185,17 +197,19 @@ class Result(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., prompt: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class WeightUnit(_message.Message):
-    __slots__ = ("name", "header", "data_bytes")
+    __slots__ = ("name", "header", "data_bytes", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     header: bytes
     data_bytes: int
-    def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WeightsOffer(_message.Message):
-    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files", "source_fingerprint")
+    __slots__ = ("model", "fingerprint", "start", "end", "chunk_bytes", "units", "files", "source_fingerprint", "source_digests")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +217,13 @@ class WeightsOffer(_message.Message):
         key: str
         value: bytes
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class SourceDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +232,7 @@ class WeightsOffer(_message.Message):
     UNITS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     start: int
@@ -219,7 +241,8 @@ class WeightsOffer(_message.Message):
     units: _containers.RepeatedCompositeFieldContainer[WeightUnit]
     files: _containers.ScalarMap[str, bytes]
     source_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., source_fingerprint: _Optional[str] = ...) -> None: ...
+    source_digests: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., units: _Optional[_Iterable[_Union[WeightUnit, _Mapping]]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., source_fingerprint: _Optional[str] = ..., source_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnitNeed(_message.Message):
     __slots__ = ("name", "chunks")
@@ -230,14 +253,23 @@ class UnitNeed(_message.Message):
     def __init__(self, name: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightsNeed(_message.Message):
-    __slots__ = ("local", "units", "have_bytes")
+    __slots__ = ("local", "units", "have_bytes", "local_digests")
+    class LocalDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     HAVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     local: bool
     units: _containers.RepeatedCompositeFieldContainer[UnitNeed]
     have_bytes: int
-    def __init__(self, local: _Optional[bool] = ..., units: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ..., have_bytes: _Optional[int] = ...) -> None: ...
+    local_digests: _containers.ScalarMap[str, str]
+    def __init__(self, local: _Optional[bool] = ..., units: _Optional[_Iterable[_Union[UnitNeed, _Mapping]]] = ..., have_bytes: _Optional[int] = ..., local_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("fingerprint", "unit", "index", "data", "sha256")
@@ -290,7 +322,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "group")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "group", "vision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +337,7 @@ class LoadRequest(_message.Message):
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
@@ -319,7 +352,8 @@ class LoadRequest(_message.Message):
     kv_cache: KvQuantization
     prefix_disk_bytes: int
     group: TensorGroup
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ...) -> None: ...
+    vision: bool
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class TensorGroup(_message.Message):
     __slots__ = ("rank", "size", "peers", "backend")
@@ -364,7 +398,14 @@ class GroupItem(_message.Message):
     def __init__(self, kind: _Optional[_Union[GroupItem.Kind, str]] = ..., session: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Union[FetchRequest, _Mapping]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "group_size", "allreduce_seconds", "allreduces_per_token")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "unit_digests", "weights_digest", "vision", "group_size", "allreduce_seconds", "allreduces_per_token")
+    class UnitDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +432,9 @@ class LoadReply(_message.Message):
     KV_NOTE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WARNING_FIELD_NUMBER: _ClassVar[int]
+    UNIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -420,10 +464,13 @@ class LoadReply(_message.Message):
     kv_note: str
     mlx_peak_bytes: int
     memory_warning: str
+    unit_digests: _containers.ScalarMap[str, str]
+    weights_digest: str
+    vision: bool
     group_size: int
     allreduce_seconds: float
     allreduces_per_token: int
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., group_size: _Optional[int] = ..., allreduce_seconds: _Optional[float] = ..., allreduces_per_token: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ..., vision: _Optional[bool] = ..., group_size: _Optional[int] = ..., allreduce_seconds: _Optional[float] = ..., allreduces_per_token: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")

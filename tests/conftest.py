@@ -41,17 +41,19 @@ def _private_home() -> Path:
 TEST_HOME = _private_home()
 
 
-def _link_default_model() -> Path:
-    """The default model in the test home: a real folder (node paths must stay
-    inside their models directory), its files links to the shared copy."""
-    from mlxpipe.shards.models.store import default_model_dir, pull_default
+def _link_default_model(embedding: bool = False) -> Path:
+    """The default model (``embedding``: the default embedding model) in the test home: a
+    real folder (node paths must stay inside their models directory), its files links to
+    the shared copy."""
+    from mlxpipe.shards.models.store import (default_embedding_dir, default_model_dir, pull_default,
+                                             pull_default_embedding)
 
-    mine = default_model_dir()
+    mine = default_embedding_dir() if embedding else default_model_dir()
     shared = Path(os.environ["MLXPIPE_SHARED_HOME"]) / mine.relative_to(TEST_HOME)
     if not (shared / "model.safetensors").exists():
         os.environ["MLXPIPE_HOME"] = str(shared.parent.parent)
         try:
-            pull_default(progress=False)
+            (pull_default_embedding if embedding else pull_default)(progress=False)
         finally:
             os.environ["MLXPIPE_HOME"] = str(TEST_HOME)
     mine.mkdir(parents=True, exist_ok=True)
@@ -100,6 +102,73 @@ def default_server(default_model):
     for extra in ({}, {"response_format": {"type": "json_object"}}):
         httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
             "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def embedding_model() -> Path:
+    """The default embedding model (all-MiniLM-L6-v2) in the test home."""
+    return _link_default_model(embedding=True)
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """A tiny OTLP/HTTP receiver (``otlp_receiver.py``) the team server exports its traces to."""
+    from otlp_receiver import Receiver
+
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+# The team server's API keys (``--api-key-file``): an operator without limits, which the tests
+# use unless they test a key's limit, and a key for each limit (``server/api/quotas.py``).
+TEAM_KEYS = {"open": "k-open role=operator", "rpm": "k-rpm rpm=2", "tpm": "k-tpm tpm=400",
+             "concurrency": "k-conc concurrency=1", "max_tokens": "k-max max_tokens=4",
+             "models": "k-models models=all-MiniLM-L6-v2", "batch": "k-batch priority=batch",
+             "interactive": "k-inter"}
+
+
+@pytest.fixture(scope="session")
+def team_server(default_model, embedding_model, otlp_receiver, tmp_path_factory):
+    """`mlxpipe serve` of the default model on 2 local stages, with what a team's server runs on
+    its head beside it: the default embedding model and the default model again (``--also``,
+    served as ``<name>-head``), traces sent to ``otlp_receiver``, and API keys with limits
+    (``TEAM_KEYS``; ``http`` is a client with the unlimited operator's); greedy, 64 tokens
+    unless asked. Shared by test_embeddings, test_head_models, test_traces and test_quotas."""
+    import httpx
+    from server_proc import ServerProcess
+
+    key_file = tmp_path_factory.mktemp("keys") / "keys"
+    key_file.write_text("\n".join(TEAM_KEYS.values()) + "\n")
+    key_file.chmod(0o600)
+    headers = {"Authorization": "Bearer k-open"}
+    srv = ServerProcess("--model", str(default_model), "--stages", "2", "--max-tokens", "64", "--temp", "0",
+                        "--embedding-model", "default", "--also", "default", "--otlp-endpoint", otlp_receiver.url,
+                        "--api-key-file", str(key_file), headers=headers)
+    srv.key, srv.http = "k-open", httpx.Client(headers=headers, timeout=120)
+    srv.http.post(f"{srv.base_url}/chat/completions", json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    yield srv
+    srv.http.close()
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def vision_server(tmp_path_factory, default_model):
+    """`mlxpipe serve` of a tiny Qwen2.5-VL (``bench/tiny_vision.py``) on 2 local stages, for
+    test_vision_api and test_browser: greedy, 12 tokens unless asked, at most 3 images of 1 MB
+    and 4 Mpixels a request, image URLs fetched (from loopback too) within 0.3 s."""
+    pytest.importorskip("mlx_vlm")
+    from server_proc import ServerProcess
+
+    from mlxpipe.bench.tiny_vision import build
+
+    path = build("qwen2_5_vl", tmp_path_factory.mktemp("vision") / "qwen2_5_vl", default_model)
+    srv = ServerProcess("--model", str(path), "--stages", "2", "--max-tokens", "12", "--temp", "0",
+                        "--max-images", "3", "--max-image-bytes", str(1 << 20), "--max-image-pixels", "4000000",
+                        "--image-urls", "--image-private-urls", "--image-fetch-timeout-s", "0.3")
     yield srv
     srv.stop()
 

@@ -10,12 +10,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.frames import Framer, prompt_scores
-from mlxpipe.server.core.prefix_index import snapshot_every
+from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.cache.disk import DiskTier
 from mlxpipe.shards.cache.kinds import kv_switch
 from mlxpipe.shards.cache.quantized import KvSwitch
+from mlxpipe.shards.models.digest import read_weights
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.slicing import load_stage, warm_up
 from mlxpipe.shards.worker.stage import ShardLimits, Shard
@@ -54,8 +55,10 @@ class InProcess:
         self.stages = []
         self.footprints = []
         self.kv_ratios = []  # stages that quantize their KV: a full-precision token over a quantized one
+        self.digests = []    # what each stage computes with (as its Load reply says: models/digest.py)
         for start, end in ranges:
             model, cfg = load_stage(Path(path), start, end)
+            self.digests.append(read_weights(model).result(cfg))
             cfg = with_sizes(cfg.get("text_config", cfg))
             limits = ShardLimits(max_chunk_tokens=config.chunk_size, block_tokens=config.block_tokens)
             footprint = warm_up(model, int(cfg["hidden_size"]))
@@ -83,6 +86,7 @@ class InProcess:
                                [(f.kv_bytes_per_token, f.state_bytes) for f in self.footprints])
         self.scheduler.reset_prefix(held, self.scheduler.config.prefix_blocks, starts, every,
                                     [d[0] for d in disks], self.scheduler.config.prefix_disk_blocks)
+        self.scheduler.kv.set_model(model_salt(d.units for d in self.digests), self.scheduler.seqs.values())
         self.scheduler.core.max_rewind = min(st.limits.max_rewind if st.stateful else 1 << 30 for st in self.stages)
 
     def flush(self) -> None:

@@ -27,7 +27,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def mlx_lm_chat(default_model):
     """mlx-lm's greedy text for a chat (same template), and the prompt length."""
-    from mlx_lm import generate, load
+    from mlx_lm import generate, load, stream_generate
 
     model, tok = load(str(default_model))
 
@@ -41,7 +41,12 @@ def mlx_lm_chat(default_model):
         return cache[key]
 
     def run_text(text, max_tokens):
-        return generate(model, tok, prompt=tok.encode(text), max_tokens=max_tokens)
+        # mlx-lm's tokens; their text as a continuation of the prompt's: the first token's
+        # leading space kept (mlx-lm's own detokenizer, starting a text, drops it)
+        prompt = tok.encode(text)
+        tokens = [r.token for r in stream_generate(model, tok, prompt, max_tokens=max_tokens)
+                  if r.token not in tok.eos_token_ids]
+        return tok.decode(prompt + tokens)[len(tok.decode(prompt)):]
 
     run.text = run_text
     return run
@@ -166,8 +171,8 @@ def test_logprobs(client):
     c = client.completions.create(model="default", prompt="One, two,", temperature=0, max_tokens=4, logprobs=2)
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == 4 and all(len(d) == 2 for d in lp.top_logprobs)
-    # mlx-lm's streaming detokenizer drops the one space that starts a text.
-    assert "".join(lp.tokens).removeprefix(" ") == c.choices[0].text
+    # The text continues the prompt's: its first token's leading space is kept (a chat reply drops it).
+    assert "".join(lp.tokens) == c.choices[0].text
 
 
 def test_n_choices(client):
@@ -279,6 +284,19 @@ BAD_REQUESTS = [
     ("max_tokens 0 without echo", "completions", {"model": "default", "prompt": "hi", "max_tokens": 0}, 400,
      "it is for scoring a prompt, with echo"),
 ]
+
+
+def test_a_prompt_past_the_context_is_named_by_the_field_that_holds_it(server):
+    """A completions prompt past the context was refused naming ``param: "messages"``."""
+    for path, body, param in [
+            ("completions", {"prompt": LONG}, "prompt"),
+            ("completions", {"prompt": [5] * 9000}, "prompt"),
+            ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+            ("responses", {"input": LONG}, "input")]:
+        r = httpx.post(f"{server.base_url}/{path}", json={"model": "default"} | body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (param, "context_length_exceeded"), (path, err)
 
 
 @pytest.mark.parametrize("what,route,body,status,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -404,8 +422,10 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
     from mlxpipe.server.api.errors import ApiError
     from mlxpipe.server.api.generation import Generator
     from mlxpipe.server.api.ollama import GenerateBody, request_of
+    from mlxpipe.server.api.keys import LOCAL
     from mlxpipe.server.api.request import GenerationRequest
     from mlxpipe.server.api.options import ApiOptions
+    from mlxpipe.server.api.quotas import Quotas
     from mlxpipe.server.core.engine import Engine
 
     def budget(req, prompt_len, kv=1 << 20, **options):
@@ -413,16 +433,19 @@ def test_a_request_without_a_limit_may_run_to_the_end_of_the_context():
         engine = SimpleNamespace(model_context=8192, context_source="the model's maximum",
                                  scheduler=SimpleNamespace(max_kv_tokens=kv, kv=SimpleNamespace(longest=lambda: kv)))
         engine.max_context = Engine.max_context.fget(engine)
+        engine.kv_tokens = Engine.kv_tokens.fget(engine)
         engine.context_limit = lambda: Engine.context_limit(engine)
-        gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine)
+        gen = SimpleNamespace(options=ApiOptions(model_id="m", **options), engine=engine, quotas=Quotas())
         return Generator.budget(gen, req, prompt_len)
 
-    free = GenerationRequest(text="x")
+    me = LOCAL.tenant(None)
+    free = GenerationRequest(text="x", tenant=me)
     assert budget(free, 100) == 8192 - 100  # not 512
     assert budget(free, 100, kv=4000) == 4000 - 100  # ... within what the KV caches hold
     assert budget(free, 100, default_max_tokens=64) == 64
-    assert budget(GenerationRequest(text="x", max_tokens=300), 100, default_max_tokens=64) == 300
+    assert budget(GenerationRequest(text="x", max_tokens=300, tenant=me), 100, default_max_tokens=64) == 300
     with pytest.raises(ApiError, match="maximum context length"):
-        budget(GenerationRequest(text="x", max_tokens=10_000), 100)
-    ollama = request_of(GenerateBody(model="m", prompt="x", options={"num_predict": 10_000}), ApiOptions(model_id="m"))
+        budget(GenerationRequest(text="x", max_tokens=10_000, tenant=me), 100)
+    ollama = request_of(GenerateBody(model="m", prompt="x", options={"num_predict": 10_000}), ApiOptions(model_id="m"),
+                        me)
     assert budget(ollama, 100) == 8192 - 100

@@ -24,7 +24,7 @@ DOC = REPO / "docs" / "ARCHITECTURE.md"
 PACKAGES = ("proto", "shards", "server", "bench", "tests")
 # First parts of dotted names that are not modules of ours: MLX, mlx-lm, a model's
 # blocks and the protocols' JSON fields, which the text names as examples.
-NOT_OURS = {"mx", "mlx_lm", "layer", "text", "output_config"}
+NOT_OURS = {"mx", "mlx_lm", "layer", "text", "output_config", "usage"}
 FILES = re.compile(r"\.(json|md|txt|js|proto|safetensors|png|yaml|toml)$")
 
 
@@ -106,10 +106,10 @@ def _resolve(path: str, folder: Optional[str]) -> Optional[str]:
     return None
 
 
-def _tokens() -> Iterator[Tuple[str, str, Optional[str], str]]:
+def _tokens(doc: Path = DOC) -> Iterator[Tuple[str, str, Optional[str], str]]:
     """(token, the text right after it, lines joined, the folder of the table row it
-    sits in, and its line)."""
-    text = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), DOC.read_text(), flags=re.S)
+    sits in, and its line), for every backticked name of ``doc`` outside code blocks."""
+    text = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), doc.read_text(), flags=re.S)
     flat, starts = text.replace("\n", " "), [m.start() for m in re.finditer(r"^", text, flags=re.M)]
     lines = text.splitlines()
     for m in re.finditer(r"`([^`\s]+)`", flat):

@@ -458,3 +458,46 @@ def test_a_page_on_an_allowed_origin_calls_the_api_with_sdk_headers(page, origin
     page.goto(f"{origins[1]}/")
     out = page.evaluate(FETCH, [url, headers])
     assert "error" in out and "Failed to fetch" in out["error"], out
+
+
+def test_the_page_attaches_an_image_for_a_model_that_reads_them(page, vision_server, server, tmp_path):
+    """A vision model's page offers to attach images; the picture goes as an `image_url` part
+    (a data URL read in the browser), shows in the user's bubble, and the reply is the API's
+    for the same image and question. A text model's page offers no such button."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 255, (80, 100, 3), dtype=np.uint8)).save(buf, "PNG")
+    (tmp_path / "picture.png").write_bytes(buf.getvalue())
+    question = "What is in this image?"
+
+    page.goto(f"{server.root}/")
+    page.wait_for_function("document.getElementById('model').textContent !== '…'")
+    page.wait_for_load_state("networkidle")
+    assert page.locator("#attach").is_hidden() and page.locator("#takes-images").is_hidden()
+
+    page.goto(f"{vision_server.root}/")
+    page.wait_for_selector("#attach:visible")
+    assert page.locator("#takes-images").is_visible()
+    page.click("#new-chat")
+    page.fill("#max_tokens", "8")
+    page.fill("#temperature", "0")
+    page.set_input_files("#attach-files", str(tmp_path / "picture.png"))
+    page.wait_for_selector("#attached img.thumb")
+    page.fill("#prompt", question)
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    content = json.loads(sent.value.post_data)["messages"][-1]["content"]
+    url = f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}"
+    assert content == [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+    page.wait_for_selector(".msg.assistant .stats:has-text('tokens')", timeout=120_000)
+    assert page.locator(".msg.user img.thumb").count() == 1 and page.locator("#attached img").count() == 0
+    answer = page.evaluate("JSON.parse(localStorage.getItem('mlxpipe.chat.v1')).turns[1].content")
+    api = httpx.post(f"{vision_server.base_url}/chat/completions", timeout=60, json={
+        "model": "default", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": content}]})
+    assert answer and answer == api.json()["choices"][0]["message"]["content"]
+    page.click("#new-chat")

@@ -80,22 +80,27 @@ def busy_port():
 
 def _files(tmp_path):
     (tmp_path / "empty").write_text("\n")
-    return {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "missing")}
+    (tmp_path / "keys").write_text("# a key and its fields a line\nkey-one role=operator\nkey-two rol=user\n")
+    return {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "missing"), "KEYFILE": str(tmp_path / "keys")}
 
 
 BAD_ARGUMENTS = [
     (["serve", "--stages", "0"], "argument --stages: must be at least 1"),
     (["generate", "--stages", "-1", "hi"], "argument --stages: must be at least 1"),
+    (["generate", "--max-tokens", "-1", "hi"], "argument --max-tokens: must be at least 1"),
     (["serve", "--port", "99999"], "argument --port: a port is 0 to 65535"),
     (["serve", "--max-batch", "0"], "argument --max-batch: must be at least 1"),
     (["serve", "--prompt-ratio", "-1"], "argument --prompt-ratio: must be 0 or more, got -1"),
     (["serve", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 16, 8, 4)"),
     (["serve", "--quantized-kv-start", "-1"], "argument --quantized-kv-start: must be 0 or more, got -1"),
+    # It used to pass, and fail at the first Load with "Value out of range" (a uint32 on the wire).
+    (["serve", "--quantized-kv-start", "4294967296"], "argument --quantized-kv-start: must be at most 4294967295"),
     (["node", "--kv-group-size", "48"], "argument --kv-group-size: invalid choice: 48"),
     # The port is taken before the model is looked for, let alone loaded.
     (["serve", "--model", "nobody/not-here", "--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY"),
     (["serve", "--api-key-file", "EMPTY"], "--api-key-file EMPTY is empty"),
     (["serve", "--api-key-file", "MISSING"], "--api-key-file MISSING: No such file"),
+    (["serve", "--api-key-file", "KEYFILE"], "API key 2: 'rol=user' is not a field"),
     (["serve", "--secret-file", "EMPTY", "--nodes", "127.0.0.1:1"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "EMPTY"], "--secret-file EMPTY is empty"),
     (["node", "--secret-file", "MISSING"], "--secret-file MISSING: No such file"),

@@ -141,14 +141,39 @@ def test_the_store_keeps_what_a_continuation_needs_and_counts_what_it_holds():
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(200):
-            store.put({"id": f"resp_{i}", "output": [], "metadata": {"pad": "x" * 20_000}}, req.items())
+            store.put(b"", {"id": f"resp_{i}", "output": [], "metadata": {"pad": "x" * 20_000}}, req.items())
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert store.nbytes <= store.max_bytes and len(store.items) < 200  # the oldest went
+    assert store.nbytes <= store.max_bytes and len(store) < 200  # the oldest went
     assert store.max_bytes / 1.5 <= store.nbytes and held <= 1.25 * store.nbytes, (held, store.nbytes)
-    conversation, response = store.get(f"resp_{199}")
+    conversation, response = store.get(b"", f"resp_{199}")
     assert conversation == req.items() and response["metadata"]["pad"] == "x" * 20_000
+
+
+def test_each_owner_of_the_store_has_a_share_and_evicts_only_its_own():
+    from mlxpipe.server.api.errors import ApiError
+
+    store = Store(max_count=8, max_bytes=1 << 20, owners=2)
+    assert (store.share_count, store.share_bytes) == (4, 1 << 19)
+    store.put(b"a", {"id": "resp_a", "output": []}, [])
+    for i in range(10):  # by count
+        store.put(b"b", {"id": f"resp_b{i}", "output": []}, [])
+    for i in range(3):  # by bytes: each entry a third of a share
+        store.put(b"b", {"id": f"resp_big{i}", "output": [], "metadata": {"pad": "x" * ((1 << 19) // 3)}}, [])
+    assert store.get(b"a", "resp_a")[1]["id"] == "resp_a"
+    assert [i for i in store.shelves[b"b"]] == ["resp_big1", "resp_big2"]
+    assert store.held[b"b"] <= store.share_bytes and store.nbytes == sum(store.held.values())
+    with pytest.raises(ApiError) as theirs:
+        store.get(b"b", "resp_a")
+    with pytest.raises(ApiError) as nobodys:
+        store.get(b"b", "resp_zz")
+    assert (theirs.value.status, theirs.value.message.replace("resp_a", "?")) == (
+        nobodys.value.status, nobodys.value.message.replace("resp_zz", "?")) and theirs.value.status == 404
+    with pytest.raises(ApiError):
+        store.delete(b"b", "resp_a")
+    store.delete(b"a", "resp_a")
+    assert len(store) == 2 and store.held[b"a"] == 0
 
 
 def _rss_mb(pid):

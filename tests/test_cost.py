@@ -63,6 +63,16 @@ def test_moe_reads_only_active_experts():
     assert dsv3.read_bytes == pytest.approx((dsv3.active_params - dsv3.embed_params) * 4.5 / 8, rel=0.01)
 
 
+def test_moe_layer_freq_as_one_flag_per_layer():
+    """MiMo-V2 and MiniMax-M3 give moe_layer_freq as a list (1: that layer's MLP is MoE), DeepSeek as a number."""
+    cfg = json.loads((CONFIGS / "deepseek_v3.json").read_text())
+    cfg.update(num_hidden_layers=4, first_k_dense_replace=0, moe_layer_freq=[0, 1, 1, 0])
+    layers = C.model_cost(cfg, bits=4).layers
+    assert [l.read_bytes < l.weight_bytes for l in layers] == [False, True, True, False]
+    cfg.update(moe_layer_freq=2)
+    assert [l.read_bytes < l.weight_bytes for l in C.model_cost(cfg, bits=4).layers] == [True, False, True, False]
+
+
 def test_tied_head_counted_once_on_a_single_stage():
     cfg = json.loads((CONFIGS / "llama_3_1_405b.json").read_text())
     cfg.update(num_hidden_layers=2, tie_word_embeddings=True)

@@ -23,6 +23,7 @@ from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.cache import disk as disk_cache
 from mlxpipe.shards.cache.block_file import decode, encode
 from mlxpipe.shards.cache.disk import DiskTier
+from mlxpipe.shards.models.digest import WeightsDigest
 from mlxpipe.shards.worker.disk_service import DiskService
 from mlxpipe.shards.worker.sampler import Sampling
 
@@ -188,6 +189,26 @@ def test_a_stage_whose_range_shrinks_still_reads_the_layers_it_keeps(tmp_path):
     again = DiskTier(tmp_path, 4, 6, limit=1 << 20)  # restarted alone: the directory that covers it is free
     assert again.dir == tier.dir and again.blocks() == ([1], []) and again.own_bytes > 0
     again.close()
+
+
+def test_a_replanned_stage_reads_the_tiers_of_ranges_with_its_weights(tmp_path, monkeypatch):
+    """A node's tier is the directory of the stage's weights digest (its range's): loaded with
+    fewer layers, it writes a directory of its own and reads the files of the ranges that
+    hold its layers with the same digests, never those of other weights."""
+    monkeypatch.setenv("MLXPIPE_HOME", str(tmp_path))
+    units = {"config": "c", "layer-00000": "0", "layer-00001": "1", "layer-00002": "2"}
+    wide = WeightsDigest(units)
+    other = WeightsDigest(dict(units, **{"layer-00001": "changed in place"}))
+    tiers = DiskService(1 << 20)
+    for weights, key in ((wide, 1), (other, 2)):
+        tier = tiers.for_load(pb.LoadRequest(start=0, end=3, block_tokens=4), weights)
+        tier.put(key, _block(key), False, 0)
+        assert tier.flush()
+    narrow = WeightsDigest({u: units[u] for u in ("config", "layer-00001")})
+    tier = tiers.for_load(pb.LoadRequest(start=1, end=2, block_tokens=4), narrow)
+    assert tier.base.parent.name == narrow.stage != wide.stage and tier.blocks() == ([1], [])
+    assert tier.own_bytes == 0 and mx.array_equal(tier.read([1])[0][1]["kv"][0][0], _block(1)["kv"][0][0]).item()
+    tiers.close()
 
 
 # -- the head's index of both tiers ----------------------------------------------------------
@@ -402,6 +423,7 @@ def test_quantized_kv_blocks_go_to_disk_as_they_are(default_model, reference, tm
     # A node keeps each KV quantization's blocks apart (the same keys hold other bits at 4).
     tiers = DiskService(1 << 20)
     load = pb.LoadRequest(start=0, end=2, block_tokens=16)
-    roots = {tiers.for_load(load, "model", q).base for q in (kv, KvQuant(4, 32, 0), None)}
-    assert len(roots) == 3 and tiers.for_load(load, "model", kv).base in roots
+    weights = WeightsDigest({"config": "c", "layer-00000": "0", "layer-00001": "1"})
+    roots = {tiers.for_load(load, weights, q).base for q in (kv, KvQuant(4, 32, 0), None)}
+    assert len(roots) == 3 and tiers.for_load(load, weights, kv).base in roots
     tiers.close()

@@ -20,7 +20,7 @@ from server_proc import ServerProcess
 from mlxpipe.bench.common import long_text
 from mlxpipe.bench.soak import stage_pids
 from mlxpipe.server.cli.status import from_head
-from mlxpipe.shards.cache.disk import DIR
+from mlxpipe.shards.cache.tier_dirs import DIR
 
 PROMPT_TOKENS = 1000
 

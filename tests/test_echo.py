@@ -127,3 +127,49 @@ def test_echo_of_text_streamed_and_whole(default_server, mlx_lm_scores):
     assert sum((c["logprobs"]["token_logprobs"] for c in choices), []) == whole["logprobs"]["token_logprobs"]
     plain = _echo(default_server, prompt=TEXT[:50], max_tokens=3)["choices"][0]  # echo without logprobs
     assert plain["text"] == whole["text"] and plain["logprobs"] is None
+
+
+# -- the text is its tokens' ------------------------------------------------------------------
+
+ROMAN = "The history of the Roman Empire began when"
+
+
+def _completion(server, stream: bool, **body) -> tuple:
+    """(text, logprobs' tokens) of one choice, whole or put together from the stream."""
+    import json
+
+    body = {"model": "default", "prompt": ROMAN, "max_tokens": 6, "temperature": 0, "logprobs": 0,
+            "stream": stream} | body
+    if not stream:
+        r = httpx.post(f"{server.base_url}/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"]
+    with httpx.stream("POST", f"{server.base_url}/completions", timeout=120, json=body) as r:
+        choices = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(c["text"] for c in choices), sum((c["logprobs"]["tokens"] for c in choices), [])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_text_is_the_concatenation_of_its_tokens(default_server, stream):
+    """On this prompt the text was "the Roman Empire" while the tokens were [" the",
+    " Roman", " Empire"]; with echo it read "...began whenthe Roman Empire", and a stream
+    started with "the": mlx-lm's detokenizer drops a text's first space, and a
+    continuation is no new text."""
+    text, tokens = _completion(default_server, stream)
+    assert tokens[0].startswith(" ")  # (the default model's greedy " the")
+    assert text == "".join(tokens)
+    echoed, echoed_tokens = _completion(default_server, stream, echo=True)
+    assert echoed == "".join(echoed_tokens) == ROMAN + text
+
+
+def test_ollama_raw_generate_keeps_the_first_space(default_server):
+    import json
+
+    body = {"model": "x", "prompt": ROMAN, "raw": True, "options": {"temperature": 0, "num_predict": 6}}
+    whole = httpx.post(f"{default_server.root}/api/generate", timeout=120, json=body | {"stream": False}).json()
+    text, _ = _completion(default_server, False)
+    assert whole["response"] == text and text.startswith(" ")
+    with httpx.stream("POST", f"{default_server.root}/api/generate", timeout=120, json=body) as r:
+        parts = [json.loads(line) for line in r.iter_lines() if line]
+    assert "".join(p["response"] for p in parts) == text

@@ -20,7 +20,6 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import long_text
-from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.plan import Sample, Step, StepKind, StepResult
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
@@ -32,9 +31,11 @@ def _seq(i: int, prompt_len: int, max_tokens: int = 2) -> Seq:
                sampling=Sampling())
 
 
-def _answer(s: Scheduler, step: Step, token: int = 7):
-    """What the last stage answers for ``step``: a token for every sampling entry."""
-    return s.on_result(StepResult(step.step_id, [Sample(e.seq_id, token) for e in step.entries if e.sample]))
+def _answer(s: Scheduler, step: Step, token: int = 7, stage_s: List[float] = ()):
+    """What the last stage answers for ``step``: a token for every sampling entry (and, with
+    ``stage_s``, the seconds each stage took on it)."""
+    return s.on_result(StepResult(step.step_id, [Sample(e.seq_id, token) for e in step.entries if e.sample],
+                                  list(stage_s)))
 
 
 def _prefills(steps: List[Step]) -> List[Tuple[int, int]]:
@@ -142,17 +143,17 @@ def test_chunks_are_bounded_in_time_alone_too():
     """Whoever arrives next waits for the chunks in flight: a long prompt's chunks hold
     a stage at most max_stall seconds even with nobody else there (once a prefill step
     has been timed); max_stall 0 turns the bound off."""
-    costs: Dict[str, KindTotals] = {}
-    s = Scheduler(SchedulerConfig(chunk_size=256, max_prefill_inflight=2, max_stall=0.2), costs=lambda: costs)
+    s = Scheduler(SchedulerConfig(chunk_size=256, max_prefill_inflight=2, max_stall=0.2))
     s.add(_seq(1, 4000))
     flying = s.schedule()
     assert _prefills(flying) == [(1, 256), (1, 256)]  # nothing timed yet
-    costs["prefill"] = KindTotals(token_s=0.01)
-    _answer(s, flying[0])
+    _answer(s, flying[0], stage_s=[1.28, 2.56])  # the slowest stage: 0.01 s a position
     assert _prefills(s.schedule()) == [(1, 20)]  # 0.2 s / 0.01 s a position
-    off = Scheduler(SchedulerConfig(chunk_size=256, max_prefill_inflight=2, max_stall=0), costs=lambda: costs)
+    off = Scheduler(SchedulerConfig(chunk_size=256, max_prefill_inflight=2, max_stall=0))
     off.add(_seq(1, 4000))
-    assert _prefills(off.schedule()) == [(1, 256), (1, 256)]
+    flying = off.schedule()
+    _answer(off, flying[0], stage_s=[1.28, 2.56])
+    assert _prefills(off.schedule()) == [(1, 256)]
 
 
 def test_a_cancelled_prompt_sends_nothing_more_and_is_freed_with_the_next_step():
@@ -237,8 +238,7 @@ class SimPipeline:
     arrives. Returns first-token times; the scheduler is the real one."""
 
     def __init__(self, config: SchedulerConfig, stages: int = 2, per_token: float = 0.01, overhead: float = 0.002):
-        self.costs: Dict[str, KindTotals] = {}
-        self.s = Scheduler(config, costs=lambda: self.costs)
+        self.s = Scheduler(config)
         self.stages, self.per_token, self.overhead = stages, per_token, overhead
         self.free_at = [0.0] * stages
         self.now = 0.0
@@ -261,12 +261,12 @@ class SimPipeline:
     def _send(self) -> None:
         for step in self.s.schedule():
             n = sum(e.num_tokens for e in step.entries)
-            t = self.now
+            t, took = self.now, self.overhead + n * self.per_token if n else 0.0
             for i in range(self.stages):
                 start = max(t, self.free_at[i])
-                t = self.free_at[i] = start + (self.overhead + n * self.per_token if n else 0.0)
+                t = self.free_at[i] = start + took
             self.busy_until = max(self.busy_until, t)
-            self._push(t, "result", step)
+            self._push(t, "result", (step, [took] * self.stages))
 
     def run(self, until: Optional[float] = None) -> None:
         while self.events:
@@ -281,9 +281,8 @@ class SimPipeline:
             elif kind == "cancel":
                 self.s.cancel(obj)
             else:
-                if obj.kind == StepKind.PREFILL and not any(e.sample for e in obj.entries):
-                    self.costs["prefill"] = KindTotals(token_s=self.per_token)  # what the head measures
-                for ev in _answer(self.s, obj):
+                step, took = obj  # (and what each stage took: its StageTiming)
+                for ev in _answer(self.s, step, stage_s=took):
                     self.first.setdefault(ev.seq.seq_id, t - self.arrived[ev.seq.seq_id])
             self._send()
 

@@ -7,7 +7,7 @@ import pytest
 from inproc import InProcess, WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes
+from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, model_salt
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
 from mlxpipe.shards.params.sampling import Sampling
@@ -135,6 +135,15 @@ def test_a_salt_keeps_one_tenants_prefixes_from_another():
     reuse, cached = run(4, b"tenant a")
     assert reuse == chain_hashes(prompt, B, [], 4, b"tenant a") and cached == 16
     assert run(5, b"tenant b")[1] == 16 and run(6, b"")[1] == 16
+    # Stages that load other weights (a rebuilt pipeline): another model's salt, so no hit,
+    # and a live sequence's keys are made again from it; the same weights keep them.
+    live = Seq(seq_id=7, prompt=prompt, max_tokens=3, sampling=Sampling(), hashes=[1, 2])
+    s.kv.set_model(model_salt([{"layer-00000": "a"}]), [live])
+    assert live.hashes == [] and run(8, b"")[1] == 0 and run(9, b"")[1] == 16
+    live.hashes[:] = [1, 2]
+    s.kv.set_model(model_salt([{"layer-00000": "a"}]), [live])
+    assert live.hashes == [1, 2]
+    assert model_salt([{"a": "1"}, {"b": "2"}]) == model_salt([{"a": "1", "b": "2"}]) != model_salt([{"a": "1"}])
 
 
 def test_penalties_get_the_reused_tokens_they_look_back_at():

@@ -97,7 +97,7 @@ def test_messages_errors_in_anthropics_shape(claude, root):
     resp = httpx.post(f"{root}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [image]}]})
     assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
-    assert "image blocks are not supported" in resp.json()["error"]["message"]
+    assert "images are not supported: this model takes text only" in resp.json()["error"]["message"]
 
 
 # -- OpenAI Responses -----------------------------------------------------------------------
@@ -248,10 +248,11 @@ def test_greedy_text_is_the_same_through_every_api(claude, oai, olla):
 
 
 def test_an_unknown_path_names_what_is_served(root):
-    resp = httpx.post(f"{root}/v1/embeddings", json={"input": "x"})
+    resp = httpx.post(f"{root}/v1/moderations", json={"input": "x"})
     assert resp.status_code == 404
     message = resp.json()["error"]["message"]
-    for served in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat"):
+    for served in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/api/chat",
+                   "/api/embed"):
         assert served in message, message
 
 

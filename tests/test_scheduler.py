@@ -6,7 +6,6 @@ import pytest
 from inproc import WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq
 from mlxpipe.shards.params.sampling import Sampling
@@ -17,10 +16,12 @@ def seq(i, prompt_len=5, max_tokens=4, eos=()):
                     sampling=Sampling(), eos=frozenset(eos))
 
 
-def result(frame, token=7):
-    """What the last stage would answer for `frame`: a token for every sampling row."""
+def result(frame, token=7, seconds=()):
+    """What the last stage would answer for `frame`: a token for every sampling row (and, with
+    ``seconds``, each stage's time on it)."""
     return pb.Result(frame_id=frame.frame_id,
-                     tokens=[pb.TokenResult(seq_id=e.seq_id, token=token) for e in frame.seqs if e.sample])
+                     tokens=[pb.TokenResult(seq_id=e.seq_id, token=token) for e in frame.seqs if e.sample],
+                     timings=[pb.StageTiming(compute_us=int(x * 1e6)) for x in seconds])
 
 
 def test_prefill_is_chunked_and_the_last_token_goes_alone():
@@ -36,12 +37,10 @@ def test_prefill_is_chunked_and_the_last_token_goes_alone():
 
 def test_prefill_chunks_shrink_to_the_stall_bound_while_others_decode():
     """Sarathi's stall-free batching: with a sequence decoding, a prompt's chunks hold
-    the slowest stage no longer than ``max_stall`` at the measured cost per position;
-    alone (or before any cost is measured) it goes in full chunks."""
-    costs = {}
-    s = Scheduler(SchedulerConfig(chunk_size=64, min_chunk=1, max_prefill_inflight=1, max_stall=0.25),
-                  costs=lambda: costs)  # min_chunk 1: the bound alone (it never cuts under min_chunk)
-    s.add(seq(1, prompt_len=1))
+    the slowest stage no longer than ``max_stall`` at the cost its frames measured
+    (``prefill.py``); before any prefill frame is timed it goes in full chunks."""
+    s = Scheduler(SchedulerConfig(chunk_size=64, min_chunk=1, max_prefill_inflight=1, max_stall=0.25))
+    s.add(seq(1, prompt_len=1))  # min_chunk 1: the bound alone (it never cuts under min_chunk)
     (first,) = s.schedule()
     s.on_result(result(first))
     assert s.decoding == 1
@@ -49,23 +48,12 @@ def test_prefill_chunks_shrink_to_the_stall_bound_while_others_decode():
     frames = s.schedule()
     prefill = [f for f in frames if f.kind == pb.Frame.PREFILL]
     assert prefill[0].seqs[0].num_tokens == 64  # no cost measured yet
-    costs["prefill"] = KindTotals(token_s=0.04)
-    s.on_result(result(prefill[0]))
+    s.on_result(result(prefill[0], seconds=(0.5, 64 * 0.04)))  # the slowest stage: 0.04 s a position
     (nxt,) = [f for f in s.schedule() if f.kind == pb.Frame.PREFILL]
     assert nxt.seqs[0].num_tokens == 6  # 0.25 s / 0.04 s per position
-    costs["prefill"] = KindTotals(token_s=1.0)
-    s.on_result(result(nxt))
+    s.on_result(result(nxt, seconds=(0.5, 6.0)))  # a stage far slower now
     (slow,) = [f for f in s.schedule() if f.kind == pb.Frame.PREFILL]
     assert slow.seqs[0].num_tokens == 1  # never nothing
-
-
-def test_the_stall_cost_follows_recent_frames():
-    t = KindTotals()
-    t.observe(10, [0.5, 1.0])  # the slowest stage: 0.1 s per position
-    assert t.token_s == pytest.approx(0.1)
-    for _ in range(40):
-        t.observe(10, [0.1, 0.2])
-    assert t.token_s == pytest.approx(0.02, rel=0.01)
 
 
 def test_prefill_frames_in_flight_are_bounded():

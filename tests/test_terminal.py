@@ -139,7 +139,8 @@ def test_a_client_that_goes_away_is_logged_as_499_with_the_tokens_it_was_sent(se
 
 
 @pytest.mark.parametrize("part, says", [
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "image parts are not supported"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "images are not supported: this model "
+                                                                               "takes text only"),
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio parts are not supported"),
     ({"type": "video_frame"}, "unknown content part type 'video_frame'"),
 ])

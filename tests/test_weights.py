@@ -19,8 +19,9 @@ from mlxpipe.server.cluster import weights
 from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
-from mlxpipe.shards.models.store import fingerprint
-from mlxpipe.shards.models.weights import CHUNK_BYTES, Receiver, WeightsError, model_units, read_header, units_for_range
+from mlxpipe.shards.models.received import Receiver
+from mlxpipe.shards.models.unit_digests import hash_file, hash_unit
+from mlxpipe.shards.models.weights import CHUNK_BYTES, WeightsError, model_units, read_header, units_for_range
 
 PROMPT = [5, 77, 901, 33, 12]
 TOKENS = 20
@@ -48,27 +49,51 @@ def test_units_cover_every_tensor_once_and_read_back_exactly(dsv3_model):
 def test_receiver_verifies_resumes_and_refuses_strange_names(dsv3_model, tmp_path):
     unit = model_units(dsv3_model)["embed"]
     chunk = 1 << 18
-    rx = Receiver(tmp_path, "ab" * 8, chunk_bytes=chunk)
-    missing = rx.need("embed", unit.header(), unit.data_bytes)
+    digest = hash_unit(unit)
+    rx = Receiver(tmp_path, chunk_bytes=chunk)
+    missing = rx.need("embed", digest, unit.header(), unit.data_bytes)
     assert missing == list(range(unit.chunks(chunk))) and len(missing) > 3
     first = unit.read(0, chunk)
-    assert not rx.write_chunk("embed", 0, b"x" + first[1:], hashlib.sha256(first).digest())  # corrupted
-    assert rx.write_chunk("embed", 0, first, hashlib.sha256(first).digest())
+    assert not rx.write_chunk("embed", digest, 0, b"x" + first[1:], hashlib.sha256(first).digest())  # corrupted
+    assert rx.write_chunk("embed", digest, 0, first, hashlib.sha256(first).digest())
     # A new Receiver (a restarted node) sees what arrived and verified.
-    again = Receiver(tmp_path, "ab" * 8, chunk_bytes=chunk)
-    assert again.need("embed", unit.header(), unit.data_bytes) == missing[1:]
-    assert again.verified_bytes() == chunk
+    again = Receiver(tmp_path, chunk_bytes=chunk)
+    assert again.need("embed", digest, unit.header(), unit.data_bytes) == missing[1:]
+    assert again.verified_bytes([digest]) == chunk
     for i in missing[1:]:
         data = unit.read(i, chunk)
-        assert again.write_chunk("embed", i, data, hashlib.sha256(data).digest())
-    assert (again.dir / "model-embed.safetensors").exists() and not list(again.dir.glob("*.partial"))
-    header, _ = read_header(again.dir / "model-embed.safetensors")
+        assert again.write_chunk("embed", digest, i, data, hashlib.sha256(data).digest())
+    # Kept under its content digest: the file's own digest is the one offered.
+    kept = again.dir / f"{digest}.safetensors"
+    assert kept.exists() and not list(again.dir.glob("*.partial")) and hash_file(kept) == digest
+    header, _ = read_header(kept)
     assert set(header) - {"__metadata__"} == {t.name for t in unit.tensors}
     for bad in ("../../etc/passwd", "layer-1", "EMBED"):
         with pytest.raises(WeightsError):
-            again.need(bad, b"{}", 1)
-    with pytest.raises(WeightsError):
-        Receiver(tmp_path, "../x")
+            again.need(bad, digest, b"{}", 1)
+    for bad in ("../x", "ab" * 8, ""):
+        with pytest.raises(WeightsError):
+            again.need("embed", bad, unit.header(), unit.data_bytes)
+
+
+def test_a_unit_that_is_not_its_digest_is_never_kept(dsv3_model, tmp_path):
+    """Chunks that pass their checksums but do not make the digest offered (the head's copy
+    changed while it was sent) are dropped when the last arrives, in 4 MiB chunks (digest
+    from the chunks' checksums) as in others (hashed again)."""
+    unit = model_units(dsv3_model)["layer-00001"]
+    for chunk in (CHUNK_BYTES, 1 << 16):
+        rx = Receiver(tmp_path / str(chunk), chunk_bytes=chunk)
+        wrong = "0" * 64
+        with pytest.raises(WeightsError, match="not the 0000000000000000 offered"):
+            for i in rx.need("layer-00001", wrong, unit.header(), unit.data_bytes):
+                data = unit.read(i, chunk)
+                rx.write_chunk("layer-00001", wrong, i, data, hashlib.sha256(data).digest())
+        assert not rx.has(wrong) and not list(rx.dir.iterdir())
+        right = hash_unit(unit)
+        for i in rx.need("layer-00001", right, unit.header(), unit.data_bytes):
+            data = unit.read(i, chunk)
+            assert rx.write_chunk("layer-00001", right, i, data, hashlib.sha256(data).digest())
+        assert rx.has(right)
 
 
 # -- over the wire -------------------------------------------------------------------
@@ -152,7 +177,7 @@ def test_a_corrupted_chunk_is_sent_again(dsv3_model, tmp_path, reference):
 
 def test_an_interrupted_transfer_resumes_without_resending(dsv3_model, tmp_path, reference):
     home = tmp_path / "home"
-    fp = fingerprint(dsv3_model)
+    digests = [hash_unit(u) for u in units_for_range(model_units(dsv3_model), 0, 4, 4)]
     proc, address = _node(home)
     total = _range_bytes(dsv3_model, 0, 4)
     try:
@@ -163,10 +188,10 @@ def test_an_interrupted_transfer_resumes_without_resending(dsv3_model, tmp_path,
 
         async def kill_halfway():
             task = asyncio.ensure_future(slow_start())
-            rx = Receiver(home, fp)
+            rx = Receiver(home)
             while True:
                 await asyncio.sleep(0.1)
-                done = rx.verified_bytes() if rx.dir.exists() else 0
+                done = rx.verified_bytes(digests)
                 if done > total * 0.3:
                     proc.send_signal(signal.SIGKILL)
                     break
@@ -176,7 +201,7 @@ def test_an_interrupted_transfer_resumes_without_resending(dsv3_model, tmp_path,
 
         run_async(kill_halfway(), timeout=120)
         proc.wait()
-        verified = Receiver(home, fp).verified_bytes()
+        verified = Receiver(home).verified_bytes(digests)
         assert 0 < verified < total
         proc2, address2 = _node(home)
         try:
@@ -215,17 +240,13 @@ def _await_listening(port, starter, timeout=240):
     raise AssertionError(f"nothing listens on 127.0.0.1:{port}: the head did not start taking joins")
 
 
-def _text(model, tokens):
-    """What the API's completion text is for ``tokens`` (mlx-lm's streaming
-    detokenizer, which drops the one space a text starts with)."""
+def _text(model, prompt, tokens):
+    """What the API's completion text is for ``tokens`` after ``prompt``: the text they
+    add to the prompt's (a first token's leading space included)."""
     from mlx_lm.utils import load_tokenizer
 
-    detok = load_tokenizer(model).detokenizer
-    detok.reset()
-    for t in tokens:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    tok = load_tokenizer(model)
+    return tok.decode(prompt + tokens)[len(tok.decode(prompt)):]
 
 
 def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, reference):
@@ -254,7 +275,7 @@ def test_nodes_join_a_head_and_a_wrong_secret_is_refused(dsv3_model, tmp_path, r
         r = httpx.post(f"{head.base_url}/completions", json={"model": "default", "prompt": PROMPT,
                                                               "max_tokens": TOKENS, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == TOKENS
-        assert r.json()["choices"][0]["text"] == _text(dsv3_model, reference(dsv3_model, PROMPT, TOKENS))
+        assert r.json()["choices"][0]["text"] == _text(dsv3_model, PROMPT, reference(dsv3_model, PROMPT, TOKENS))
         out = subprocess.run([sys.executable, "-m", "mlxpipe.server.cli", "nodes", "--url", head.base_url],
                              capture_output=True, text=True, timeout=60)
         assert all(a in out.stdout for _, a in joiners)

@@ -29,15 +29,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator, keepalive
 from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.schemas import stop_strings
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 PING_EVERY_S = 10.0  # a `ping` event this often while nothing else is sent (long prefills)
-# Content blocks that carry what a text model cannot take.
-NOT_TEXT = ("image", "document", "search_result", "container_upload")
+# Content blocks that carry what this server takes no model for.
+NOT_TEXT = ("document", "search_result", "container_upload")
 
 
 class Tool(BaseModel):
@@ -68,8 +70,36 @@ class ToolUseBlock(BaseModel):
     input: Dict[str, Any]
 
 
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = None  # (the bytes say what they are)
+    data: Optional[str] = None
+    url: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _given(self):
+        if (self.data if self.type == "base64" else self.url) is None:
+            raise ValueError(f"a {self.type} image source carries its `{'data' if self.type == 'base64' else 'url'}`")
+        return self
+
+
+class ImageBlock(BaseModel):
+    """An image: base64 bytes, or a URL the server fetches where its operator allows it."""
+
+    model_config = ConfigDict(extra="ignore")  # cache_control
+
+    type: Literal["image"]
+    source: ImageSource
+
+    def part(self, images: list, param: str) -> dict:
+        src = self.source
+        return image_part(images, src.data if src.type == "base64" else src.url, param, src.type == "base64")
+
+
 class NotTextBlock(BaseModel):
-    """A block that carries what a text model cannot take: refused, in words that name it."""
+    """A block that carries what this server takes no model for: refused, in words that name it."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -77,10 +107,10 @@ class NotTextBlock(BaseModel):
 
     @model_validator(mode="after")
     def _refuse(self):
-        raise ValueError(f"{self.type} blocks are not supported: this model takes text only")
+        raise ValueError(f"{self.type} blocks are not supported: this server takes text and image blocks")
 
 
-ResultPart = by_type({"text": TextBlock, **dict.fromkeys(NOT_TEXT, NotTextBlock)})
+ResultPart = by_type({"text": TextBlock, "image": ImageBlock, **dict.fromkeys(NOT_TEXT, NotTextBlock)})
 
 
 class ToolResultBlock(BaseModel):
@@ -96,8 +126,16 @@ class ToolResultBlock(BaseModel):
             return self.content or ""
         return "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
 
+    def content_for(self, images: list, param: str):
+        """Its content as a tool message holds it: text, or its parts in order where it holds images."""
+        text = f"Error: {self.text()}" if self.is_error else self.text()
+        if not isinstance(self.content, list) or not any(isinstance(b, ImageBlock) for b in self.content):
+            return text
+        return [b.part(images, f"{param}.content.{j}") if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                for j, b in enumerate(self.content)]
 
-Block = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+
+Block = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "image": ImageBlock,
                  **dict.fromkeys(NOT_TEXT, NotTextBlock)})  # thinking, server tools' blocks: left out
 
 
@@ -172,24 +210,29 @@ def _system(system: Union[str, List[TextBlock], None]) -> str:
     return system or ""
 
 
-def _message(m: Message) -> List[Dict[str, Any]]:
-    """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
+def _message(m: Message, images: list, param: str) -> List[Dict[str, Any]]:
+    """One Anthropic message as OpenAI chat messages (tool results become tool messages); its
+    images become image parts, their refs appended to ``images``."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    texts, calls, results = [], [], []
-    for b in m.content:
+    parts, calls, results = [], [], []
+    for j, b in enumerate(m.content):
         if isinstance(b, TextBlock):
-            texts.append(b.text)
+            parts.append({"type": "text", "text": b.text})
+        elif isinstance(b, ImageBlock):
+            parts.append(b.part(images, f"{param}.content.{j}"))
         elif isinstance(b, ToolUseBlock):
             calls.append({"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": json.dumps(b.input)}})
         elif isinstance(b, ToolResultBlock):
             results.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": f"Error: {b.text()}" if b.is_error else b.text()})
+                            "content": b.content_for(images, f"{param}.content.{j}")})
         # thinking / redacted_thinking: the model's own reasoning, not shown to it again
+    pictured = any(p["type"] == "image" for p in parts)
+    content = parts if pictured else "\n".join(p["text"] for p in parts)
     if m.role == "assistant":
-        return [{"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls or None}]
-    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+        return [{"role": "assistant", "content": content or None, "tool_calls": calls or None}]
+    return results + ([{"role": "user", "content": content}] if parts or not results else [])
 
 
 def _tool_choice(choice: Optional[ToolChoice]):
@@ -209,10 +252,10 @@ def _output_format(config: Optional[OutputConfig]) -> Optional[Dict[str, Any]]:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.schema_}}
 
 
-def _messages(req: Union[MessagesRequest, CountRequest]) -> List[Dict[str, Any]]:
+def _messages(req: Union[MessagesRequest, CountRequest], images: list) -> List[Dict[str, Any]]:
     messages = [{"role": "system", "content": s}] if (s := _system(req.system)) else []
-    for m in req.messages:
-        messages += _message(m)
+    for i, m in enumerate(req.messages):
+        messages += _message(m, images, f"messages.{i}")
     return messages
 
 
@@ -223,17 +266,17 @@ def _tools(req: Union[MessagesRequest, CountRequest]) -> Optional[List[Dict[str,
     return tools or None
 
 
-def to_request(req: MessagesRequest, options: ApiOptions) -> GenerationRequest:
+def to_request(req: MessagesRequest, options: ApiOptions, tenant: Tenant) -> GenerationRequest:
     """The internal request of an Anthropic one."""
-    tools = _tools(req)
+    tools, images = _tools(req), []
     return GenerationRequest(
-        messages=_messages(req), tools=tools,
+        messages=_messages(req, images), tools=tools, images=images,
         sampling=request_sampling(options, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
         max_tokens=req.max_tokens, clamp_max_tokens=True, stop=req.stop_sequences or [],
         response_format=_output_format(req.output_config),
         tool_choice=_tool_choice(req.tool_choice) if tools else None,
         parallel_tool_calls=not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use),
-        cache_salt=req.cache_salt)
+        tenant=tenant)
 
 
 def stop_reason(finish: Optional[str], stop_string: Optional[str]) -> str:
@@ -345,18 +388,21 @@ async def stream_message(gen: Generation, model: str, msg_id: str, on_error) -> 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     async def messages(body: MessagesRequest, request: Request):
-        req = to_request(body, options)
-        gen = await generator.start(req)
+        req = to_request(body, options, caller_of(request).tenant(body.cache_salt))
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        gen = await chosen.start(req)
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
             def on_error(err):
-                return {"error": generator.error(req, err).body("anthropic")["error"]}
+                return {"error": chosen.error(req, err).body("anthropic")["error"]}
             return StreamingResponse(stream_message(gen, body.model, msg_id, on_error),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return await whole_message(gen, request, body.model, msg_id)
 
-    async def count_tokens(body: CountRequest):
-        prompt = await generator.prompt(GenerationRequest(messages=_messages(body), tools=_tools(body)))
+    async def count_tokens(body: CountRequest, request: Request):
+        images = []
+        prompt = await generator.pick(body.model).prompt(GenerationRequest(
+            messages=_messages(body, images), tools=_tools(body), images=images, tenant=caller_of(request).tenant(None)))
         return {"input_tokens": len(prompt)}
 
     for base in ("/v1/messages", "/messages"):

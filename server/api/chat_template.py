@@ -17,7 +17,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
@@ -109,9 +109,11 @@ class Prompts:
         self._plain = None
 
     def render(self, messages: List[Dict[str, Any]], tools: Optional[List[dict]],
-               template_kwargs: Dict[str, Any]) -> List[int]:
+               template_kwargs: Dict[str, Any], expand: Optional[Callable[[str], str]] = None) -> List[int]:
         """The prompt's token ids: the chat template's, or the contents joined by
-        newlines for a model without one."""
+        newlines for a model without one. ``expand``: what the rendered text becomes before
+        it is tokenized (a vision model's processor writes each image's placeholders for
+        the template's marker; client text holds no marker by then)."""
         tok = self.tokenizer
         (messages, tools, template_kwargs), marked = self._escape((messages, tools, template_kwargs))
         if not tok.has_chat_template:
@@ -119,7 +121,7 @@ class Prompts:
             return self._encode(text, marked, add_special_tokens=True)
         text = tok.apply_chat_template(template_messages(messages, self.calls_as_text), tools=tools or None,
                                        add_generation_prompt=True, tokenize=False, **template_kwargs)
-        return self._encode(text, marked, add_special_tokens=False)
+        return self._encode(expand(text) if expand is not None else text, marked, add_special_tokens=False)
 
     # -- client text with markers: placeholders, then plain text ------------------------------
 

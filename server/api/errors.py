@@ -23,9 +23,10 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 529: "overloaded_error"}
 # What the 404 for an unknown path lists.
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (OpenAI); POST /v1/responses, "
-          "GET /v1/responses/{id} (OpenAI Responses); POST /v1/messages, POST /v1/messages/count_tokens "
-          "(Anthropic); POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, "
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models (OpenAI); "
+          "POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI Responses); POST /v1/messages, "
+          "POST /v1/messages/count_tokens (Anthropic); POST /api/chat, POST /api/generate, POST /api/embed, "
+          "POST /api/embeddings, GET /api/tags, POST /api/show, GET /api/ps, "
           "GET /api/version (Ollama); GET /health, GET /metrics, GET / (the web page)")
 
 

@@ -13,21 +13,26 @@ an ``ApiError`` saying what to change; no MLX work happens in this process.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jinja2 import TemplateError
 
-from mlxpipe.server.api import tenants
 from mlxpipe.server.api.chat_template import Delta, ForcedReply, Prompts, Reply, thinks_first
 from mlxpipe.server.api.errors import ApiError
+from mlxpipe.server.api.images import ImagePolicy, load_images
 from mlxpipe.server.api.options import ApiOptions
+from mlxpipe.server.api.quotas import Admission, Quotas
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.request_log import attach
 from mlxpipe.server.api.structured import (GrammarError, Grammars, bare_call_grammar, forced_functions,
                                            marked_calls, response_format_grammar, tool_call_grammar)
-from mlxpipe.server.api.textgen import TextChunk, stream_text
+from mlxpipe.server.api.textgen import CONTEXT_TOKENS, TextChunk, stream_text
+from mlxpipe.server.api.token_budget import token_budget
+from mlxpipe.server.api.traces import new_trace
+from mlxpipe.server.core.priority import effective
 from mlxpipe.server.core.sequence import QueueFull
 from mlxpipe.server.core.streams import GenerationFailed, RequestStream, SequenceFailed, Token
 from mlxpipe.shards.models.grammar import in_worker
@@ -89,14 +94,26 @@ class Generation:
     """One request's ``n`` streams, their text, and their usage."""
 
     def __init__(self, generator: "Generator", req: GenerationRequest, prompt: List[int],
-                 streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]]):
+                 streams: List[RequestStream], make_reply: Optional[Callable[[bool], Reply]],
+                 admission: Optional[Admission] = None):
         self.generator, self.req = generator, req
+        self.admission = admission  # its place among its key's concurrent requests, its tokens counted there
+        if admission is not None:  # (released when its chunks end; if they never start, when it is collected)
+            weakref.finalize(self, admission.release)
         self.tokenizer = generator.tok
         self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.streams = streams
         self.completion_tokens = 0
         self._make_reply = make_reply  # (streaming) -> a Reply; None: plain text
+        self.meter = generator.meter(req)
+        if self.meter is not None:
+            self.meter.started(self)
+
+    @property
+    def live(self) -> bool:
+        """Some choice is still waiting or generating."""
+        return not all(s.done for s in self.streams)
 
     def cancel(self) -> None:
         for s in self.streams:
@@ -119,10 +136,13 @@ class Generation:
         """(choice index, chunk) from all n streams, as they come; the streams are
         cancelled when this ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
+        # A continued prompt's last tokens lead the detokenizer in, so the reply's first
+        # space is kept (``stream_text``); a chat reply starts a text, as mlx-lm's server's.
+        context = self.prompt[-CONTEXT_TOKENS:] if self.req.continues else ()
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for c in stream_text(self.tokenizer, stream, self.req.stop):
+                async for c in stream_text(self.tokenizer, stream, self.req.stop, context):
                     await queue.put((i, c))
             except Exception as err:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, err))
@@ -140,11 +160,20 @@ class Generation:
                     raise item
                 else:
                     self.completion_tokens += len(item.tokens)
+                    if self.meter is not None:
+                        self.meter.generated_tokens(len(item.tokens))
+                    if self.admission is not None:
+                        self.admission.tokens(len(item.tokens))
                     yield i, item
         finally:
             self.cancel()
             for t in tasks:
                 t.cancel()
+            if self.admission is not None:
+                self.admission.release()
+            if self.meter is not None:
+                u = self.usage()
+                self.meter.cached_prompt(u.cached_tokens - u.cached_disk_tokens, u.cached_disk_tokens)
 
     async def events(self) -> AsyncIterator[Event]:
         """Each choice's text as it streams. Raises ``GenerationFailed`` or
@@ -201,11 +230,16 @@ class Generation:
 class Generator:
     """The API's one way to run a request on the engine (``head``: the started
     ``Cluster``, or anything with its ``engine``, ``tokenizer``, ``vocab_size`` and
-    ``model_facts()``)."""
+    ``model_facts()``); ``others``: the models the head serves itself (``--also``), by name (``pick``)."""
 
-    def __init__(self, head, options: ApiOptions):
+    def __init__(self, head, options: ApiOptions, metrics=None, others: Sequence = (), quotas: Optional[Quotas] = None):
         self.head = head
         self.options = options
+        self.metrics = metrics  # (metrics.Metrics: each key's own activity is counted there)
+        self.quotas = quotas or Quotas()  # each key's limits and priority class (quotas.py)
+        self.others: Dict[str, "Generator"] = {
+            m.name: Generator(m, replace(options, model_id=m.name, aliases=()), metrics, quotas=self.quotas)
+            for m in others}
         self.engine = head.engine
         self.tok = head.tokenizer
         self.vocab = head.vocab_size
@@ -213,26 +247,70 @@ class Generator:
         self.retry_after = {"Retry-After": str(options.retry_after_s)}
         self.grammars = Grammars(head.tokenizer, self.vocab)
         self.prompts = Prompts(head.tokenizer)
+        self.vision = getattr(head, "vision", None)  # a vision model's processor and tower (None: text only)
+        self.image_policy = ImagePolicy.of(options)
 
     def model_facts(self) -> dict:
         """The model's type, layers, bytes, fingerprint and bits (for APIs that list models)."""
         return self.head.model_facts()
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{self.options.model_id}'", param="model", code="model_not_found")
+    def meter(self, req: GenerationRequest):
+        """The ``KeyMeter`` of the request's key, if this generator counts."""
+        return self.metrics.key(req.tenant.key) if self.metrics is not None else None
+
+    def served(self) -> List[str]:
+        """The names of the models served: the pipeline's, the head's others, the embedding model."""
+        embedder = getattr(self.head, "embedder", None)
+        return [self.options.model_id, *self.others, *([embedder.facts.name] if embedder is not None else [])]
+
+    def pick(self, name: Optional[str]) -> "Generator":
+        """The model a request names: another of the head's models by its name (Ollama's
+        ``:latest`` tag or not); any other name, the pipeline's (agents name their own)."""
+        name = (name or "").removesuffix(":latest")
+        return self.others.get(name, self)
+
+    def check_model(self, name: str) -> "Generator":
+        """``pick``, strictly (OpenAI's chat, completions and models): a name no served model
+        answers to is a 404 that lists the served ones."""
+        chosen = self.pick(name)
+        if chosen is self and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.served())
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return chosen
 
     async def start(self, req: GenerationRequest) -> Generation:
-        """The request's ``n`` streams on the engine, or an ApiError."""
+        """The request's ``n`` streams on the engine, or an ApiError (a 429 or 403 from its
+        key's limits: ``quotas.py``)."""
+        self.quotas.check_model(req.tenant.key, self.options.model_id)
         constrained = req.response_format is not None or req.forced_tool_call
         plan = await self.plan(req) if constrained else OutputPlan()
         if plan.bare is not None:  # a template that cannot show the model its tools: a note says the call
             req = replace(req, messages=ForcedReply.instruct(req.messages or [], plan.bare))
-        prompt = await self.prompt(req)
+        prompt, images = await self.prompt_images(req)
         grammar = plan.grammar
         max_tokens = self.budget(req, len(prompt))
-        streams, salt = [], tenants.salt(req.cache_salt)
+        media = await self.media(prompt, images) if images is not None else None  # the tower, where it must run
+        admission = self.quotas.admit(req.tenant.key, len(prompt))
+        try:
+            streams = self._submit(req, prompt, grammar, max_tokens, media)
+        except BaseException:
+            admission.release()
+            raise
+        thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
+        # (streaming) -> the Reply that splits a choice's text
+        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
+        if plan.bare is not None:
+            make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
+        gen = Generation(self, req, prompt, streams, make_reply, admission)
+        attach(gen)  # its tokens and timings go in the request's log line
+        return gen
+
+    def _submit(self, req: GenerationRequest, prompt: List[int], grammar: str, max_tokens: int,
+                media=None) -> List[RequestStream]:
+        """The request's ``n`` streams, submitted in its priority class (its key's, or lower if it asked)."""
+        streams, salt = [], req.tenant.salt()
+        priority = effective(self.quotas.priority(req.tenant.key), req.priority, req.service_tier)
         try:
             for i in range(req.n):
                 # (choices share the prompt: the first alone scores it, when asked)
@@ -240,7 +318,8 @@ class Generator:
                 if sampling.seed is not None:
                     sampling = replace(sampling, seed=sampling.seed + i)
                 streams.append(self.engine.submit(prompt, max_tokens, sampling, speculation=req.speculation,
-                                                  max_drafts=req.max_drafts, cache_salt=salt))
+                                                  max_drafts=req.max_drafts, cache_salt=salt, media=media,
+                                                  trace=new_trace(), priority=priority))
         except QueueFull as err:
             for s in streams:
                 s.cancel()
@@ -252,39 +331,56 @@ class Generator:
             for s in streams:
                 s.cancel()
             raise ApiError(400, str(err), param=getattr(err, "param", None) or "max_tokens")
-        thinking = req.split_reply and thinks_first(self.tok, prompt) and not grammar  # a grammar leaves no room
-        # (streaming) -> the Reply that splits a choice's text
-        make_reply = partial(Reply, self.tok, req.tools, thinking, req.parallel_tool_calls) if req.split_reply else None
-        if plan.bare is not None:
-            make_reply = partial(ForcedReply, plan.bare, req.parallel_tool_calls)
-        gen = Generation(self, req, prompt, streams, make_reply)
-        attach(gen)  # its tokens and timings go in the request's log line
-        return gen
+        return streams
 
     async def prompt(self, req: GenerationRequest) -> List[int]:
         """The prompt's token ids: messages through the chat template, text tokenized, or ids checked."""
+        return (await self.prompt_images(req))[0]
+
+    async def prompt_images(self, req: GenerationRequest) -> Tuple[List[int], Optional[object]]:
+        """The prompt's token ids, and its images as the model's processor made them (None: it
+        holds none); images are checked and decoded first, and refused where the model takes none."""
+        if req.images:
+            if self.vision is None:
+                first, why = req.images[0].param, getattr(self.head, "vision_note", "")
+                raise ApiError(400, f"{first}: images are not supported: this model takes text only"
+                               + (f" ({why})" if why else ""), param=first, code="images_not_supported")
+            pictures = await load_images(req.images, self.image_policy)
+            made = []
+            expand = partial(_expand, self.vision, pictures, made)
+            prompt = await self._encode(req.prompt_field, partial(self.prompts.render, expand=expand), req.messages,
+                                        req.tools, req.template_kwargs)
+            return prompt, made[0]
         if req.token_ids is not None:
             bad = [t for t in req.token_ids if not 0 <= t < self.vocab]
             if bad:
                 raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {self.vocab})",
-                               param="prompt")
+                               param=req.prompt_field)
             prompt = list(req.token_ids)
         elif req.messages is not None:
-            prompt = await self._encode(self.prompts.render, req.messages, req.tools, req.template_kwargs)
+            prompt = await self._encode(req.prompt_field, self.prompts.render, req.messages, req.tools,
+                                        req.template_kwargs)
         else:
-            prompt = await self._encode(self.tok.encode, req.text)
+            prompt = await self._encode(req.prompt_field, self.tok.encode, req.text)
         if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return prompt
+            raise ApiError(400, "the prompt is empty", param=req.prompt_field)
+        return prompt, None
 
-    async def _encode(self, fn, *args) -> List[int]:
+    async def media(self, prompt: List[int], images):
+        """The rows and positions of a prompt's images (``core/media.py``): the tower's work."""
+        try:
+            return await self.vision.media(prompt, images)
+        except ValueError as err:  # what this model's images cannot do here (``shards/models/tower.py``)
+            raise ApiError(400, f"the images could not be taken: {err}", param="messages", code="invalid_image")
+
+    async def _encode(self, param: str, fn, *args) -> List[int]:
         try:
             return await asyncio.to_thread(fn, *args)
         except (TypeError, ValueError, UnicodeError, TemplateError) as err:  # what the template or tokenizer refuse
-            raise ApiError(400, f"the messages could not be rendered and tokenized: {err}", param="messages")
+            raise ApiError(400, f"the {param} could not be rendered and tokenized: {err}", param=param)
         except RecursionError:  # tools or arguments nested deeper than the template's code can walk
-            raise ApiError(400, "the messages could not be rendered: tools or arguments are nested too deeply",
-                           param="messages") from None
+            raise ApiError(400, f"the {param} could not be rendered: tools or arguments are nested too deeply",
+                           param=param) from None
 
     async def plan(self, req: GenerationRequest) -> OutputPlan:
         """What the request's output must follow, or a 400. A forced call is written in
@@ -309,30 +405,8 @@ class Generator:
             raise ApiError(400, f"{param} cannot be enforced: {err}", param=param)
 
     def budget(self, req: GenerationRequest, prompt_len: int) -> int:
-        """The request's token budget, or a 400 saying what to change."""
-        options, context, asked = self.options, self.engine.max_context, req.max_tokens
-        if options.max_prompt_tokens and prompt_len > options.max_prompt_tokens:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens; this server takes at most "
-                                f"{options.max_prompt_tokens}", param="messages", code="prompt_too_long")
-        limit = options.max_tokens_limit
-        if limit and (asked or 0) > limit and not req.clamp_max_tokens:
-            raise ApiError(400, f"max_tokens is {asked}; this server allows at most {limit}", param="max_tokens")
-        served = f"{context} tokens ({self.engine.context_limit()})"
-        if prompt_len >= context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, your "
-                                f"prompt is {prompt_len} tokens. Please shorten it.",
-                           param="messages", code="context_length_exceeded")
-        if asked is None:  # to the end of the context (and of what the stages' KV caches hold), or the cap
-            room = min(context, self.engine.scheduler.max_kv_tokens) - prompt_len
-            return max(min(options.default_max_tokens or context, limit or context, room), 1)
-        if req.clamp_max_tokens:
-            return min(asked, limit or context, context - prompt_len)
-        if prompt_len + asked > context:
-            raise ApiError(400, f"This model's maximum context length is {served}. However, you "
-                                f"requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
-                                f"for the completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return asked
+        """The request's token budget (``token_budget.py``), or a 400 saying what to change."""
+        return token_budget(self.options, self.engine, self.quotas.max_tokens(req.tenant.key), req, prompt_len)
 
     def error(self, req: GenerationRequest, err: Exception) -> ApiError:
         """A failure after the request started: the pipeline's (503, retry), or the
@@ -342,6 +416,14 @@ class Generator:
             return ApiError(400, f"generation failed for this request: {err}", param=req.constrained_param(),
                             code="generation_failed")
         return ApiError(503, str(err), type_="server_error", code="pipeline_unavailable", headers=self.retry_after)
+
+
+def _expand(vision, pictures: list, made: list, text: str) -> str:
+    """The rendered prompt with each image's marker expanded by the model's processor (the
+    images as it made them go in ``made``)."""
+    expanded = vision.expand(text, pictures)
+    made.append(expanded)
+    return expanded.text
 
 
 async def keepalive(items: AsyncIterator, every: float) -> AsyncIterator:

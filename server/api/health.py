@@ -1,15 +1,21 @@
 """What the head says about itself: ``/health`` (the engine and every stage, 503 with
 the reason while anything is not ready), ``/metrics`` (Prometheus, ``metrics.py``)
-and ``/nodes`` (the nodes that joined)."""
+and ``/nodes`` (the nodes that joined).
+
+An operator (``keys.KeyPolicy``; everyone on a server without keys) sees it all. A
+key that is not an operator's sees no other key's activity: /health gives each
+stage's place and state, and of the requests only the key's own (``KeyMeter``);
+/metrics gives the key's own counters alone."""
 
 from __future__ import annotations
 
 from typing import List, Tuple
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.options import ApiOptions
 
@@ -45,6 +51,10 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
     return info, []
 
 
+# What a stage's entry in /health shows a key that is not an operator's: where it is and whether it serves.
+USER_STAGE_FIELDS = ("stage", "address", "layers", "state", "weight_bytes", "kv_bytes_per_token")
+
+
 def _group(st, reply) -> dict:
     """A stage's tensor-parallel group in /health: its ranks (the leader first) and their state, one
     all-reduce and a token's all-reduces (timed when it loaded), the leader's hand-offs so far."""
@@ -67,30 +77,44 @@ def add_routes(app: FastAPI, head, options: ApiOptions, metrics: Metrics) -> Non
     engine = head.engine
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        caller = caller_of(request)
         reasons = []
         if engine.state != "ready":
             reasons.append(f"pipeline {engine.state}: {engine.failure}")
         stages = []
         for i, (st, reply, err) in enumerate(await engine.health()):
             info, why = _stage(i, st, reply, err)
-            stages.append(info)
+            stages.append(info if caller.operator else {k: v for k, v in info.items() if k in USER_STAGE_FIELDS})
             reasons += why
         body = {"status": "ok" if not reasons else "unavailable", "model": options.model_id,
-                "state": engine.state, "stages": stages, "live_requests": engine.live,
-                "recoveries": engine.recoveries, "generated_tokens": engine.generated_tokens,
-                "context_length": engine.max_context, "kv_tokens": engine.kv_tokens,
-                "speculation": engine.speculation()}
-        body.update(_cluster(head))
+                "state": engine.state, "stages": stages, "recoveries": engine.recoveries,
+                "context_length": engine.max_context, "kv_tokens": engine.kv_tokens}
+        if caller.operator:
+            body.update(live_requests=engine.live, generated_tokens=engine.generated_tokens,
+                        speculation=engine.speculation(), **_cluster(head))
+            if getattr(head, "extras", None):
+                body["head_models"] = [m.as_dict() for m in head.extras]
+            if getattr(head, "vision", None) is not None:  # a vision model: its tower on the head, measured
+                body["vision"] = head.vision.report()
+        else:  # its own
+            meter = metrics.key(caller.identity)
+            body.update(live_requests=meter.live, generated_tokens=meter.generated)
+        if getattr(head, "embedder", None) is not None:
+            body["embedding_model"] = head.embedder.as_dict() if caller.operator else {
+                "name": head.embedder.facts.name, "dimensions": head.embedder.facts.dimensions}
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        caller = caller_of(request)
+        if not caller.operator:
+            return Response(metrics.key(caller.identity).render(), media_type=CONTENT_TYPE_LATEST)
         stages = await engine.health(timeout=2.0)
         return Response(metrics.render(stages, engine.live, engine.recoveries, engine.drafts, engine.frame_budget(),
-                                       _cluster(head).get("links", ())),
+                                       _cluster(head).get("links", ()), getattr(head, "embedder", None)),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/nodes")

@@ -6,11 +6,17 @@ observer); the engine's gauges and the stage figures (busy seconds, queue
 depth, KV-cache bytes, weights, state) are handed to ``render`` at scrape
 time, from the engine and every stage's Health. Each app has a registry of its
 own.
+
+That is an operator's view: every key's activity. A key that is not an
+operator's (``keys.KeyPolicy``) sees its own: each key has a ``KeyMeter``, a
+registry of the same names (its HTTP requests, tokens generated, prompt tokens
+cached, live requests) counted for its requests alone.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -142,6 +148,55 @@ class _Links:
         yield from (latency, rate)
 
 
+class _Embeddings:
+    """What the head's embedding model embedded (``cluster/embedding_model.py``), at scrape time."""
+
+    def __init__(self):
+        self.model = None  # the head's EmbeddingModel, if any
+
+    def collect(self):
+        inputs = CounterMetricFamily("mlxpipe_embedding_inputs", "Inputs the embedding model embedded")
+        tokens = CounterMetricFamily("mlxpipe_embedding_tokens", "Tokens of the inputs the embedding model embedded")
+        if self.model is not None:
+            inputs.add_metric([], self.model.inputs)
+            tokens.add_metric([], self.model.tokens)
+            yield from (inputs, tokens)
+
+
+class KeyMeter:
+    """One key's own activity, under the names an operator's view gives everyone's."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxpipe_http_requests", "This key's HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.tokens = Counter("mlxpipe_generated_tokens", "Tokens generated for this key", registry=r)
+        self.cached = Counter("mlxpipe_prompt_tokens_cached", "This key's prompt tokens served from the prefix "
+                              "cache, by tier", ["tier"], registry=r)
+        self.live_gauge = Gauge("mlxpipe_live_requests", "This key's requests waiting or generating", registry=r)
+        self.running: "weakref.WeakSet" = weakref.WeakSet()  # its Generations (generation.py)
+        self.generated = 0  # tokens generated for it, as /health shows them
+
+    def started(self, generation) -> None:
+        self.running.add(generation)
+
+    def generated_tokens(self, n: int) -> None:
+        self.generated += n
+        self.tokens.inc(n)
+
+    def cached_prompt(self, memory_tokens: int, disk_tokens: int) -> None:
+        self.cached.labels(tier="memory").inc(memory_tokens)
+        self.cached.labels(tier="disk").inc(disk_tokens)
+
+    @property
+    def live(self) -> int:
+        return sum(1 for g in list(self.running) if g.live)
+
+    def render(self) -> bytes:
+        self.live_gauge.set(self.live)
+        return generate_latest(self.registry)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -172,6 +227,22 @@ class Metrics:
         r.register(self.links)
         self.groups = _Groups()
         r.register(self.groups)
+        self.embeddings = _Embeddings()
+        r.register(self.embeddings)
+        self.keys: Dict[bytes, KeyMeter] = {}  # one per API key that was used (the key file bounds them)
+
+    def key(self, identity: bytes) -> KeyMeter:
+        """The meter of the key known by ``identity`` (``keys.Caller.identity``)."""
+        meter = self.keys.get(identity)
+        if meter is None:
+            meter = self.keys[identity] = KeyMeter()
+        return meter
+
+    def request(self, route: str, status: str, identity: Optional[bytes]) -> None:
+        """An HTTP request answered, for everyone's view and (when a key sent it) its key's."""
+        self.requests.labels(route, status).inc()
+        if identity is not None:
+            self.key(identity).requests.labels(route, status).inc()
 
     # The engine calls these as tokens arrive (see Engine.observer).
     def first_token(self, seconds: float) -> None:
@@ -186,13 +257,14 @@ class Metrics:
         if since_previous is not None:
             self.inter_token.observe(since_previous)
 
-    def render(self, health, live: int, recoveries: int, drafts=None, budget=None, links=()) -> bytes:
+    def render(self, health, live: int, recoveries: int, drafts=None, budget=None, links=(), embedder=None) -> bytes:
         """The text exposition, with ``health`` (``Engine.health()``'s answer) and the
         engine's live requests, recoveries and draft counts (``DraftStats``) as of now,
         and the pipeline's frame times (``Engine.frame_budget()``: kind -> totals; they
         restart with a rebuilt pipeline)."""
         self.budget.kinds = budget or {}
         self.links.links = list(links)
+        self.embeddings.model = embedder
         self.live.set(live)
         self.recoveries.set(recoveries)
         if drafts is not None:

@@ -12,11 +12,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxpipe.server.api import traces
 from mlxpipe.server.api.errors import error_response
+from mlxpipe.server.api.keys import SCOPE_KEY, Keys
 from mlxpipe.server.api.metrics import Metrics
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request_log import RequestLog, ResponseWatch
-from mlxpipe.server.api.tenants import Keys, serving
 
 logger = logging.getLogger(__name__)
 
@@ -99,47 +100,53 @@ class Outcomes:
         return error_response(500, "internal error", type_="server_error", path=path)
 
     def _count(self, scope, status: Optional[int]) -> None:
-        route = scope.get("route")  # set by the router on the shared scope
-        self.metrics.requests.labels(route.path if route is not None else "unmatched", str(status or 500)).inc()
+        route, caller = scope.get("route"), scope.get(SCOPE_KEY)  # set by the router, ApiKey, on the shared scope
+        self.metrics.request(route.path if route is not None else "unmatched", str(status or 500),
+                             caller.identity if caller is not None else None)
 
 
 class ApiKey:
-    """ASGI middleware: when keys are set, every path but the web page (``/`` and
-    ``/static/``, which ask for the key themselves) needs one of them: the APIs,
-    /health, /metrics, /nodes, and the OpenAPI pages (/docs, /openapi.json), as
-    ``Authorization: Bearer <key>`` or (Anthropic's SDKs) ``x-api-key: <key>``.
-    The request is served as the key's tenant (``tenants.py``)."""
+    """ASGI middleware: finds who each request is served as (``keys.Caller``) and leaves
+    it on the request's scope, where routes read it (``keys.caller_of``). When keys are
+    set, every path but the web page (``/`` and ``/static/``, which ask for the key
+    themselves) needs one of them: the APIs, /health, /metrics, /nodes, and the OpenAPI
+    pages (/docs, /openapi.json), as ``Authorization: Bearer <key>`` (the scheme in any
+    case) or (Anthropic's SDKs) ``x-api-key: <key>``. Without keys, every request is
+    ``keys.LOCAL``'s (one user, an operator)."""
 
-    def __init__(self, app, keys):
-        self.app, self.keys = app, Keys(keys)
+    def __init__(self, app, keys: Keys):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        tenant = self.keys.tenant(dict(scope.get("headers") or []))
-        if tenant is None and not (path == "/" or path.startswith("/static/")):
+        caller = self.keys.caller(dict(scope.get("headers") or []))
+        if caller is None and not (path == "/" or path.startswith("/static/")):
             response = error_response(401, "this server needs an API key: send Authorization: Bearer <key> "
                                            "(or x-api-key: <key>)", code="invalid_api_key", path=path)
             return await response(scope, receive, send)
-        with serving(tenant or b""):
-            return await self.app(scope, receive, send)
+        scope[SCOPE_KEY] = caller
+        return await self.app(scope, receive, send)
 
 
-def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine) -> None:
+def add_middleware(app: FastAPI, options: ApiOptions, metrics: Metrics, engine, keys: Keys) -> None:
     """Middleware added last runs first. From the outside in: the request log
     (``request_log.py``), outcomes (so 401s, 413s, preflights and failures count
     too), CORS (it answers preflights before the key is asked for, and puts its
     headers on refusals), the API key, the body limit. All plain ASGI: none
     buffers or re-wraps a response."""
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    if options.api_keys:
-        app.add_middleware(ApiKey, keys=options.api_keys)
+    app.add_middleware(ApiKey, keys=keys)
     if options.cors_origins:
         # Any request header: browser SDKs send their own (the OpenAI JS SDK's x-stainless-*),
         # and the origin is what CORS guards. Retry-After is read by SDKs that back off.
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["Retry-After"])
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(Outcomes, metrics=metrics, engine=engine, retry_after_s=options.retry_after_s)
     if options.log_requests:
-        app.add_middleware(RequestLog)  # outermost: it sees the status Outcomes answers
+        app.add_middleware(RequestLog)  # it sees the status Outcomes answers
+    url = traces.endpoint(options.otlp_endpoint)
+    if url:  # outermost: the HTTP span covers all the rest
+        app.state.traces = traces.Exporter(url)
+        app.add_middleware(traces.Traces, exporter=app.state.traces)

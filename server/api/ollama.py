@@ -8,7 +8,8 @@ back as newline-delimited JSON (``stream`` defaults to true, as in Ollama).
 stop, seed, repeat_penalty, presence/frequency_penalty); options about Ollama's
 own runtime (num_ctx, num_gpu, keep_alive, ...) mean nothing here and are
 ignored. ``format`` ("json" or a JSON schema) is enforced by the grammar, as
-``response_format`` is. Any model name is served by the one model.
+``response_format`` is. A name of another model the head serves (``--also``) reaches it;
+any other name is served by the pipeline's model.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from mlxpipe.server.api.chat_template import json_value
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generation, Generator
 from mlxpipe.server.api.json_body import Body, cache_salt_field
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.schemas import Tool, stop_strings
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 from mlxpipe.shards.params.sampling import Sampling
 
@@ -130,12 +133,20 @@ def _format(fmt) -> Optional[Dict[str, Any]]:
     return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
 
 
-def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
-    """Ollama messages as OpenAI chat messages: calls get ids, results answer them by name."""
+def _pictured(content: str, images: Optional[List[str]], refs: list, param: str):
+    """A message's content with its images (base64, as Ollama sends them) before its text, as
+    Ollama puts them; their refs appended to ``refs``."""
+    if not images:
+        return content
+    return [image_part(refs, b64, f"{param}.{j}", is_base64=True) for j, b64 in enumerate(images)] + (
+        [{"type": "text", "text": content}] if content else [])
+
+
+def _messages(messages: List[Message], refs: list) -> List[Dict[str, Any]]:
+    """Ollama messages as OpenAI chat messages: calls get ids, results answer them by name;
+    images become image parts (their refs appended to ``refs``)."""
     out, pending = [], []
     for i, m in enumerate(messages):
-        if m.images:
-            raise ApiError(400, f"messages.{i}.images: images are not supported: this model takes text only")
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for c in m.tool_calls:
@@ -150,28 +161,30 @@ def _messages(messages: List[Message]) -> List[Dict[str, Any]]:
                 pending.remove(match)
             out.append({"role": "tool", "tool_call_id": match[1] if match else "", "content": m.content})
         else:
-            out.append({"role": m.role, "content": m.content})
+            out.append({"role": m.role, "content": _pictured(m.content, m.images, refs, f"messages.{i}.images")})
     return out
 
 
 
 
-def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions) -> GenerationRequest:
+def request_of(body: Union[ChatBody, GenerateBody], options: ApiOptions, tenant: Tenant) -> GenerationRequest:
     """The internal request of an Ollama chat or generate body."""
     common = dict(sampling=body.options.sampling(options),  # num_predict past the context:
                   max_tokens=body.options.max_tokens(), clamp_max_tokens=True,  # what it leaves, as Ollama
                   stop=body.options.stop or [],
-                  response_format=_format(body.format), cache_salt=body.cache_salt)
+                  response_format=_format(body.format), tenant=tenant)
+    refs = []  # the images, in order
     if isinstance(body, ChatBody):
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-        return GenerationRequest(messages=_messages(body.messages), tools=tools, **common)
-    if body.images:
-        raise ApiError(400, "images are not supported: this model takes text only")
+        return GenerationRequest(messages=_messages(body.messages, refs), tools=tools, images=refs, **common)
     if body.raw:  # the prompt as it is, no template
+        if body.images:
+            raise ApiError(400, "images: a raw prompt takes no images (the template places them: raw false)",
+                           param="images")
         return GenerationRequest(text=body.prompt, split_reply=False, **common)
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.prompt}]
-    return GenerationRequest(messages=messages, **common)
+        {"role": "user", "content": _pictured(body.prompt, body.images, refs, "images")}]
+    return GenerationRequest(messages=messages, images=refs, **common)
 
 
 def _calls(calls: List[dict]) -> List[dict]:
@@ -227,17 +240,29 @@ async def _whole(gen: Generation, request: Request, model: str, key: str, starte
             **_done(gen, choice.finish_reason, started)}
 
 
-def _card(name: str, generator: Generator) -> Dict[str, Any]:
-    """The one model as Ollama's model listings describe one."""
-    facts = generator.model_facts()
+def _card(generator: Generator) -> Dict[str, Any]:
+    """A served model as Ollama's model listings describe one."""
+    name, facts = f"{generator.options.model_id}:latest", generator.model_facts()
     return {"name": name, "model": name, "modified_at": _now(), "size": facts["model_bytes"],
             "digest": facts["fingerprint"], "details": {
                 "parent_model": "", "format": "mlx", "family": facts["model_type"], "families": [facts["model_type"]],
                 "parameter_size": "", "quantization_level": f"Q{facts['bits']}" if facts["bits"] else "unquantized"}}
 
 
+def _embedding_card(generator: Generator) -> List[Dict[str, Any]]:
+    """The head's embedding model, if any, as Ollama lists one."""
+    embedder = getattr(generator.head, "embedder", None)
+    if embedder is None:
+        return []
+    f = embedder.facts
+    return [{"name": f"{f.name}:latest", "model": f"{f.name}:latest", "modified_at": _now(), "size": f.weight_bytes,
+             "digest": "", "details": {"parent_model": "", "format": "mlx", "family": f.model_type,
+                                       "families": [f.model_type], "parameter_size": "",
+                                       "quantization_level": "unquantized"}}]
+
+
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
-    name = f"{options.model_id}:latest"
+    every = [generator, *generator.others.values()]  # the pipeline's model, then the head's others
 
     @app.get("/api/version")
     async def version():
@@ -245,30 +270,32 @@ def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
 
     @app.get("/api/tags")
     async def tags():
-        return {"models": [_card(name, generator)]}
+        return {"models": [_card(g) for g in every] + _embedding_card(generator)}
 
     @app.get("/api/ps")
     async def ps():
-        return {"models": [_card(name, generator) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
-                                                      "context_length": generator.engine.max_context}]}
+        return {"models": [_card(g) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
+                                       "context_length": g.engine.max_context} for g in every]}
 
     @app.post("/api/show")
     async def show(body: ShowBody):
-        card, facts = _card(name, generator), generator.model_facts()
-        return {"modelfile": "", "parameters": "", "template": getattr(generator.tok, "chat_template", None) or "",
+        chosen = generator.pick(body.model or body.name)
+        card, facts = _card(chosen), chosen.model_facts()
+        return {"modelfile": "", "parameters": "", "template": getattr(chosen.tok, "chat_template", None) or "",
                 "details": card["details"], "modified_at": card["modified_at"],
                 "model_info": {"general.architecture": facts["model_type"],
-                               f"{facts['model_type']}.context_length": generator.engine.max_context,
+                               f"{facts['model_type']}.context_length": chosen.engine.max_context,
                                "general.block_count": facts["num_layers"]},
-                "capabilities": ["completion", "tools"]}
+                "capabilities": ["completion", "tools"] + (["vision"] if generator.vision is not None else [])}
 
     async def answer(body, request: Request, key: str):
         started = time.monotonic()
-        req = request_of(body, options)
-        gen = await generator.start(req)
+        req = request_of(body, options, caller_of(request).tenant(body.cache_salt))
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        gen = await chosen.start(req)
         if body.stream:
             return StreamingResponse(_lines(gen, body.model, key, started,
-                                            lambda e: generator.error(req, e).body("ollama")),
+                                            lambda e: chosen.error(req, e).body("ollama")),
                                      media_type="application/x-ndjson")
         return await _whole(gen, request, body.model, key, started)
 

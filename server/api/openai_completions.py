@@ -11,13 +11,15 @@ from fastapi import FastAPI, Request
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import Generator
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.openai_objects import TextFormat, respond
 from mlxpipe.server.api.options import ApiOptions
 from mlxpipe.server.api.request import GenerationRequest
 from mlxpipe.server.api.schemas import CompletionRequest
+from mlxpipe.server.api.tenants import Tenant
 
 
-def completion_request(req: CompletionRequest, options: ApiOptions) -> GenerationRequest:
+def completion_request(req: CompletionRequest, options: ApiOptions, tenant: Tenant) -> GenerationRequest:
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(400, "max_tokens 0 generates nothing: it is for scoring a prompt, with echo",
                        param="max_tokens")
@@ -26,14 +28,14 @@ def completion_request(req: CompletionRequest, options: ApiOptions) -> Generatio
         text=text, token_ids=list(req.prompt) if text is None else None,
         sampling=req.sampling(options), max_tokens=req.token_budget(), n=req.n,
         stop=req.stop_strings(), split_reply=False, speculation=req.speculation, max_drafts=req.num_draft_tokens,
-        cache_salt=req.cache_salt)
+        tenant=tenant, priority=req.priority, service_tier=req.service_tier)
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, request: Request):
-        generator.check_model(req.model)
-        gen = await generator.start(completion_request(req, options))
-        fmt = TextFormat(generator.tok, options.model_id, req.logprobs is not None, req.n,
+        chosen = generator.check_model(req.model)  # the pipeline's model, or another the head serves
+        gen = await chosen.start(completion_request(req, options, caller_of(request).tenant(req.cache_salt)))
+        fmt = TextFormat(chosen.tok, chosen.options.model_id, req.logprobs is not None, req.n,
                          echo=gen.echo if req.echo else None)
         return await respond(request, gen, fmt, req.stream, req.include_usage())

@@ -1,15 +1,17 @@
-"""OpenAI's Responses API (``POST /v1/responses``, ``GET /v1/responses/{id}``):
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``):
 what Codex CLI and the OpenAI Agents SDK speak. A translator only: ``input``
 items become the internal request (``request.GenerationRequest``), the reply's
 events become output items (reasoning, message, function calls) and the
 Responses event lifecycle.
 
 Stored responses (``store``, default true as in OpenAI's API) are kept on the
-head so that ``previous_response_id`` can continue a conversation: at most
-``MAX_STORED`` of them and ``MAX_STORED_BYTES`` in all, the oldest dropped first;
-an unknown id is a 404. Each is kept as compact JSON bytes of what a
+head so that ``previous_response_id`` can continue a conversation, and belong to
+the API key that made them (``Store``): each key has an equal share of
+``MAX_STORED`` responses and ``MAX_STORED_BYTES``, its oldest dropped first, and
+another key's id is a 404 for ``GET``, ``DELETE`` and ``previous_response_id``,
+word for word as an unknown id. Each is kept as compact JSON bytes of what a
 continuation needs (the conversation's messages, calls and outputs as text; not
-the body's other items) and the response object, so the bound counts what the
+the body's other items) and the response object, so the bounds count what the
 store really holds. Any model name is served by the one model. Fields
 without meaning here (``reasoning``, ``include``, ``prompt_cache_key``,
 ``truncation``, ``service_tier``, ``user``, ``metadata``) are accepted.
@@ -29,9 +31,11 @@ from pydantic import BaseModel
 
 from mlxpipe.server.api.errors import ApiError
 from mlxpipe.server.api.generation import SSE_HEADERS, Generation, Generator
+from mlxpipe.server.api.keys import caller_of
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import GenerationRequest, request_sampling
+from mlxpipe.server.api.request import GenerationRequest, image_part, request_sampling
 from mlxpipe.server.api.responses_request import FunctionChoice, FunctionTool, ResponsesRequest, TextConfig
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.streams import GenerationFailed, SequenceFailed
 
 MAX_STORED = 1024
@@ -39,45 +43,82 @@ MAX_STORED_BYTES = 64 << 20
 
 
 class Store:
-    """Stored responses: id -> the conversation's items and the response object, kept as
-    compact JSON bytes, so the bound counts what the store really holds (a body's
-    ignored items are never kept: only ``ResponsesRequest.items``)."""
+    """Stored responses, each its owner's (the API key that made it: ``Tenant.key``):
+    per owner, id -> the conversation's items and the response object, kept as compact
+    JSON bytes, so the bounds count what the store really holds (a body's ignored items
+    are never kept: only ``ResponsesRequest.items``). Each of ``owners`` (the server's
+    keys; one without keys) has an equal share of ``max_count`` and ``max_bytes`` and
+    drops its own oldest to stay inside it: one key never evicts another's. Another
+    owner's id is not found, exactly as an unknown one."""
 
     ENTRY_OVERHEAD = 256  # bytes of an entry besides its JSON: the id, the dict's slot, the bytes object
 
-    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
-        self.items: "OrderedDict[str, bytes]" = OrderedDict()
-        self.max_count, self.max_bytes, self.nbytes = max_count, max_bytes, 0
+    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES, owners: int = 1):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.share_count, self.share_bytes = max(max_count // max(owners, 1), 1), max_bytes // max(owners, 1)
+        self.shelves: Dict[bytes, "OrderedDict[str, bytes]"] = {}
+        self.held: Dict[bytes, int] = {}  # bytes per owner
+        self.nbytes = 0
 
     @classmethod
     def cost(cls, blob: bytes) -> int:
         return len(blob) + cls.ENTRY_OVERHEAD
 
-    def put(self, response: dict, conversation: list) -> None:
-        blob = json.dumps([conversation, response], separators=(",", ":"), allow_nan=False).encode()
-        if response["id"] in self.items:
-            self.nbytes -= self.cost(self.items.pop(response["id"]))
-        self.items[response["id"]] = blob
-        self.nbytes += self.cost(blob)
-        while self.items and (len(self.items) > self.max_count or self.nbytes > self.max_bytes):
-            _, dropped = self.items.popitem(last=False)
-            self.nbytes -= self.cost(dropped)
+    def __len__(self) -> int:
+        return sum(len(shelf) for shelf in self.shelves.values())
 
-    def get(self, response_id: str) -> Tuple[list, dict]:
-        if response_id not in self.items:
-            raise ApiError(404, f"Response with id '{response_id}' not found.", param="previous_response_id",
-                           code="not_found")
-        conversation, response = json.loads(self.items[response_id])
+    def put(self, owner: bytes, response: dict, conversation: list) -> None:
+        blob = json.dumps([conversation, response], separators=(",", ":"), allow_nan=False).encode()
+        shelf = self.shelves.setdefault(owner, OrderedDict())
+        self._drop(owner, response["id"])
+        shelf[response["id"]] = blob
+        self._count(owner, self.cost(blob))
+        while shelf and (len(shelf) > self.share_count or self.held[owner] > self.share_bytes):
+            self._drop(owner, next(iter(shelf)))
+
+    def get(self, owner: bytes, response_id: str, param: str = "previous_response_id") -> Tuple[list, dict]:
+        blob = self.shelves.get(owner, {}).get(response_id)
+        if blob is None:
+            raise self.not_found(response_id, param)
+        conversation, response = json.loads(blob)
         return conversation, response
 
+    def delete(self, owner: bytes, response_id: str) -> None:
+        if not self._drop(owner, response_id):
+            raise self.not_found(response_id, "response_id")
 
-def _messages(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Compact items (``ResponsesRequest.items``, outputs) as OpenAI chat messages."""
+    @staticmethod
+    def not_found(response_id: str, param: str) -> ApiError:
+        return ApiError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
+
+    def _drop(self, owner: bytes, response_id: str) -> bool:
+        blob = self.shelves.get(owner, {}).pop(response_id, None)
+        if blob is not None:
+            self._count(owner, -self.cost(blob))
+        return blob is not None
+
+    def _count(self, owner: bytes, nbytes: int) -> None:
+        self.held[owner] = self.held.get(owner, 0) + nbytes
+        self.nbytes += nbytes
+
+
+def _pictured(content, images: list, param: str):
+    """Compact content as a chat message holds it: its image parts' refs appended to ``images``."""
+    if not isinstance(content, list):
+        return content
+    return [image_part(images, p["url"], f"{param}.content.{j}") if p["type"] == "image" else p
+            for j, p in enumerate(content)]
+
+
+def _messages(items: List[Dict[str, Any]], images: list) -> List[Dict[str, Any]]:
+    """Compact items (``ResponsesRequest.items``, outputs) as OpenAI chat messages; their images
+    become image parts, their refs appended to ``images``."""
     out: List[Dict[str, Any]] = []
-    for item in items:
+    for k, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            out.append({"role": {"developer": "system"}.get(item["role"], item["role"]), "content": item["content"]})
+            out.append({"role": {"developer": "system"}.get(item["role"], item["role"]),
+                        "content": _pictured(item["content"], images, f"input.{k}")})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}
@@ -86,7 +127,8 @@ def _messages(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _pictured(item["output"], images, f"input.{k}")})
     return out
 
 
@@ -119,17 +161,20 @@ def _response_format(text: Optional[TextConfig]):
                                                    "strict": fmt.strict}}
 
 
-def to_request(req: ResponsesRequest, history: list, options: ApiOptions) -> Tuple[GenerationRequest, list]:
+def to_request(req: ResponsesRequest, history: list, options: ApiOptions,
+               tenant: Tenant) -> Tuple[GenerationRequest, list]:
     """The internal request, and the conversation's items (to store)."""
-    conversation = history + req.items()
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(conversation)
+    conversation, images = history + req.items(), []
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(
+        conversation, images)
     functions = [t.function() for t in req.tools or [] if isinstance(t, FunctionTool)]
     sampling = request_sampling(options, temperature=req.temperature, top_p=req.top_p)
     return GenerationRequest(
         messages=messages, tools=functions or None, sampling=sampling, max_tokens=req.max_output_tokens,
         response_format=_response_format(req.text),
         tool_choice=_tool_choice(req.tool_choice) if functions else None,
-        parallel_tool_calls=req.parallel_tool_calls, cache_salt=req.cache_salt), conversation
+        parallel_tool_calls=req.parallel_tool_calls, tenant=tenant, prompt_param="input",
+        images=images, priority=req.priority, service_tier=req.service_tier), conversation
 
 
 def _echo(value):
@@ -298,31 +343,35 @@ async def stream(resp: _Response, on_error, stored) -> AsyncIterator[str]:
 
 
 def add_routes(app: FastAPI, generator: Generator, options: ApiOptions) -> None:
-    store = Store()
+    store = Store(owners=len(options.api_keys))
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
+        tenant = caller_of(request).tenant(body.cache_salt)
         history = []
         if body.previous_response_id:
-            items, previous = store.get(body.previous_response_id)
+            items, previous = store.get(tenant.key, body.previous_response_id)
             history = items + _output_items(previous["output"])
-        req, conversation = to_request(body, history, options)
-        resp = _Response(body, await generator.start(req))
+        req, conversation = to_request(body, history, options, tenant)
+        chosen = generator.pick(body.model)  # another model the head serves, by name; else the pipeline's
+        resp = _Response(body, await chosen.start(req))
 
         def stored(obj: dict) -> None:
             if body.store:
-                store.put(obj, conversation)
+                store.put(tenant.key, obj, conversation)
 
         if body.stream:
-            return StreamingResponse(stream(resp, lambda e: generator.error(req, e).body()["error"], stored),
+            return StreamingResponse(stream(resp, lambda e: chosen.error(req, e).body()["error"], stored),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         obj = await whole(resp, request)
         stored(obj)
         return obj
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str):
-        try:
-            return store.get(response_id)[1]
-        except ApiError as err:
-            raise ApiError(404, err.message, param="response_id", code="not_found") from None
+    async def retrieve(response_id: str, request: Request):
+        return store.get(caller_of(request).identity, response_id, param="response_id")[1]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        store.delete(caller_of(request).identity, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}

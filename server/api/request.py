@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mlxpipe.server.api.options import ApiOptions
+from mlxpipe.server.api.tenants import Tenant
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION
 from mlxpipe.shards.params.sampling import Sampling
 
@@ -25,6 +26,21 @@ def request_sampling(options: ApiOptions, **given) -> Sampling:
     defaults for the rest."""
     given = {name: value for name, value in given.items() if value is not None}
     return Sampling(**{"temperature": options.default_temperature, **given})
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a client sent it (``images.load_images`` checks and decodes it)."""
+
+    source: str      # a data URL, an http(s) URL, or base64 (``base64``: it can be nothing else)
+    param: str       # where the request put it, for errors ("messages.0.content.1")
+    base64: bool = False
+
+
+def image_part(images: List[ImageRef], source: Optional[str], param: str, is_base64: bool = False) -> dict:
+    """The content part a message holds for an image, its ref appended to ``images``."""
+    images.append(ImageRef(source or "", param, is_base64))
+    return {"type": "image"}
 
 
 @dataclass
@@ -61,9 +77,30 @@ class GenerationRequest:
     # (``core/drafting.SOURCES``) and drafted positions in flight at most (0: none).
     speculation: str = DEFAULT_SPECULATION
     max_drafts: Optional[int] = None
-    # The client's ``cache_salt`` (vLLM's field): prefixes are reused only between
-    # requests with the same salt, under the same API key (``tenants.py``).
-    cache_salt: Optional[str] = None
+    # Whose request it is: the API key the middleware found and the client's ``cache_salt``
+    # (``tenants.py``): prefixes are reused only between requests of the same tenant, and
+    # what is stored for a request is its key's. Set where a protocol builds the request,
+    # from the route's ``keys.caller_of``; no default, so no request is silently untenanted.
+    tenant: Tenant = field(kw_only=True)
+    # Lowering its own priority class (``core/priority.py``; never above its key's): vLLM's
+    # ``priority`` (above 0: batch) and OpenAI's ``service_tier`` ("flex": batch).
+    priority: Optional[int] = None
+    service_tier: Optional[str] = None
+    # The body field that holds the prompt, for errors that name it (None: "messages" for
+    # messages, "prompt" for text or token ids).
+    prompt_param: Optional[str] = None
+    # Images the messages hold ({"type": "image"} content parts, in order): as the client sent
+    # them, checked and decoded by ``images.load_images`` (a vision model's; any other refuses them).
+    images: List[ImageRef] = field(default_factory=list)
+
+    @property
+    def continues(self) -> bool:
+        """A text or token-id prompt: the reply continues its text (a chat reply starts anew)."""
+        return self.messages is None
+
+    @property
+    def prompt_field(self) -> str:
+        return self.prompt_param or ("messages" if self.messages is not None else "prompt")
 
     @property
     def forced_tool_call(self) -> bool:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from mlxpipe.server.api.json_body import Body, by_type, cache_salt_field
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-NOT_TEXT = ("input_image", "input_file", "input_audio")
+NOT_TEXT = ("input_file", "input_audio")
 
 
 class TextPart(BaseModel):
@@ -25,8 +25,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImagePart(BaseModel):
+    """An image: ``image_url`` a data URL, or an http(s) URL where the server fetches them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
+    detail: Optional[str] = None  # the processor sizes every image its own way: read, not used
+
+    @model_validator(mode="after")
+    def _url(self):
+        if not self.image_url:
+            raise ValueError("an input_image part carries its image_url (a data URL or an http(s) URL); this "
+                             "server keeps no files, so file_id is not taken")
+        return self
+
+
 class NotTextPart(BaseModel):
-    """A part a text model cannot take: refused, in words that name it."""
+    """A part this server takes no model for: refused, in words that name it."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -34,15 +52,21 @@ class NotTextPart(BaseModel):
 
     @model_validator(mode="after")
     def _refuse(self):
-        raise ValueError(f"{self.type} parts are not supported: this model takes text only")
+        raise ValueError(f"{self.type} parts are not supported: this server takes text and input_image parts")
 
 
-Part = by_type({**dict.fromkeys(TEXT_PARTS, TextPart), **dict.fromkeys(NOT_TEXT, NotTextPart)})  # refusals: left out
+Part = by_type({**dict.fromkeys(TEXT_PARTS, TextPart), "input_image": ImagePart,
+                **dict.fromkeys(NOT_TEXT, NotTextPart)})  # refusals: left out
 
 
-def _text(content: Union[str, List[Part]]) -> str:
+def _text(content: Union[str, List[Part]]):
+    """Content in the compact form a conversation keeps: its text, or, where it holds images,
+    its parts in order (``{"type": "text", "text"}``, ``{"type": "image", "url"}``)."""
     if isinstance(content, str):
         return content
+    if any(isinstance(p, ImagePart) for p in content):
+        return [{"type": "image", "url": p.image_url} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in content if isinstance(p, (TextPart, ImagePart))]
     return "".join(p.text for p in content if isinstance(p, TextPart))
 
 
@@ -146,6 +170,8 @@ class ResponsesRequest(Body):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     text: Optional[TextConfig] = None
+    priority: Optional[int] = Field(default=None, ge=-(1 << 31), lt=1 << 31)  # above 0: batch (core/priority.py)
+    service_tier: Optional[str] = Field(default=None, max_length=32)  # "flex": batch
     store: StrictBool = True
     previous_response_id: Optional[str] = None
     stream: StrictBool = False

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from mlxpipe.server.api.json_body import Body, cache_salt_field
 from mlxpipe.server.api.options import ApiOptions
-from mlxpipe.server.api.request import request_sampling
+from mlxpipe.server.api.request import image_part, request_sampling
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES
 from mlxpipe.shards.params.sampling import INT32, Sampling
 
@@ -61,28 +61,43 @@ def unicode_text(s: str) -> str:
     return s
 
 
-# Content parts a text-only model cannot take, by what they hold.
-NOT_TEXT_PARTS = {"image_url": "image", "image": "image", "input_image": "image", "input_audio": "audio",
-                  "audio": "audio", "file": "file", "input_file": "file"}
+# Content parts this server takes no model for, by what they hold.
+NOT_TEXT_PARTS = {"input_audio": "audio", "audio": "audio", "file": "file", "input_file": "file"}
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str = Field(min_length=1)
+    detail: Optional[str] = None  # the processor sizes every image its own way: read, not used
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content: text (or an assistant's refusal); any other
-    part is refused in words that name it."""
+    """One part of a message's content: text (or an assistant's refusal), or an image
+    (``image_url``: a data URL, or an http(s) URL where the server fetches them); any
+    other part is refused in words that name it."""
 
     model_config = ConfigDict(extra="ignore")
 
     type: str
     text: str = ""
     refusal: str = ""
+    image_url: Optional[ImageUrl] = None
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url(cls, v):
+        return {"url": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
-    def _text_only(self):
+    def _known(self):
         if self.type in NOT_TEXT_PARTS:
-            raise ValueError(f"{NOT_TEXT_PARTS[self.type]} parts are not supported: this model takes text only")
-        if self.type not in ("text", "refusal"):
+            raise ValueError(f"{NOT_TEXT_PARTS[self.type]} parts are not supported: this server takes text and images")
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}')
+        if self.type not in ("text", "refusal", "image_url"):
             raise ValueError(f"unknown content part type '{self.type}': this server takes "
-                             '{"type": "text", "text": "..."} parts')
+                             '{"type": "text", "text": "..."} and {"type": "image_url", "image_url": {"url": ...}} parts')
         return self
 
 
@@ -124,9 +139,14 @@ class Message(BaseModel):
         unicode_text(self.text())
         return self
 
-    def for_template(self) -> Dict[str, Any]:
-        """The message as chat templates take it (``chat.template_messages`` does the rest)."""
+    def for_template(self, images: Optional[list] = None, param: str = "messages") -> Dict[str, Any]:
+        """The message as chat templates take it (``chat.template_messages`` does the rest): its
+        text, or, where it holds images, its parts in order, each image's ref appended to ``images``."""
         m = {"role": self.role, "content": self.text()}
+        if any(p.type == "image_url" for p in self.content or ()):
+            m["content"] = [image_part(images, p.image_url.url, f"{param}.content.{j}")
+                            if p.type == "image_url" else {"type": "text", "text": p.text or p.refusal}
+                            for j, p in enumerate(self.content)]
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 m[key] = getattr(self, key)
@@ -165,6 +185,10 @@ class OpenAIRequest(Body):
     speculation: Literal[SOURCES] = DEFAULT_SPECULATION
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
     cache_salt: Optional[str] = cache_salt_field()
+    # A request may lower its own priority (core/priority.py): vLLM's ``priority`` (above 0:
+    # batch) and OpenAI's ``service_tier`` ("flex": batch); it never rises above its key's class.
+    priority: Optional[int] = Field(default=None, ge=-(1 << 31), lt=1 << 31)
+    service_tier: Optional[str] = Field(default=None, max_length=32)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")

@@ -3,6 +3,13 @@
 ``stream_text`` never yields half a UTF-8 character (the detokenizer holds
 incomplete bytes back) and never yields any part of a stop string: text that
 could still turn out to be the start of one is held until it cannot.
+
+mlx-lm's detokenizers drop the leading space of a text's first token (SPM's and
+byte-level BPE's, at the start of ``text``): right for a chat reply, which starts
+a text (mlx-lm's server does the same), wrong for a continuation, whose first
+token's space (" the" after "...began when") is part of what the model wrote. A
+continuation is detokenized after its prompt's last tokens (``context``), flushed,
+so the text the reply adds keeps every character of its tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
 
 from mlxpipe.server.core.streams import RequestStream, Token
+
+CONTEXT_TOKENS = 4  # a continued prompt's last tokens the detokenizer starts from (one that is all space is not enough)
 
 
 @dataclass
@@ -32,12 +41,26 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = ()) -> AsyncIterator[TextChunk]:
-    """Text chunks of a request; cancels the request when a stop string appears."""
-    stops = [s for s in stop if s]
+def detokenizer(tokenizer, context: Sequence[int] = ()):
+    """mlx-lm's streaming detokenizer, and where the new text starts in its ``text``:
+    after ``context`` (a continued prompt's last tokens), flushed, so that it does not
+    take the new text for the start of one."""
     detok = tokenizer.detokenizer
+    if not context:
+        return detok, 0
+    for t in context:
+        detok.add_token(t)
+    detok.finalize()  # (a held space or partial character is the prompt's: flushed, and left behind)
+    return detok, len(detok.text)
+
+
+async def stream_text(tokenizer, stream: RequestStream, stop: Sequence[str] = (),
+                      context: Sequence[int] = ()) -> AsyncIterator[TextChunk]:
+    """Text chunks of a request; cancels the request when a stop string appears.
+    ``context``: the last tokens of the prompt the reply continues (none: it starts a text)."""
+    stops = [s for s in stop if s]
+    detok, emitted = detokenizer(tokenizer, context)
     eos = tokenizer.eos_token_ids
-    emitted = 0
     taken: List[Token] = []
     async for token in stream:
         taken.append(token)

@@ -11,6 +11,7 @@ import httpx
 from mlxpipe.proto.rpc import Security, add_security_arguments
 from mlxpipe.server.cli.options import api_key, table
 from mlxpipe.server.cli.running import DEFAULT_URL, head_url
+from mlxpipe.shards.net.hello import shown
 
 
 def get_head(url: str, key: str, path: str):
@@ -39,11 +40,14 @@ def add_arguments(p) -> None:
 
 
 def _found_rows(found) -> list:
+    """The table of nodes found: every text escaped (``hello.shown``), whoever announced it."""
     rows = [["name", "address", "cluster", "usable", "memory GB", "chip", "mlxpipe", "MLX"]]
     for n in found:
-        rows.append([n["name"] or n["instance"], n["address"], n["cluster"], "yes" if n["usable"] else f"no: {n['why']}",
-                     f"{n['memory_bytes'] / 1e9:.1f}", n["chip"][:32], n["versions"].get("mlxpipe", ""),
-                     n["versions"].get("mlx", "")])
+        versions = n.get("versions") or {}
+        cells = [n["name"] or n["instance"], n["address"], n["cluster"], "yes" if n["usable"] else f"no: {n['why']}",
+                 f"{float(n['memory_bytes']) / 1e9:.1f}", n["chip"][:32], versions.get("mlxpipe", ""),
+                 versions.get("mlx", "")]
+        rows.append([shown(str(c), 300) for c in cells])
     return rows
 
 
@@ -54,7 +58,7 @@ async def discover(security: Security, wait: float) -> list:
     found = await Discovery(security).start()
     try:
         await asyncio.sleep(wait)
-        while found._tasks:  # checks still under way
+        while found.checking():  # checks still under way
             await asyncio.sleep(0.1)
         return found.table()
     finally:

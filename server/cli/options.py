@@ -1,6 +1,6 @@
 """What the client commands share (``status``, ``nodes``, ``plan``, ``bench``): the
 head's API key and the plain-text table they print. The server's options are the
-config tree's (``cluster/config.py``)."""
+config tree's (``server/config.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from mlxpipe.proto.rpc import read_secret
 
 def api_key(args: argparse.Namespace) -> str:
     """The head's API key: --api-key-file (its first key, for a file the head reads
-    too), else $MLXPIPE_API_KEY, else ""."""
+    too: ``KEY [field=value ...]`` a line), else $MLXPIPE_API_KEY, else ""."""
     if args.api_key_file:
         lines = read_secret(args.api_key_file, "--api-key-file").splitlines()
-        return next((k.strip() for k in lines if k.strip() and not k.strip().startswith("#")), "")
+        return next((k.split()[0] for k in lines if k.strip() and not k.strip().startswith("#")), "")
     return os.environ.get("MLXPIPE_API_KEY", "")
 
 

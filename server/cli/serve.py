@@ -69,7 +69,8 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
     from mlxpipe.server.cluster.assembly import Cluster
 
     metrics = Metrics()
-    cluster = await Cluster(config, observer=metrics).start()
+    cluster = await Cluster(config, observer=metrics, listening=[sock.getsockname()[:2]]).start()
+    app = None
     try:
         api = replace(options, model_id=model_id(config.model, cluster.model_path), aliases=(config.model,))
         app = create_app(cluster, api, metrics)
@@ -111,6 +112,9 @@ async def serve(config: ClusterConfig, sock: socket.socket, options: ApiOptions)
             await task
         return exit_code
     finally:
+        exporter = getattr(app.state, "traces", None) if app is not None else None
+        if exporter is not None:  # what is still queued goes now
+            await asyncio.to_thread(exporter.close)
         await cluster.stop()
 
 
@@ -131,6 +135,9 @@ def run(args) -> int:
     config = tree.from_args(ClusterConfig, args)
     options = tree.from_args(ApiOptions, args, model_id="")
     listen = tree.from_args(Listen, args)
+    from mlxpipe.server.api.keys import parse_key_lines
+
+    parse_key_lines(options.api_keys)  # a malformed key file line: one line now, not after the model loads
     if options.log_requests:  # at INFO, whatever -v says
         from mlxpipe.server.api.request_log import logger as request_logger
 

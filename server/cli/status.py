@@ -40,7 +40,7 @@ def from_head(url: str, key: str = "") -> str:
                      _mb(s.get("weight_bytes")), _mb(s.get("cache_bytes")), _mb(s.get("prefix_cache_bytes")),
                      _disk(s),
                      f"{s['busy_fraction']:.0%}" if "busy_fraction" in s else "-",
-                     str(s.get("queue_depth", "-")), f"{s.get('tokens_per_s', 0):.1f}",
+                     str(s.get("queue_depth", "-")), f"{s['tokens_per_s']:.1f}" if "tokens_per_s" in s else "-",
                      str(s.get("live_sequences", "-"))])
     head = (f"{h.get('model')}: {h.get('status')} ({h.get('state', '?')}), {h.get('live_requests', 0)} live "
             f"requests, {h.get('recoveries', 0)} recoveries")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -16,6 +17,9 @@ from mlxpipe.server.cluster import groups, mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
+from mlxpipe.server.cluster.embedding_model import load_embedding_model
+from mlxpipe.server.cluster.head_model import check_head_memory, head_memory_lines, load_head_models
+from mlxpipe.server.cluster.vision import load_vision
 from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
@@ -26,7 +30,7 @@ from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budge
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
 from mlxpipe.server.cluster.stage_client import Pipeline
 from mlxpipe.server.cluster.weights import QuantizedSource, WeightSource
-from mlxpipe.server.config import ClusterConfig
+from mlxpipe.server.config import PLANNED_CONTEXT, ClusterConfig
 from mlxpipe.server.core.engine import Engine, Observer
 from mlxpipe.server.core.supervision import Rebuilt
 from mlxpipe.server.core.transport import PipelineError
@@ -42,9 +46,11 @@ class Cluster:
     """A started pipeline with its engine and tokenizer, and the means to rebuild
     it after a fault (``rebuild``, which the engine calls)."""
 
-    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None):
+    def __init__(self, config: ClusterConfig, observer: Optional[Observer] = None,
+                 listening: Sequence[Tuple[str, int]] = ()):
         self.config = config
         self.observer = observer  # handed to the engine (e.g. metrics.Metrics)
+        self.listening = list(listening)  # the head's own sockets (its HTTP API): discovery never dials them
         self.local: Optional[LocalStages] = None
         self.engine: Optional[Engine] = None  # owns the running pipeline
         self.model: Optional[Model] = None
@@ -54,6 +60,9 @@ class Cluster:
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
+        self.embedder = None  # embedding_model.EmbeddingModel (--embedding-model), which the API reaches
+        self.extras: List = []  # head_model.HeadModel (--also): more models the head serves itself
+        self.vision = None  # vision.VisionRunner: a vision model's processor and tower, for the API
         self._quantized: Dict[str, QuantizedSource] = {}  # by spec, for remote nodes that lack the model
         self.joined: Dict[str, object] = {}  # address -> join.Joined
         self.join_server = None
@@ -85,6 +94,11 @@ class Cluster:
         return self.model.quant if self.model is not None else None
 
     @property
+    def vision_note(self) -> str:
+        """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
+        return self.model.tower_note if self.model is not None and self.vision is None else ""
+
+    @property
     def plan_note(self) -> str:
         return self.placer.note if self.placer is not None else ""
 
@@ -96,7 +110,15 @@ class Cluster:
             bits = self.quant.bits
         return {"model_type": self.model.config.get("model_type") or "", "num_layers": self.model.num_layers,
                 "model_bytes": self.model.weight_bytes, "fingerprint": load.fingerprint if load else "",
-                "bits": bits, "context_length": self.engine.max_context}
+                "bits": bits, "context_length": self.engine.max_context, "vision": self.vision is not None}
+
+    def head_models(self) -> List[Tuple[str, int]]:
+        """What the head runs itself beside the pipeline, and the bytes each may hold: (what, bytes)."""
+        out = [(f"draft model {self.draft.path.name}", self.draft.weight_bytes())] if self.draft is not None else []
+        if self.embedder is not None:
+            out.append((f"embedding model {self.embedder.facts.name}", self.embedder.facts.weight_bytes))
+        return out + [(f"--also {m.name} ({m.max_batch} x {m.context} tokens of KV cache)", m.memory())
+                      for m in self.extras]
 
     def joined_nodes(self) -> List[dict]:
         """The nodes that joined, and whether each is in the pipeline now (``/nodes``)."""
@@ -139,7 +161,10 @@ class Cluster:
         if self.placer is not None:
             lines += self.placer.prediction
         kv = self.kv_line()
+        lines += head_memory_lines(self.head_models())
         lines.append(self.context_note())
+        if self.vision is not None:  # a vision model's tower, on this head
+            lines.append(self.vision.cost.line())
         return lines + ([kv] if kv else [])
 
     def kv_line(self) -> str:
@@ -172,6 +197,17 @@ class Cluster:
         self.model = open_model(cfg)  # refuses what cannot apply before starting anything
         # A draft model that cannot draft for this one is refused before anything starts.
         self.draft = await asyncio.to_thread(load_draft_model, cfg.draft_model, self.model.tokenizer)
+        self.vision = await asyncio.to_thread(load_vision, self.model)  # None: the model takes no images
+        try:
+            self.embedder = await asyncio.to_thread(load_embedding_model, cfg.embedding_model)
+            self.extras = await asyncio.to_thread(load_head_models, cfg.also, PLANNED_CONTEXT, cfg.also_batch,
+                                                  (cfg.model, self.model.path.name))
+            check_head_memory(self.head_models(), self.model.weight_bytes)
+        except BaseException:
+            for m in [self.draft, self.vision, self.embedder, *self.extras]:
+                if m is not None:
+                    m.close()
+            raise
         pipeline = None
         try:
             await self._gather_stages()
@@ -218,7 +254,11 @@ class Cluster:
         if cfg.discover:
             await self._discover()
         await await_nodes(self._every(), self.security, cfg.rejoin_timeout_s)
-        refused = {a: why for a, why in (await vet(self._every(), self.security)).items() if why}
+        found = set(self.discovery.usable()) if self.discovery is not None else set()
+        listed = await vet([a for a in self._every() if a not in found], self.security)
+        # (a node found on the LAN proves the secret again before it is sent any)
+        proved = await vet([a for a in self._every() if a in found], self.security, need_proof=True)
+        refused = {a: why for a, why in {**listed, **proved}.items() if why}
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
 
@@ -249,15 +289,17 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages (and a group's ranks) share this machine's memory
-            cap = max(offered_memory() - self.model.weight_bytes, 0) // len(self.local.procs)
+        if self.local is not None:  # local stages and ranks share this machine's memory (and the head's own models)
+            head = sum(b for _, b in self.head_models()) + (self.vision.planned_bytes if self.vision is not None else 0)
+            cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(self.local.procs)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.
         probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
                                                                      self.config.chunk_size)
-        return Pipeline(addresses, name, self.security, stage_limits(self.config, cap),
-                        tokenizer=self.model.tokenizer_spec, probe=probe, followers=self.layout.followers)
+        limits = replace(stage_limits(self.config, cap), vision=self.model.vision)  # a vision model: mlx-vlm's
+        return Pipeline(addresses, name, self.security, limits, tokenizer=self.model.tokenizer_spec, probe=probe,
+                        followers=self.layout.followers)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
@@ -281,7 +323,7 @@ class Cluster:
             pipeline.assign(ranges)
             pipeline.fingerprint = quantized_fingerprint(self.weights.fingerprint if self.weights else
                                                          fingerprint(self.model.path), self.model.quant)
-            await pipeline.load(progress=sys.stderr.isatty(), weights=self._weights(), quant=self.model.quant)
+            await pipeline.load(progress=sys.stderr.isatty(), weights=await self._weights(), quant=self.model.quant)
             for line in await self.placer.predict(pipeline):
                 logger.info("%s", line)
         except BaseException:
@@ -289,16 +331,16 @@ class Cluster:
             raise
         return pipeline
 
-    def _weights(self) -> Optional[WeightSource]:
+    async def _weights(self) -> Optional[WeightSource]:
         """What remote nodes that lack the model receive: the model folder, or its
         units quantized by the spec in effect (quantized on the head when first needed)."""
         quant = self.model.quant
         if self.weights is None or quant is None:
             return self.weights
         key = quant.key()
-        if key not in self._quantized:
-            self._quantized[key] = QuantizedSource(self.model.path, self.weights.fingerprint, quant,
-                                                   self.model.num_layers, rate=self.config.weights_rate)
+        if key not in self._quantized:  # (hashes the source, once: on a thread)
+            self._quantized[key] = await asyncio.to_thread(QuantizedSource, self.weights, quant,
+                                                           rate=self.config.weights_rate)
         return self._quantized[key]
 
     async def rebuild(self, why: str, suspects: Sequence[str]) -> Rebuilt:
@@ -325,7 +367,11 @@ class Cluster:
         if not self.security.secret:
             raise ValueError("--discover needs the cluster secret (--secret-file or $MLXPIPE_SECRET): nodes are "
                              "found, and proved, by it")
-        self.discovery = await Discovery(self.security, self._found, self._lost).start()
+        listening = list(self.listening)
+        if self.config.join_listen:
+            host, _, port = self.config.join_listen.rpartition(":")
+            listening.append((host.strip("[]"), int(port) if port.isdigit() else 0))
+        self.discovery = await Discovery(self.security, self._found, self._lost, listening=listening).start()
         want = max(self.config.wait_nodes, 1) - len(self.addresses)
         for address in await self.discovery.wait(max(want, 0)):
             if address not in self.addresses:
@@ -376,6 +422,9 @@ class Cluster:
             self.local.stop()
         for source in self._quantized.values():
             source.close()
+        for m in [self.vision, self.embedder, *self.extras]:
+            if m is not None:
+                m.close()
 
     async def __aenter__(self) -> "Cluster":
         return await self.start()

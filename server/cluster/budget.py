@@ -28,7 +28,7 @@ class FrameBudget:
             return
         if len(self._pending) >= MAX_PENDING:
             self._pending.clear()
-        # A prefill frame that samples runs the output head too: its cost is no prefill position's.
+        # A prefill frame that samples runs the output head too: its time is no prefill frame's.
         paced = frame.kind != pb.Frame.PREFILL or not any(e.sample for e in frame.seqs)
         self._pending[frame.frame_id] = (time.perf_counter(), pb.Frame.Kind.Name(frame.kind).lower(), tokens, paced)
 
@@ -49,7 +49,7 @@ class FrameBudget:
             for i, name in enumerate(STAGE_PARTS):
                 acc[i] += getattr(timing, f"{name}_us") / 1e6
         if paced:
-            t.observe(tokens, [timing.compute_us / 1e6 for timing in result.timings], arrived - written)
+            t.observe(arrived - written)
 
     def reset(self) -> None:
         """Forget the totals (a benchmark between runs); frames in flight are still timed."""

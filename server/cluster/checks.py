@@ -1,8 +1,9 @@
 """Nodes refused early, each with a one-line reason: another mlxpipe, MLX or mlx-lm than
 the head's, a clock far from the head's, no proof of the cluster secret (a node that
 was discovered rather than named). (A copy of the model that is not the head's is
-refused when the stages load, ``stage_client.py``; less memory than a stage needs,
-by the stage itself before it reads a byte, ``shards/worker/memory.py``.)
+never loaded: the node receives the head's units, ``weights.py``, and a node that loaded
+another is refused when the stages load, ``stage_client.py``; less memory than a stage
+needs, by the stage itself before it reads a byte, ``shards/worker/memory.py``.)
 
 The head asks every node ``Hello`` (``shards/net/hello.py``) before it plans: the reply
 says what the node runs and, for a node that holds the secret, proves it does.
@@ -41,20 +42,25 @@ class NodeFacts:
         return {"mlxpipe": r.mlxpipe_version, "mlx": r.mlx_version, "mlx_lm": r.mlx_lm_version}
 
 
-async def ask(address: str, security: Security, timeout: float = 3.0) -> NodeFacts:
-    """``Hello`` to ``address``: ConnectionError saying why when it does not answer."""
+async def ask(address: str, security: Security, timeout: float = 3.0,
+              channel: Optional[grpc.aio.Channel] = None) -> NodeFacts:
+    """``Hello`` to ``address`` (on a fresh channel, or ``channel``): ConnectionError saying why
+    when it does not answer. It carries a fresh nonce and the address, nothing of the secret."""
+    if channel is None:
+        async with security.channel(address) as fresh:
+            return await ask(address, security, timeout, fresh)
     nonce = secrets.token_bytes(16)
     md = ((hello.NONCE_KEY, nonce.hex()), (hello.DIALLED_KEY, address))
-    async with security.channel(address) as channel:
-        t0 = time.time()
-        try:
-            reply = await pb_grpc.StageStub(channel).Hello(pb.HelloRequest(), timeout=timeout, metadata=md)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise ConnectionError(f"node {address} runs an older mlxpipe than this head (it has no Hello): "
-                                      "install the same version") from None
-            raise ConnectionError(f"node {address} does not answer: {err.code().name}: {err.details()}") from None
-        t1 = time.time()
+    t0 = time.time()
+    try:
+        reply = await pb_grpc.StageStub(channel).Hello(pb.HelloRequest(), timeout=timeout, metadata=md)
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise ConnectionError(f"node {address} runs an older mlxpipe than this head (it has no Hello): "
+                                  "install the same version") from None
+        raise ConnectionError(f"node {address} does not answer: {err.code().name}: "
+                              f"{hello.shown(err.details() or '', 200)}") from None
+    t1 = time.time()
     proved = bool(security.secret) and hello.verify(security.secret, nonce, address, reply.proof)
     return NodeFacts(address, reply, proved, reply.time_s - (t0 + t1) / 2)
 
@@ -67,7 +73,7 @@ def refusal(facts: NodeFacts, need_proof: bool) -> Optional[str]:
     differ = [k for k in ("mlxpipe", "mlx", "mlx_lm") if mine[k] != theirs[k]]
     if differ:
         names = {"mlxpipe": "mlxpipe", "mlx": "MLX", "mlx_lm": "mlx-lm"}
-        said = ", ".join(f"{names[k]} {theirs[k] or '?'}" for k in differ)
+        said = ", ".join(f"{names[k]} {hello.shown(theirs[k], 40) or '?'}" for k in differ)
         head = ", ".join(f"{names[k]} {mine[k]}" for k in differ)
         return f"node {facts.address} runs {said}, this head {head}: install the same versions"
     if abs(facts.clock_offset_s) > MAX_CLOCK_SKEW_S:

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from mlxpipe.shards.models.store import text_config
-from mlxpipe.shards.models.weights import LAYER_RE, read_header
-from mlxpipe.shards.params.quant import BITS, DEFAULT_GROUP_SIZE, RECIPES, QuantSpec
+from mlxpipe.shards.models.weights import LAYER_RE, is_vision, read_header
+from mlxpipe.server.cluster.weight_bytes import Parts, Quant, Scheme
+from mlxpipe.shards.params.quant import BITS, DEFAULT_GROUP_SIZE, QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -126,86 +127,6 @@ class ModelCost:
         return b
 
 
-@dataclass(frozen=True)
-class _Quant:
-    """Bytes of weights: affine quantization as mlx-lm writes it, or plain 16-bit."""
-
-    bits: Optional[int]
-    group_size: int
-    dtype_bytes: int
-
-    def quantizes(self, cols: int) -> bool:
-        # cols is the input dimension, the one groups run along; mlx-lm skips a module it does not divide.
-        return self.bits is not None and cols % self.group_size == 0
-
-    def matrix(self, rows: int, cols: int, count: int = 1) -> int:
-        n = rows * cols * count
-        if not self.quantizes(cols):
-            return n * self.dtype_bytes
-        return n * self.bits // 8 + (n // self.group_size) * 2 * self.dtype_bytes
-
-    def plain(self, n: int) -> int:
-        return n * self.dtype_bytes
-
-
-class _Scheme:
-    """The ``_Quant`` of each weight matrix, by its module path (as mlx-lm names it):
-    one for all (``bits``), or the rung a ``QuantSpec`` gives its layer, where a
-    mixed recipe's rung decides module by module with mlx-lm's own rule."""
-
-    def __init__(self, bits: Optional[int], group_size: int, dtype_bytes: int,
-                 spec: Optional[QuantSpec] = None, num_layers: int = 0) -> None:
-        self.uniform = _Quant(bits, group_size, dtype_bytes)
-        self.spec, self.num_layers, self.dtype_bytes = spec, num_layers, dtype_bytes
-        self._recipes: Dict[str, Callable[[str], int]] = {}
-
-    def __call__(self, path: str) -> _Quant:
-        if self.spec is None:
-            return self.uniform
-        m = LAYER_RE.search(path + ".")
-        rung = self.spec.layer(int(m.group(1))) if m else self.spec.bits
-        bits = self._recipe(rung)(path) if rung in RECIPES else int(rung)
-        return _Quant(bits, self.spec.group_size, self.dtype_bytes)
-
-    def _recipe(self, name: str) -> Callable[[str], int]:
-        """mlx-lm's recipe predicate, asked about module paths (it needs of a model only
-        the name of a down projection and the number of layers)."""
-        if name not in self._recipes:
-            from mlx_lm.convert import mixed_quant_predicate_builder
-
-            class _Outline:
-                layers = [None] * self.num_layers
-
-                @staticmethod
-                def named_modules():
-                    return [("model.layers.0.mlp.down_proj", None)]
-
-            predicate = mixed_quant_predicate_builder(name, _Outline(), self.spec.group_size)
-            self._recipes[name] = lambda path: predicate(path, None)["bits"]
-        return self._recipes[name]
-
-
-class _Parts:
-    """Accumulates (params, bytes) of a layer as always-read and partly-read parts."""
-
-    def __init__(self) -> None:
-        self.params = self.active = self.bytes = self.read = self.qparams = self.qbits = 0
-
-    def add(self, params: int, nbytes: int, fraction: float = 1.0) -> None:
-        self.params += params
-        self.bytes += nbytes
-        self.active += round(params * fraction)
-        self.read += round(nbytes * fraction)
-
-    def matrix(self, q: _Quant, rows: int, cols: int, count: int = 1, fraction: float = 1.0) -> None:
-        """A weight matrix [rows, cols] (``count`` of them: stacked experts)."""
-        n = rows * cols * count
-        self.add(n, q.matrix(rows, cols, count), fraction)
-        if q.quantizes(cols):
-            self.qparams += n
-            self.qbits += n * q.bits
-
-
 def _dtype_bytes(cfg: dict) -> int:
     return 4 if cfg.get("torch_dtype") in ("float32", "fp32") else 2
 
@@ -214,18 +135,26 @@ def _num_experts(cfg: dict) -> int:
     return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def _moe_freq(cfg: dict, i: int) -> bool:
+    """DeepSeek's ``moe_layer_freq``: every n-th layer, or (MiMo-V2, MiniMax-M3) one flag per layer."""
+    freq = cfg.get("moe_layer_freq") or 1
+    if isinstance(freq, list):
+        return i < len(freq) and bool(freq[i])
+    return i % int(freq) == 0
+
+
 def _is_moe(cfg: dict, i: int) -> bool:
     # The union of the rules of DeepSeek (first_k_dense_replace, moe_layer_freq),
     # Qwen-MoE (decoder_sparse_step, mlp_only_layers) and Mixtral (every layer);
     # each config only sets its own keys, the others stay neutral.
     return (_num_experts(cfg) > 0
             and i >= int(cfg.get("first_k_dense_replace") or 0)
-            and i % int(cfg.get("moe_layer_freq") or 1) == 0
+            and _moe_freq(cfg, i)
             and (i + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0
             and i not in (cfg.get("mlp_only_layers") or []))
 
 
-def _attention(cfg: dict, q: Callable[[str], _Quant], parts: _Parts) -> int:
+def _attention(cfg: dict, q: Callable[[str], Quant], parts: Parts) -> int:
     """Adds one attention block and its two norms to ``parts``; returns its KV values per token.
     ``q`` gives the quantization of a module of the block by its name."""
     h = int(cfg["hidden_size"])
@@ -263,9 +192,9 @@ def _attention(cfg: dict, q: Callable[[str], _Quant], parts: _Parts) -> int:
     return 2 * kvh * hd
 
 
-def _layer(cfg: dict, i: int, scheme: _Scheme, kv_dtype: int) -> LayerCost:
+def _layer(cfg: dict, i: int, scheme: Scheme, kv_dtype: int) -> LayerCost:
     h = int(cfg["hidden_size"])
-    parts = _Parts()
+    parts = Parts()
     q = lambda name: scheme(f"model.layers.{i}.{name}")  # noqa: E731
     kv = _attention(cfg, q, parts) * kv_dtype
     if not _is_moe(cfg, i):
@@ -336,7 +265,7 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         num_layers = int(cfg["num_hidden_layers"])
         if quant is not None:
             quant.check_layers(num_layers)
-        scheme = _Scheme(bits, int(group_size), _dtype_bytes(cfg), quant, num_layers)
+        scheme = Scheme(bits, int(group_size), _dtype_bytes(cfg), quant, num_layers)
         kv_dtype = kv_dtype_bytes or _dtype_bytes(cfg)
         layers = tuple(_layer(cfg, i, scheme, kv_dtype) for i in range(num_layers))
         h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
@@ -344,7 +273,7 @@ def model_cost(cfg: dict, bits: Optional[int] = None, group_size: Optional[int] 
         raise ValueError(f"config lacks {e.args[0]!r}: is it a decoder-only language model's "
                          "config.json?") from None
     tied = bool(cfg.get("tie_word_embeddings", False))
-    ends = _Parts()
+    ends = Parts()
     q = scheme("model.embed_tokens")
     ends.matrix(q, vocab, h)
     embed = ends.bytes
@@ -387,6 +316,8 @@ def _from_safetensors(cost: ModelCost, cfg: dict, files: Sequence[Path]) -> Mode
                 nbytes = int(end) - int(start)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
+            if is_vision(name):  # a vision model's tower: the head's (server/cluster/vision.py), no stage's
+                continue
             m = LAYER_RE.search(name)
             if m:
                 i = int(m.group(1))

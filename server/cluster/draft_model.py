@@ -110,6 +110,12 @@ class DraftModel:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(run)
 
+    def weight_bytes(self) -> int:
+        """What its weights hold in the head's memory."""
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) if self.model is not None else 0
+
     def as_dict(self) -> dict:
         return {"path": str(self.path), "jobs": self.jobs, "drafted_tokens": self.drafted}
 

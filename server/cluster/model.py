@@ -24,6 +24,7 @@ from mlxpipe.shards.models.cuts import Cuts, of_config
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.store import resolve_model, text_config
 from mlxpipe.shards.models.tokenizer_json import tokenizer_json
+from mlxpipe.shards.models.vision import has_tower, mlx_vlm_installed, takes_images
 from mlxpipe.shards.params.quant import QuantSpec
 
 
@@ -65,6 +66,21 @@ class Model:
     def cuts(self) -> Cuts:
         """Where the model can be cut into stages (its structure, traced without weights)."""
         return of_config(load_config(self.path), self.num_layers)
+
+    @functools.cached_property
+    def vision(self) -> bool:
+        """Whether it is served as a vision-language model (``shards/models/vision.py``)."""
+        return takes_images(self.path)
+
+    @functools.cached_property
+    def tower_note(self) -> str:
+        """Why a model with a vision tower takes no images here (empty: it does, or has none)."""
+        if self.vision or not has_tower(load_config(self.path)):
+            return ""
+        if not mlx_vlm_installed():
+            return (f"{self.path.name} has a vision tower; images need mlx-vlm: pip install 'mlxpipe[vision]' "
+                    "(served as text only)")
+        return f"{self.path.name}: mlx-vlm cannot serve its images (no tower weights, or an unknown type): text only"
 
     @functools.cached_property
     def tokenizer_spec(self) -> pb.TokenizerSpec:

@@ -32,6 +32,7 @@ class StageLimits:
     block_tokens: int = 0       # positions per prefix-cache block (0: keep no prefix cache)
     disk_bytes: Optional[int] = None  # the prefix cache's disk tier, at most (None: each node's default; 0: none)
     kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
+    vision: bool = False        # run the language model as mlx-vlm's (a vision model: frames carry images)
 
 
 def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:

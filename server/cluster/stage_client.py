@@ -174,6 +174,7 @@ class Pipeline:
         finally:
             bar.close()
         self._check_fingerprints(replies, [st.address for st in self.stages])
+        self._check_digests(replies)
         if self.probe[1]:
             await self.links.measure(self.stubs, self.md, *self.probe)
             self.links.warn_new()
@@ -188,7 +189,7 @@ class Pipeline:
                              max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
                              quantization=wire.quant_to_wire(quant) if quant else None,
                              tokenizer=self.tokenizer if not nxt else None,
-                             kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None)
+                             kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, vision=lim.vision)
         if lim.disk_bytes is not None:
             req.prefix_disk_bytes = lim.disk_bytes
         return req
@@ -207,6 +208,22 @@ class Pipeline:
                 f"node {a} holds another copy of {Path(self.model).name} (fingerprint {f[:12]}, the head's "
                 f"{want[:12]}): update it, or remove it so that the head sends the layers" for a, f in wrong),
                 [a for a, _ in wrong])
+
+    def _check_digests(self, replies: Sequence[pb.LoadReply]) -> None:
+        """Stages of one model agree where what they loaded meets (``LoadReply.unit_digests``):
+        the config on every stage, the embedding on the first and a last stage that ties its
+        head to it. A node that loaded a copy other than the head's (one that answered by
+        name, not by content) is refused, in one line."""
+        seen: Dict[str, Tuple[str, int]] = {}
+        for i, reply in enumerate(replies):
+            for unit, digest in sorted(reply.unit_digests.items()):
+                first = seen.setdefault(unit, (digest, i))
+                if first[0] != digest:
+                    j, a = first[1], self.stages[i].address
+                    raise PipelineError(
+                        f"node {a} (stage {i}) loaded another {unit} than stage {j} at {self.stages[j].address} "
+                        f"(digest {digest[:12]}, not {first[0][:12]}): its copy of {Path(self.model).name} is "
+                        "not the head's; update it, or remove it so that the head sends the layers", [a])
 
     async def open(self) -> None:
         """Open the Results stream of the last stage, then the Forward stream of the first."""
@@ -294,7 +311,7 @@ class Pipeline:
         return [StageCaches(list(r.blocks), list(r.starts) + list(r.disk_starts) if r.state_bytes else None,
                             r.kv_bytes_per_token, r.state_bytes, r.max_rewind,
                             r.kv_full_bytes_per_token if r.HasField("kv_cache") else 0, list(r.disk_blocks),
-                            list(r.disk_starts)) for r in (st.load for st in self.stages)]
+                            list(r.disk_starts), dict(r.unit_digests)) for r in (st.load for st in self.stages)]
 
     async def fetch(self, seq_id: int, keys: Sequence[Sequence[int]]) -> List[Tuple[List[int], List[int]]]:
         """Have each stage read ``keys[i]`` back from its disk (all at once); per stage,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 STAGE_PARTS = ("queued", "decode", "compute", "encode")  # StageTiming's fields, less "_us"
-EMA = 0.25  # weight of the newest frame in ``KindTotals.token_s``
+EMA = 0.25  # weight of the newest frame in ``KindTotals.frame_s``
 
 
 def _ema(old: Optional[float], new: float) -> float:
@@ -33,17 +33,11 @@ class KindTotals:
     round_trip: float = 0.0    # written to stage 0 -> its Result arrived
     head: float = 0.0          # handling the Result on the head
     stages: List[List[float]] = field(default_factory=list)  # [stage][part], parts as STAGE_PARTS
-    token_s: Optional[float] = None  # recent seconds per position on the slowest stage (compute), EMA
     frame_s: Optional[float] = None  # recent round trip of one frame (written -> Result), EMA
 
-    def observe(self, tokens: int, computes: List[float], round_trip: Optional[float] = None) -> None:
-        """Fold one frame's per-stage compute seconds into ``token_s`` (what one more
-        position of this kind costs where the pipeline is slowest) and its round trip
-        into ``frame_s``."""
-        if tokens and computes:
-            self.token_s = _ema(self.token_s, max(computes) / tokens)
-        if round_trip is not None:
-            self.frame_s = _ema(self.frame_s, round_trip)
+    def observe(self, round_trip: float) -> None:
+        """Fold one frame's round trip into ``frame_s``."""
+        self.frame_s = _ema(self.frame_s, round_trip)
 
     @property
     def wire(self) -> float:

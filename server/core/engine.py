@@ -22,12 +22,14 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, SOURCES, Drafter, Either, PromptLookup
 from mlxpipe.server.core.frames import Framer, prompt_scores
+from mlxpipe.server.core.media import Media
 from mlxpipe.server.core.plan import PromptScores
-from mlxpipe.server.core.prefix_index import snapshot_every
+from mlxpipe.server.core.prefix_index import model_salt, snapshot_every
 from mlxpipe.server.core.scheduler import Scheduler, SchedulerConfig
 from mlxpipe.server.core.sequence import Seq, TokenEvent
 from mlxpipe.server.core.streams import GenerationFailed, InvalidRequest, RequestStream, SequenceFailed, Token
 from mlxpipe.server.core.supervision import Rebuild, Rebuilt, Supervision, Supervisor
+from mlxpipe.server.core.tracing import RequestTrace
 from mlxpipe.server.core.transport import StageHealth, Transport
 from mlxpipe.shards.params.sampling import INT32, Sampling
 
@@ -148,6 +150,7 @@ class Engine:
                                [(c.kv_bytes_per_token, c.state_bytes) for c in caches])
         self.scheduler.reset_prefix([c.blocks for c in caches], capacity, [c.starts for c in caches], every,
                                     [c.disk_blocks for c in caches], disk_capacity)
+        self.scheduler.kv.set_model(model_salt(c.digests for c in caches), self.scheduler.seqs.values())
         self.scheduler.max_rewind = min(c.max_rewind for c in caches)
         quantizing = [c for c in caches if c.kv_full_bytes_per_token]  # their KV caches, as asked
         self.scheduler.set_kv(bool(quantizing), max((c.kv_full_bytes_per_token / max(c.kv_bytes_per_token, 1)
@@ -162,6 +165,7 @@ class Engine:
             stream.queue.put_nowait(GenerationFailed(why))
             self.scheduler.cancel(seq_id)
         self.streams.clear()
+        self.framer.tracing.clear()
 
     async def stop(self) -> None:
         self.stopping = True
@@ -176,10 +180,15 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int,
                sampling: Sampling = Sampling(), stop_at_eos: bool = True,
                speculation: str = DEFAULT_SPECULATION, max_drafts: Optional[int] = None,
-               cache_salt: bytes = b"") -> RequestStream:
+               cache_salt: bytes = b"", media: Optional[Media] = None, trace: Optional[RequestTrace] = None,
+               priority: int = 0, pool: int = 0) -> RequestStream:
         """Queue a request. ``speculation``: what to draft from (``drafting.SOURCES``),
         ``max_drafts``: drafted positions in flight at most (0: none), ``cache_salt``: its
-        prefix-cache keys' salt (it reuses only blocks of requests with the same). ``sampling`` is
+        prefix-cache keys' salt (it reuses only blocks of requests with the same), ``media``:
+        its prompt's images (a vision model's: ``media.py``), ``trace``: where its frames' spans go
+        (``tracing.py``; None: not traced), ``priority``: its class (``priority.py``: 0 interactive,
+        1 batch), ``pool``: an embedding request (``Seq.pool``, with ``max_tokens`` 0: its stream
+        ends with ``embedding`` set). ``sampling`` is
         checked here, the head's one check of it (the last stage checks what
         arrives on the wire). Raises ``InvalidRequest`` or ``SamplingError`` (both
         ValueErrors naming the ``param``) for what cannot be served, ``QueueFull``
@@ -201,7 +210,8 @@ class Engine:
                                  f"tokens, prompt and reply ({self.context_limit()})", "prompt")
         seq = Seq(seq_id=seq_id, prompt=list(prompt), max_tokens=max_tokens, sampling=sampling,
                   eos=self.eos if stop_at_eos else frozenset(), max_context=self.max_context,
-                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt)
+                  speculation=speculation, max_drafts=max_drafts, salt=cache_salt, media=media, priority=priority,
+                  pool=pool)
         need = self.scheduler.kv.need(seq)  # positions before its KV switch count at full precision
         if need > self.scheduler.max_kv_tokens:
             raise InvalidRequest(f"this request needs {need} KV-cache positions; the pipeline's stages "
@@ -209,6 +219,8 @@ class Engine:
         self.scheduler.add(seq)
         stream = RequestStream(self, seq_id, prompt if sampling.prompt_logprobs else ())
         self.streams[seq_id] = stream
+        if trace is not None:
+            self.framer.tracing.traces[seq_id] = trace
         self._pump()
         stream.cached_tokens = seq.cached_tokens or 0  # known once admitted (now, unless it waits)
         return stream
@@ -249,6 +261,7 @@ class Engine:
 
     def cancel(self, seq_id: int) -> None:
         self.streams.pop(seq_id, None)
+        self.framer.tracing.forget(seq_id)
         self.scheduler.cancel(seq_id)
         self._pump()
 
@@ -278,11 +291,16 @@ class Engine:
             if ev.error is not None:
                 stream.queue.put_nowait(SequenceFailed(ev.error))
                 del self.streams[ev.seq.seq_id]
+                self.framer.tracing.forget(ev.seq.seq_id)
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = now
                 stream.cached_tokens = ev.seq.cached_tokens or 0
                 disk = stream.cached_disk_tokens = ev.seq.disk_tokens or 0
+                trace = self.framer.tracing.traces.get(ev.seq.seq_id)
+                if trace is not None:  # cache hits, on the request's span
+                    trace.attrs.update({"prefix_cache.cached_tokens": stream.cached_tokens,
+                                        "prefix_cache.disk_tokens": disk, "prompt_tokens": len(ev.seq.prompt)})
                 if self.observer is not None:
                     self.observer.first_token(now - stream.submitted)
                     self.observer.cached_prompt(stream.cached_tokens - disk, disk)
@@ -290,14 +308,17 @@ class Engine:
                 self.observer.token(None if stream.last_token_at is None else now - stream.last_token_at)
             stream.last_token_at = now
             reason = ev.seq.finish_reason if ev.finished else None
-            if ev.token < 0:  # it only scored its prompt (max_tokens 0): no token of its own
+            if ev.token < 0:  # it only scored (or pooled) its prompt (max_tokens 0): no token of its own
+                stream.embedding = ev.embedding
                 stream.end(reason)
                 del self.streams[ev.seq.seq_id]
+                self.framer.tracing.forget(ev.seq.seq_id)
                 continue
             self.stats.generated_tokens += 1
             stream.queue.put_nowait(Token(ev.token, ev.logprob, ev.top, reason))
             if ev.finished:
                 del self.streams[ev.seq.seq_id]
+                self.framer.tracing.forget(ev.seq.seq_id)
 
     def _scored(self, scores: List[PromptScores]) -> None:
         for s in scores:
@@ -347,5 +368,6 @@ class Engine:
             stream.queue.put_nowait(GenerationFailed(f"pipeline failed: {why}"))
             self.scheduler.cancel(seq_id)
         self.streams.clear()
+        self.framer.tracing.clear()
         self.scheduler.replay_all()  # forget what the dead pipeline held
         self._pump()

@@ -67,11 +67,21 @@ class KvBudget:
         self.epoch = 0
         self.kv_start: Optional[int] = None  # stages quantize their KV caches from mlx-lm's start (None: not)
         self.kv_ratio = 1.0  # what a full-precision position costs in quantized ones, where most
+        self.model_salt = b""  # every key's chain starts from it: the stages' weights (prefix_index.model_salt)
 
     def set_kv(self, start: Optional[int], ratio: float) -> None:
         """Stages quantize their KV caches (``start``: mlx-lm's quantized_kv_start; None: not),
         a full-precision position costing ``ratio`` quantized ones where it costs most."""
         self.kv_start, self.kv_ratio = start, max(ratio, 1.0) if start is not None else 1.0
+
+    def set_model(self, salt: bytes, seqs: Iterable[Seq]) -> None:
+        """The stages' weights as the salt of every prefix-cache key (``prefix_index.model_salt``):
+        where it changes (a rebuilt pipeline computes with other weights), the keys of ``seqs``
+        (every live sequence) are made again from it."""
+        if salt != self.model_salt:
+            self.model_salt = salt
+            for seq in seqs:
+                seq.hashes.clear()
 
     def place(self, seq: Seq) -> None:
         """Where ``seq``'s caches turn quantized: where mlx-lm's would for its prompt."""
@@ -101,7 +111,8 @@ class KvBudget:
         """The keys of ``seq``'s first ``upto`` blocks: from the first that ends past its switch
         point on, with that point in them (they hold what quantized keys gave from there)."""
         tag = None if seq.kv_at is None else (seq.kv_at // self.block_tokens, seq.kv_at)
-        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, seq.salt, tag)
+        marks = seq.media.marks(self.block_tokens) if seq.media is not None else None  # its images' content
+        return chain_hashes(seq.tokens, self.block_tokens, seq.hashes, upto, self.model_salt + seq.salt, tag, marks)
 
     def resize(self, max_tokens: int) -> None:
         """A rebuilt pipeline holds a different number of KV positions."""
@@ -146,8 +157,9 @@ class KvBudget:
     def cached_prefix(self, seq: Seq) -> List[int]:
         """The keys of the cached blocks ``seq`` may start after: all its first blocks
         that every stage holds, leaving at least its last token to compute. None for a
-        sequence that scores its prompt: a cached position's log-probability is not known."""
-        if self.prefix is None or seq.sampling.prompt_logprobs:
+        sequence that scores its prompt (a cached position's log-probability is not known)
+        or pools it (the last stage must see every position)."""
+        if self.prefix is None or seq.sampling.prompt_logprobs or seq.pool:
             return []
         usable = (len(seq.feed) - 1) // self.block_tokens
         self._hashes(seq, usable)
@@ -276,17 +288,3 @@ class KvBudget:
         if not every or upto * self.block_tokens != offset:
             return False
         return upto % every == 0 or upto == (len(seq.feed) - 1) // self.block_tokens
-
-    def chunk_end(self, seq: Seq, n: int, body: int) -> int:
-        """A prefill chunk of ``n`` tokens from ``seq.sent``, shortened where stages
-        have state caches so that it ends at a block boundary (and at the body's last
-        one): the next step can then ask for the state there (``snap``)."""
-        b = self.block_tokens
-        if not self.snapshot_every or self.prefix is None:
-            return n
-        end, last = seq.sent + n, body // b * b
-        if end < body and end - end % b > seq.sent:
-            end -= end % b
-        if seq.sent < last < end:
-            end = last
-        return end - seq.sent

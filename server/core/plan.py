@@ -33,6 +33,7 @@ class Opening:
     store_first: int = 0    # of ``reuse``, the first some stage read back from disk, and the keys from there
     store: List[int] = field(default_factory=list)  # that the stages keep in memory now
     kv_at: int = 0          # with KV quantization: where its caches turn quantized (0: never)
+    pool: int = 0           # an embedding request's pooling (``Seq.pool``; 0: none)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Sample:
     top: Optional[Tuple[List[int], List[float]]] = None
     done: bool = False      # its grammar is complete
     error: str = ""         # the sequence failed on the stage: it ends here, alone
+    embedding: Optional[List[float]] = None  # a pooled sequence's vector
 
 
 @dataclass
@@ -89,3 +91,5 @@ class PromptScores:
 class StepResult:
     step_id: int
     samples: List[Sample]
+    stage_s: List[float] = field(default_factory=list)  # seconds the frame held each stage (its StageTiming's
+                                                        # decode, compute and encode), in pipeline order

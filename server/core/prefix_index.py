@@ -9,8 +9,10 @@ the scheduler asks it where a sequence may start (``match``: blocks that
 *every* stage holds, since activations for the positions after them must flow
 through every stage), records what it told stages to keep (``add``) and picks
 what to drop (least recently used first). The chain starts from a salt
-(``chain_root``): sequences of different tenants (API keys) or ``cache_salt``s
-have different keys for the same tokens, so one never reuses another's blocks. Stages follow the head's word, so
+(``chain_root``): that of the model the stages loaded (``model_salt``: the digests of
+what they compute with), then the sequence's own, so sequences of different tenants
+(API keys) or ``cache_salt``s have different keys for the same tokens and never reuse
+each other's blocks, and no block computed under other weights is ever a hit. Stages follow the head's word, so
 they never disagree; after a fault each stage reports what it still holds
 (``reset``), which may differ from stage to stage.
 
@@ -40,7 +42,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 _ROOT = 0
 MAX_SNAPSHOT_EVERY = 16  # blocks between state snapshots, at most (a reuse may start this far back)
@@ -61,6 +63,18 @@ def block_cost(block_tokens: int, kv_bytes_per_token: int, state_bytes: int, eve
     return block_tokens * kv_bytes_per_token + (state_bytes // every if every else 0)
 
 
+def model_salt(stages: Iterable[Mapping[str, str]]) -> bytes:
+    """What every chain starts from besides a sequence's own salt: the units every stage
+    computes with and their digests (``LoadReply.unit_digests``: each layer's tensors as
+    loaded, the embedding, the head, the config), whichever stage holds which layers.
+    Another model, a changed tensor anywhere, another quantization or config: another salt,
+    so no block of one is ever a hit for the other. Empty when no stage says."""
+    pairs = sorted({(unit, digest) for units in stages for unit, digest in units.items()})
+    if not pairs:
+        return b""
+    return hashlib.sha256("".join(f"{u}={d}\n" for u, d in pairs).encode()).digest()
+
+
 def chain_root(salt: bytes) -> int:
     """The key the chain of a sequence's blocks starts from: its salt's (the tenant's and
     the request's ``cache_salt``), so that no two salts share a block's key."""
@@ -68,16 +82,20 @@ def chain_root(salt: bytes) -> int:
 
 
 def chain_hashes(tokens: Sequence[int], block_tokens: int, hashes: List[int], upto: int,
-                 salt: bytes = b"", tag: Optional[Tuple[int, int]] = None) -> List[int]:
+                 salt: bytes = b"", tag: Optional[Tuple[int, int]] = None,
+                 marks: Optional[Dict[int, bytes]] = None) -> List[int]:
     """Extend ``hashes`` (the keys of a sequence's first blocks) to ``upto`` blocks of
     ``tokens``; ``salt``: the chain's (``chain_root``); ``tag`` (block, value): ``value``
-    goes into the key of that block, and so of every later one."""
+    goes into the key of that block, and so of every later one; ``marks``: block -> bytes
+    that go into its key too (the content of the images whose placeholders it holds)."""
     while len(hashes) < upto:
         k = len(hashes)
         prev = hashes[-1] if hashes else chain_root(salt)
         data = array("i", tokens[k * block_tokens : (k + 1) * block_tokens]).tobytes()
         if tag is not None and k == tag[0]:
             data += tag[1].to_bytes(8, "little")
+        if marks and k in marks:
+            data += marks[k]
         digest = hashlib.blake2b(prev.to_bytes(8, "little") + data, digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
     return hashes

@@ -8,16 +8,16 @@ far, where it is in the pipeline.
 Rules:
 
 - Prefill is chunked (token-level pipelining, as in TeraPipe): all but the
-  last token of the prompt go in chunks of at most ``chunk_size``, sent back
-  to back without waiting for results, so stage 1 works on chunk k while stage
-  0 works on chunk k+1. A short prefill (a new turn after a cached prefix) is
-  cut into about two chunks per stage (never under ``min_chunk``) so that every
-  stage works on it at once. The last token goes alone and is sampled, exactly as mlx-lm's
-  ``generate_step`` does it.
+  last token of the prompt go in chunks, sent back to back without waiting for
+  results, so stage 1 works on chunk k while stage 0 works on chunk k+1; how
+  large each is, ``prefill.py`` decides (at most ``chunk_size``, at most
+  ``max_stall`` s of the slowest stage at the measured cost of a frame, whose
+  times each result brings back). The last token goes alone and is sampled,
+  exactly as mlx-lm's ``generate_step`` does it.
 - Prefill is fair (``_next_prefill``): a free prefill slot goes to the prompt with the fewest
   tokens left (round-robin would make a short one wait a chunk of each long one, and every
-  long one finish late); the oldest gets one in every ``max_overtaken`` + 1 at least. A chunk
-  holds a stage at most ``max_stall`` s (``_chunk``): newcomers wait for the chunks in flight.
+  long one finish late); the oldest gets one in every ``max_overtaken`` + 1 at least.
+  Newcomers wait for the chunks in flight.
 - Decoding sequences live in ``num_groups`` micro-batch groups. Each group has
   at most one step in flight; while stage i runs group g, stage i+1 runs group
   g-1. A sequence whose first token arrives joins the smallest group at that
@@ -28,9 +28,9 @@ Rules:
   every stage holds, its first step names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
   the first step of a round carries the blocks to drop (``evict``; ``discard``: from
-  disk too). Where stages have state caches, prefill chunks end at block boundaries,
-  so that a step can ask them to keep the state there (``snap``). A block some stage
-  holds on disk only is read back before the first step (``take_fetches``, ``fetched``).
+  disk too). Where stages have state caches, a step that starts at a block's end
+  asks them to keep the state there (``snap``). A block some stage holds on disk
+  only is read back before the first step (``take_fetches``, ``fetched``).
 - KV quantization (``kv_start``, once the stages say they quantize): a
   sequence's caches turn quantized where mlx-lm's ``generate_step`` would
   turn them for its prompt (``kv_at``, named in its first step:
@@ -54,6 +54,8 @@ from mlxpipe.server.core.budget import KindTotals
 from mlxpipe.server.core.drafting import Drafter
 from mlxpipe.server.core.kv_budget import Fetch, KvBudget
 from mlxpipe.server.core.plan import Entry, Opening, Sample, Step, StepKind, StepResult
+from mlxpipe.server.core.prefill import PrefillPolicy
+from mlxpipe.server.core.priority import Priorities
 from mlxpipe.server.core.scheduler_config import SchedulerConfig
 from mlxpipe.server.core.sequence import Phase, QueueFull, Seq, TokenEvent
 from mlxpipe.server.core.speculation import Speculator
@@ -67,6 +69,7 @@ class Flight:
     seq_ids: List[int]
     group: Optional[int] = None
     epoch: int = 0  # VERIFY: the speculation epoch it was sent in (a rejection makes older ones stale)
+    chunk: Optional[Tuple[int, int]] = None  # PREFILL, not sampled: (offset, positions), its times a prefill cost
 
 
 class Scheduler:
@@ -82,10 +85,11 @@ class Scheduler:
                 f"{config.max_batch} sequences"
             )
         self.config = config
-        self.costs = costs  # the running pipeline's measured costs per frame kind (core/budget.py)
         self.max_running = room if config.max_running is None else config.max_running
         self.kv = KvBudget(config.max_kv_tokens, config.block_tokens, config.prefix_blocks)
-        self.speculator = Speculator(config, drafters, costs)
+        self.prefill = PrefillPolicy(config)  # how large each prefill chunk is
+        self.priorities = Priorities(config.batch_share, config.batch_reserve)  # interactive first (priority.py)
+        self.speculator = Speculator(config, drafters, costs)  # (costs: per frame kind, core/budget.py)
         self.seqs: Dict[int, Seq] = {}
         self.waiting: Deque[Seq] = deque()
         self.prefilling: List[Seq] = []
@@ -120,6 +124,7 @@ class Scheduler:
         with state caches, the held blocks it can start after (None for a stage without); ``snapshot_every``:
         see ``kv_budget.py``; ``disk``: what each stage's disk tier holds, ``disk_capacity`` its blocks."""
         self.kv.reset_prefix(held, capacity, starts, snapshot_every, disk, disk_capacity)
+        self.prefill.snapshot_every = snapshot_every if self.kv.prefix is not None else 0
 
     def take_fetches(self) -> List[Fetch]:
         """Blocks to have stages read back from disk (``Fetch``), then hand to ``fetched``."""
@@ -212,12 +217,13 @@ class Scheduler:
     def schedule(self) -> List[Step]:
         """The steps to run now, in order."""
         self.kv.new_round()  # (a sequence not started keeps the blocks it starts after: KvBudget.waiting)
+        self.priorities.note_live(self.seqs.values())
         self._admit()
         self.kv.set_room(self.kv_reserved)
         steps = self._verify_steps()    # may send a sequence back to a group...
         steps += self._decode_steps()   # ... or take one out of its group...
         steps += self._verify_steps()   # ... which then verifies at once
-        steps += self._prefill_steps()
+        steps = Priorities.order(steps + self._prefill_steps(), self.seqs)
         evict, discard = self.kv.take_evictions()
         if self.pending_free or evict or discard:
             if not steps:
@@ -230,14 +236,18 @@ class Scheduler:
 
     def _admit(self) -> None:
         holding = len(self.prefilling) + self.decoding
+        batch = sum(1 for s in self.seqs.values() if s.priority and s.phase in (Phase.PREFILL, Phase.RUNNING))
         reserved = self.kv_reserved
         while self.waiting and holding < self.max_running:
-            seq = self.waiting[0]
+            seq = self.priorities.admit_next(self.waiting, batch, self.max_running)  # interactive first
+            if seq is None:
+                break
             hit = self.kv.cached_prefix(seq)
             need = self.kv.need(seq)
             if not self.kv.admits(need, reserved, hit) and holding:
-                break  # wait for KV memory to free up (FIFO: nobody overtakes)
-            self.waiting.popleft()
+                break  # wait for KV memory to free up (in order: nobody of its class overtakes)
+            self.waiting.remove(seq)
+            batch += 1 if seq.priority else 0
             seq.phase = Phase.PREFILL
             seq.reuse, seq.stored = hit, len(hit)
             seq.sent = len(hit) * self.config.block_tokens
@@ -248,17 +258,6 @@ class Scheduler:
             self.speculator.admitted(seq, self.live)
             holding += 1
             reserved += need
-
-    def _chunk(self, seq: Seq) -> int:
-        """Tokens per prefill step for ``seq``: about two chunks per stage in flight, no more than
-        the slowest stage computes in ``max_stall`` s at the measured cost of a prompt token (Sarathi's
-        stall-free batching, whether or not others decode; unbounded until a prefill step is timed)."""
-        cfg = self.config
-        todo = len(seq.feed) - 1 - len(seq.reuse) * cfg.block_tokens
-        n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
-        if cfg.max_stall > 0 and (cost := getattr(self.costs().get("prefill"), "token_s", None)):
-            n = min(n, max(cfg.min_chunk, int(cfg.max_stall / cost)))  # (not 1: a frame's fixed cost per token)
-        return n
 
     def _entry(self, seq: Seq, offset: int, num_tokens: int, sample: bool, trim: int = 0) -> Entry:
         """A later step's entry for ``seq``: with the blocks it completed before it to keep."""
@@ -273,19 +272,20 @@ class Scheduler:
         back = seq.sampling.penalty_lookback
         context = seq.feed[max(seq.sent - back, 0) : seq.sent] if seq.reuse and back else []
         return Opening(seq.sampling, list(seq.reuse), context, list(seq.generated) if seq.sampling.grammar else [],
-                       *self.kv.promote(seq), kv_at=seq.kv_at or 0)
+                       *self.kv.promote(seq), kv_at=seq.kv_at or 0, pool=seq.pool)
 
     def _step(self, kind: StepKind, seq_ids: List[int], entries: List[Entry], group: Optional[int] = None,
-              tokens=(), epoch: int = 0) -> Step:
+              tokens=(), epoch: int = 0, chunk: Optional[Tuple[int, int]] = None) -> Step:
         sid = next(self._step_ids)
-        self.inflight[sid] = Flight(kind, seq_ids, group, epoch)
+        self.inflight[sid] = Flight(kind, seq_ids, group, epoch, chunk)
         return Step(sid, kind, entries, list(tokens), group or 0)
 
     def _decode_steps(self) -> List[Step]:
         steps = []
         busy_groups = {f.group for f in self.inflight.values() if f.kind == StepKind.DECODE}
+        hold = self.priorities.hold_batch(self.prefilling)  # batch-only groups wait for an interactive prefill
         for g, members in enumerate(self.groups):
-            if not members or g in busy_groups:
+            if not members or g in busy_groups or (hold and all(self.seqs[s].priority for s in members)):
                 continue
             for sid in list(members):
                 if self.speculator.leaves_group(self.seqs[sid], self.live):
@@ -315,6 +315,9 @@ class Scheduler:
         """Whose prefill step goes next: the prompt with the fewest tokens left to send (the first
         admitted among equals), or the oldest once passed over ``max_overtaken`` times in a row."""
         ready = [s for s in self.prefilling if s.sent < len(s.feed) and not s.fetching]  # (blocks on disk: read first)
+        batch = sum(1 for f in self.inflight.values() if f.kind == StepKind.PREFILL
+                    and any(self.seqs[i].priority for i in f.seq_ids if i in self.seqs))
+        ready = self.priorities.prefill_candidates(ready, batch, self.config.max_prefill_inflight)
         if ready:
             oldest = ready[0]
             pick = oldest if oldest.overtaken >= self.config.max_overtaken else \
@@ -325,21 +328,14 @@ class Scheduler:
 
     def _prefill_step(self, seq: Seq) -> Step:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
-        body = len(seq.feed) - 1
-        if seq.sent < body:
-            n = min(self._chunk(seq), body - seq.sent)
-            if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:
-                n = seq.kv_at - seq.sent  # no chunk crosses where its caches turn quantized
-            n, sample = self.kv.chunk_end(seq, n, body), False
-        else:
-            n, sample = 1, True
+        n, sample = (self.prefill.chunk(seq), False) if seq.sent < len(seq.feed) - 1 else (1, True)
         if not seq.known:  # its first step
             entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
         else:
             entry = self._entry(seq, seq.sent, n, sample)
-        tokens = seq.feed[seq.sent : seq.sent + n]
+        tokens, chunk = seq.feed[seq.sent : seq.sent + n], None if sample else (seq.sent, n)
         seq.sent, seq.known = seq.sent + n, True
-        return self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens)
+        return self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens, chunk=chunk)
 
     def _verify_steps(self) -> List[Step]:
         back, verifies = self.speculator.wants(self.seqs, self.live)
@@ -355,6 +351,8 @@ class Scheduler:
         flight = self.inflight.pop(result.step_id, None)
         if flight is None:
             return []
+        if flight.chunk is not None:  # (a sampled step runs the output head too: no prefill cost)
+            self.prefill.observe(*flight.chunk, result.stage_s)
         events = []
         for t in result.samples:  # a sequence its stage failed: it ends here, alone
             if t.error and t.seq_id in self.seqs:
@@ -387,7 +385,7 @@ class Scheduler:
         scored its prompt, and ends with the last stage's pick unused)."""
         if not seq.max_tokens:
             self._finish(seq, "length")
-            return TokenEvent(seq, -1, 0.0, None, True)
+            return TokenEvent(seq, -1, 0.0, None, True, embedding=t.embedding)
         seq.generated.append(t.token)
         if seq.phase == Phase.PREFILL:
             self.prefilling.remove(seq)
@@ -434,6 +432,7 @@ class Scheduler:
         self.pending_free.clear()
         self.kv.take_evictions()
         self.kv.forget_fetches()
+        self.prefill.forget()  # (a rebuilt pipeline's frames cost what they cost there)
         live = sorted(
             (s for s in self.seqs.values() if s.phase in (Phase.PREFILL, Phase.RUNNING)),
             key=lambda s: s.seq_id,

@@ -1,5 +1,5 @@
 """The scheduler's parameters (``scheduler.py``), apart so that the config tree
-(``cluster/config.py``) takes them without the scheduler's logic."""
+(``server/config.py``) takes them without the scheduler's logic."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Optional
 
 @dataclass
 class SchedulerConfig:
-    """The scheduler's parameters, derived from the config tree (``cluster/config.py``,
-    ``scheduler_config``); the defaults here are a plain scheduler's, for direct use."""
+    """The scheduler's parameters, derived from the config tree (``server/config.py``)
+    by ``cluster/sizing.py``'s ``scheduler_config``; the defaults here are a plain scheduler's, for direct use."""
 
     num_groups: int = 2            # micro-batch groups in flight
     max_batch: int = 32            # sequences per group
@@ -19,6 +19,8 @@ class SchedulerConfig:
     max_stall: float = 0.2         # seconds a prefill chunk may hold a stage (0: no bound)
     max_prefill_inflight: int = 2  # prefill steps in flight
     max_overtaken: int = 8         # prefill steps others may take ahead of the oldest prompt in a row (0: FIFO)
+    batch_share: int = 4           # interactive admissions or prefill steps in a row while batch waits, at most
+    batch_reserve: int = 1         # running places batch-class sequences leave free for interactive ones
     max_running: Optional[int] = None  # sequences holding caches (None: num_groups x max_batch)
     max_waiting: int = 256         # requests queued before QueueFull
     max_kv_tokens: int = 1 << 62   # KV-cache positions all admitted sequences and cached blocks may take

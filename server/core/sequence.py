@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
 from mlxpipe.server.core.drafting import DEFAULT_SPECULATION, Drafter
+from mlxpipe.server.core.media import Media
 from mlxpipe.shards.params.sampling import Sampling
 
 
@@ -78,9 +79,13 @@ class Seq:
     spec_state: Optional[SpeculationState] = None  # speculative decoding (speculation.py), once it may
     speculation: str = DEFAULT_SPECULATION  # what it drafts from (``drafting.SOURCES``); "none": never speculates
     max_drafts: Optional[int] = None  # drafted positions in flight, at most (None: the scheduler's spec_depth)
+    priority: int = 0              # its class: 0 interactive, 1 batch (``priority.py``)
+    pool: int = 0                  # an embedding request: the last stage pools its final hidden state (1 mean,
+                                   # 2 last position) and it ends after its prompt (``max_tokens`` 0)
     faults: int = 0                # pipeline faults a stage blamed on a frame of this sequence
     error: Optional[str] = None    # why it ended, when it failed (finish_reason "error")
     kv_at: Optional[int] = None    # with KV quantization: where its caches turn quantized (shards/params/kv.py)
+    media: Optional[Media] = None  # a vision model's prompt: its images' rows and positions (media.py)
 
     @property
     def tokens(self) -> List[int]:
@@ -107,3 +112,4 @@ class TokenEvent:
     top: Optional[Tuple[List[int], List[float]]]
     finished: bool
     error: Optional[str] = None  # the sequence failed (``token`` means nothing): ``seq.error`` says why
+    embedding: Optional[List[float]] = None  # a pooled sequence's vector (``Seq.pool``)

@@ -54,6 +54,7 @@ class RequestStream:
         self.last_token_at: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens its prefill took from the prefix cache
         self.cached_disk_tokens = 0  # ... of which some stage read back from its disk
+        self.embedding: Optional[List[float]] = None  # an embedding request's vector (``Engine.submit(pool=)``)
 
     def __aiter__(self):
         return self

@@ -5,7 +5,7 @@ knows only this protocol."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
 
 
 class PipelineError(RuntimeError):
@@ -45,6 +45,8 @@ class StageCaches:
                                       # (``kv_bytes_per_token``: after); 0: it does not quantize
     disk_blocks: List[int] = field(default_factory=list)  # the blocks its disk tier holds, least recently used first
     disk_starts: List[int] = field(default_factory=list)  # ... of those, the ones stored with their end state
+    digests: Dict[str, str] = field(default_factory=dict)  # what it computes with: unit -> SHA-256 of its tensors
+                                                           # as loaded, and of the config (LoadReply.unit_digests)
 
 
 class Transport(Protocol):

@@ -9,20 +9,19 @@ stage reports what its disk holds for the model and range it loads
 back on the ``Fetch`` RPC's threads, never on the MLX thread, when the head asks, before
 the frame that reuses them (``server/core/kv_budget.py``).
 
-Layout, under ``$MLXPIPE_HOME/prefix-cache/<model fingerprint>/b<block tokens>[-kv<bits>g<group>]/``
-(a quantized KV cache's apart): one directory per writing process (``w0``, ``w1``, ...), held with an exclusive lock
-(``flock`` on its ``lock`` file) for as long as the process uses it, so that two
-processes never write the same files; a process claims the unlocked directory whose
-files cover most of its layers (its own, after a restart), and reads, never writes, the
-files of the others. A block is one safetensors file,
+Where it lives (``tier_dirs.py``): a directory per stage's weights digest, block size and
+KV quantization (a quantized KV cache's apart) under ``$MLXPIPE_HOME/prefix-cache/``, real
+and owner-only; in it one directory per writing process, whose files the others read and
+never write. A block is one safetensors file,
 
     <chain hash: 16 hex>-<start>-<end>-<k|s>-<crc32 of the file: 8 hex>.safetensors
 
 with the keys and values of every cache slot of layers ``[start, end)`` (the range of
 the stage that wrote it) and, ``s``, the state at the block's end of its state caches
-(rotating windows, state-space arrays). A stage whose range shrinks (a re-plan, a node
-that joins) still uses every file that covers its range. Arrays are stored as they are
-(a quantized cache's keys as their data, scales and biases): ``encode`` takes any tree
+(rotating windows, state-space arrays). A stage whose range changed (a re-plan, a node
+that joins) still uses every file that covers its range: in its own directories, and
+read only, in those of other ranges with the same weights (``readable``). Arrays are
+stored as they are (a quantized cache's keys as their data, scales and biases): ``encode`` takes any tree
 of lists, tuples and dicts of arrays and plain values (and mlx-lm's cache objects, by
 class), names the arrays by their path and keeps the tree's shape in the metadata.
 
@@ -36,12 +35,9 @@ least recently used files first.
 
 from __future__ import annotations
 
-import fcntl
-import itertools
 import logging
 import os
 import queue
-import re
 import shutil
 import threading
 import zlib
@@ -52,53 +48,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.shards.cache.block_file import declared_size, decode, encode
+from mlxpipe.shards.cache.tier_dirs import NAME, claim, private, read_file, subdirs
 
 logger = logging.getLogger(__name__)
 
-DIR = "prefix-cache"     # under $MLXPIPE_HOME
 DEFAULT_SHARE = 0.10     # of the free disk (plus what the tier holds already), when no bound is given
 FLUSH_S = 10.0           # how long a stopping stage waits for the writes still queued
 READERS = 4              # threads reading the files of one Fetch
 MAX_PENDING_BYTES = 1 << 30  # blocks queued for writing, at most (more are not written: the disk is too slow)
-_NAME = re.compile(r"([0-9a-f]{16})-(\d+)-(\d+)-([ks])-([0-9a-f]{8})\.safetensors")
-
-
-# -- the directory a process writes -----------------------------------------------------------
-
-
-def _lock(directory: Path) -> Optional[int]:
-    """An exclusive lock on ``directory`` (its ``lock`` file), or None when another process holds it."""
-    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def _covers(name: str, start: int, end: int) -> bool:
-    m = _NAME.fullmatch(name)
-    return m is not None and int(m[2]) <= start and end <= int(m[3])
-
-
-def _claim(base: Path, start: int, end: int) -> Tuple[Path, int]:
-    """The directory this process writes, locked: the unlocked one whose files cover the
-    most of ``[start, end)``, else a new one."""
-    base.mkdir(parents=True, exist_ok=True)
-    dirs = [d for d in sorted(base.iterdir()) if d.is_dir()]
-    score = {d: sum(_covers(e.name, start, end) for e in os.scandir(d)) for d in dirs}
-    for d in sorted(dirs, key=lambda d: -score[d]):
-        if (fd := _lock(d)) is not None:
-            return d, fd
-    for i in itertools.count():
-        d = base / f"w{i}"
-        if not d.exists():
-            d.mkdir(exist_ok=True)  # (another process may make it too: the lock decides)
-            if (fd := _lock(d)) is not None:
-                return d, fd
 
 
 @dataclass
@@ -124,9 +81,10 @@ class DiskTier:
     """One stage process's disk tier for one model, block size and layer range (module docstring)."""
 
     def __init__(self, base: Path, start: int, end: int, limit: Optional[int] = None,
-                 share: float = DEFAULT_SHARE):
+                 share: float = DEFAULT_SHARE, readable: Sequence[Path] = ()):
         self.base = base
-        self.dir, self._lock_fd = _claim(base, start, end)
+        self.readable = list(readable)  # other tiers' roots whose files it may read (``tier_dirs.readable``)
+        self.dir, self._lock_fd = claim(base, start, end)
         self.lock = threading.Lock()
         self.files: Dict[int, _File] = {}            # usable blocks: files that cover the range
         self.lru: "OrderedDict[int, None]" = OrderedDict()  # ... least recently used first
@@ -150,22 +108,24 @@ class DiskTier:
 
     # -- the index ------------------------------------------------------------------------
 
-    def retarget(self, start: int, end: int, limit: Optional[int] = None, fresh: bool = False) -> None:
-        """Index what this tier holds for layers ``[start, end)`` (a new range after a
-        re-plan; ``fresh``: the directory was just claimed, nothing writes it yet), and
-        hold to ``limit`` bytes from now on, if given."""
+    def retarget(self, start: int, end: int, limit: Optional[int] = None, fresh: bool = False,
+                 readable: Optional[Sequence[Path]] = None) -> None:
+        """Index what this tier (and ``readable``, if given: other tiers' roots) holds for
+        layers ``[start, end)`` (a new range after a re-plan; ``fresh``: the directory was
+        just claimed, nothing writes it yet), and hold to ``limit`` bytes from now on, if
+        given. Symlinks are left out, never followed."""
+        if readable is not None:
+            self.readable = list(readable)
         found = []
-        for d in sorted(self.base.iterdir()):
-            if not d.is_dir():
-                continue
+        for d in [d for base in [self.base, *self.readable] for d in subdirs(base)]:
             for entry in os.scandir(d):
-                m = _NAME.fullmatch(entry.name)
-                if m is None:
+                m = NAME.fullmatch(entry.name)
+                if m is None or not entry.is_file(follow_symlinks=False):
                     if fresh and d == self.dir and entry.name.startswith(".tmp-"):  # a write cut short
                         os.unlink(entry.path)
                     continue
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
                 found.append((d != self.dir, st.st_mtime, int(m[1], 16),
@@ -300,7 +260,8 @@ class DiskTier:
         tmp = self.dir / f".tmp-{key:016x}"
         try:
             crc = 0
-            with open(tmp, "wb") as f:
+            _unlink(tmp)
+            with open(tmp, "wb", opener=private) as f:  # owner-only, never through a symlink
                 for chunk in chunks:
                     f.write(chunk)
                     crc = zlib.crc32(chunk, crc)
@@ -389,7 +350,7 @@ class DiskTier:
         if f is None:
             return None, "not on this stage's disk"
         try:
-            data = f.path.read_bytes()
+            data = read_file(f.path)
         except FileNotFoundError:
             why = "its file is missing"
         except OSError as err:
@@ -437,9 +398,3 @@ def _unlink(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def tier_root(home: Path, fingerprint: str, block_tokens: int, kv=None) -> Path:
-    """Where the disk tier of a model (by fingerprint), block size and KV quantization
-    (``kv_quant.KvQuant``, or None: blocks past a sequence's switch hold its bits) lives."""
-    return home / DIR / fingerprint / (f"b{block_tokens}" + (f"-kv{kv.bits}g{kv.group_size}" if kv else ""))

@@ -119,26 +119,32 @@ class Groups:
         return parts
 
     def step(self, model, parts: List[Tuple[Group, List[int]]], tokens, hidden: Optional[mx.array],
-             lengths: List[int]) -> mx.array:
+             lengths: List[int], positions: Optional[mx.array] = None) -> mx.array:
         """One decode step of a group held in ``parts`` (``regroup_parts``) through ``model``
-        (a ``SlicedModel``): each part's rows together, the outputs in the frame's row order."""
+        (a ``SlicedModel``): each part's rows together, the outputs in the frame's row order.
+        ``positions`` ``[axes, rows, 1]``: the rows' rotary positions where they are not their
+        offsets (a vision model's, ``shards/worker/images.py``)."""
         if len(parts) == 1:
-            return self._step(model, parts[0][0], tokens, hidden, lengths)
+            return self._step(model, parts[0][0], tokens, hidden, lengths, positions)
         outs, order = [], []
         for group, rows in parts:
             part_hidden = None if hidden is None else hidden[mx.array(rows)]
-            outs.append(self._step(model, group, [tokens[i] for i in rows], part_hidden, [lengths[i] for i in rows]))
+            part_positions = None if positions is None else positions[:, mx.array(rows)]
+            outs.append(self._step(model, group, [tokens[i] for i in rows], part_hidden, [lengths[i] for i in rows],
+                                   part_positions))
             order += rows
         back = sorted(range(len(order)), key=order.__getitem__)  # frame row i is output row back[i]
         return mx.concatenate(outs, axis=0)[mx.array(back)]
 
-    def _step(self, model, group: Group, tokens, hidden: Optional[mx.array], lengths: List[int]) -> mx.array:
+    def _step(self, model, group: Group, tokens, hidden: Optional[mx.array], lengths: List[int],
+              positions: Optional[mx.array] = None) -> mx.array:
         """One decode step of one group: its rows together, or one at a time when the
         stage's caches do not batch."""
         ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
         if group.caches is not None:
-            return model(ids, hidden, group.caches, lengths)
-        rows = [model(ids[i : i + 1], None if hidden is None else hidden[i : i + 1], caches, [lengths[i]])
+            return model(ids, hidden, group.caches, lengths, positions=positions)
+        rows = [model(ids[i : i + 1], None if hidden is None else hidden[i : i + 1], caches, [lengths[i]],
+                      positions=None if positions is None else positions[:, i : i + 1])
                 for i, caches in enumerate(group.rows_of(self.seqs))]
         return mx.concatenate(rows, axis=0)
 

@@ -112,11 +112,18 @@ def spec_predicate(model: nn.Module, spec: QuantSpec) -> Optional[Predicate]:
     return predicate
 
 
-def prepare(path: Union[str, Path], spec: QuantSpec) -> Tuple[nn.Module, dict]:
+def prepare(path: Union[str, Path], spec: QuantSpec, vision: bool = False) -> Tuple[nn.Module, dict]:
     """The whole model at ``path`` loaded and quantized by ``spec`` the way
     ``mlx_lm.convert`` does it, as a lazy graph: nothing is read yet. Returns the
-    model and the config ``convert`` would write."""
-    model, config = load_model(Path(path), lazy=True)
+    model and the config ``convert`` would write. ``vision``: the language model of a
+    vision-language model, as mlx-vlm's (``vision.TextPart``; its tower is the head's,
+    kept as stored, as ``mlx_vlm.convert`` keeps it)."""
+    if vision:
+        from mlxpipe.shards.models.vision import load_text_part
+
+        model, config = load_text_part(Path(path))
+    else:
+        model, config = load_model(Path(path), lazy=True)
     if "quantization" in config:
         raise QuantizeError(f"{path} is already quantized ({config['quantization'].get('bits')}-bit); "
                             "quantize from a full-precision folder (bf16, fp16, fp32 or DeepSeek's FP8)")
@@ -155,7 +162,8 @@ def materialize(tensors: Dict[str, mx.array]) -> None:
         mx.eval(arrays)
 
 
-def quantize_range(path: Union[str, Path], start: int, end: int, spec: QuantSpec) -> Tuple[nn.Module, dict]:
+def quantize_range(path: Union[str, Path], start: int, end: int, spec: QuantSpec,
+                   vision: bool = False) -> Tuple[nn.Module, dict]:
     """Layers ``[start, end)`` of the full-precision model at ``path``, quantized by ``spec``.
 
     Returns the whole mlx-lm model and ``convert``'s config: the tensors of the
@@ -163,7 +171,7 @@ def quantize_range(path: Union[str, Path], start: int, end: int, spec: QuantSpec
     other tensor is a lazy graph that is never read. The allocator's cache is
     released after each unit.
     """
-    model, config = prepare(path, spec)
+    model, config = prepare(path, spec, vision)
     for tensors in stage_units(model, start, end).values():
         materialize(tensors)
         mx.clear_cache()

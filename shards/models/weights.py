@@ -10,20 +10,18 @@ change hands travel.
 Each unit travels as the data region of a safetensors file the node writes
 itself: the head sends the header (the unit's tensors, their dtypes, shapes
 and offsets) and then the data in fixed-size chunks, each with its SHA-256.
-The node writes verified chunks in place, keeps a one-byte-per-chunk map of
-what arrived, and renames the file into place when every chunk is there, so
+The node writes verified chunks in place, keeps the checksum of each chunk that
+arrived, and renames the file into place when every chunk is there, so
 a transfer killed halfway resumes where it stopped and nothing half-written
-is ever loaded. Received units live under ``$MLXPIPE_HOME/received/<model
-fingerprint>/`` and are reused next time.
+is ever loaded. A node keeps what it received under each unit's content digest
+(``received.py``, ``unit_digests.py``), and reuses it whatever model or range it came with.
 
 Pure Python and file I/O only: no MLX (the head uses this too).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -32,8 +30,17 @@ from typing import Dict, List, Tuple
 
 CHUNK_BYTES = 4 << 20
 _UNIT = re.compile(r"^(embed|head|layer-\d{5})$")
-_FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # mlx-lm models name their block list so
+# Modules only images use (a vision-language model's tower, its projector): the head runs them
+# (shards/models/tower.py), so they are a unit of their own, ``vision``, that no stage needs.
+VISION_MODULES = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector",
+                  "vision_embed_tokens", "audio_tower", "audio_model")
+
+
+def is_vision(name: str) -> bool:
+    """Whether a tensor (or module) of this name belongs to a vision-language model's image side
+    (under one of ``VISION_MODULES``, as Hugging Face's and mlx-vlm's names put it)."""
+    return any(part in VISION_MODULES for part in name.split(".")[:3])
 
 
 class WeightsError(ValueError):
@@ -71,6 +78,11 @@ def read_header(path: Path) -> Tuple[dict, int]:
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
+
+
+def is_unit_name(name: str) -> bool:
+    """Whether ``name`` is a unit's (and so safe in a file name)."""
+    return bool(_UNIT.match(name))
 
 
 def chunk_count(data_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -132,6 +144,8 @@ class Unit:
 
 def unit_of(name: str) -> str:
     """The unit a tensor (or module) of this name belongs to."""
+    if is_vision(name):
+        return "vision"
     m = LAYER_RE.search(name)
     return f"layer-{int(m.group(1)):05d}" if m else ("embed" if "embed" in name else "head")
 
@@ -177,105 +191,3 @@ def units_for_range(units: Dict[str, Unit], start: int, end: int, num_layers: in
     if missing:
         raise WeightsError(f"the model folder has no tensors for {missing[:3]}")
     return [units[n] for n in names if n in units]
-
-
-# -- the node's side ------------------------------------------------------------------
-
-
-def received_dir(home: Path, fingerprint: str) -> Path:
-    if not _FINGERPRINT.match(fingerprint):
-        raise WeightsError(f"model fingerprint {fingerprint!r} is not a hex digest")
-    return home / "received" / fingerprint
-
-
-class Receiver:
-    """The received-weights cache of one model on a node."""
-
-    def __init__(self, home: Path, fingerprint: str, chunk_bytes: int = CHUNK_BYTES):
-        self.dir = received_dir(home, fingerprint)
-        self.chunk_bytes = chunk_bytes
-
-    def _paths(self, unit: str) -> Tuple[Path, Path, Path]:
-        if not _UNIT.match(unit):
-            raise WeightsError(f"unit name {unit!r} is not one of embed, head, layer-NNNNN")
-        return (self.dir / unit_file(unit), self.dir / f"{unit}.partial", self.dir / f"{unit}.chunks")
-
-    def write_files(self, files: Dict[str, bytes]) -> None:
-        """Small files that come whole (config.json)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            if name not in ("config.json", "generation_config.json"):
-                raise WeightsError(f"file {name!r} is not one a stage needs")
-            json.loads(data)  # must be JSON
-            (self.dir / name).write_bytes(data)
-
-    def need(self, unit: str, header: bytes, data_bytes: int) -> List[int]:
-        """Chunks of ``unit`` still missing; starts a new partial file when none is there."""
-        final, partial, chunkmap = self._paths(unit)
-        count = chunk_count(data_bytes, self.chunk_bytes)
-        if final.exists():
-            return []
-        self.dir.mkdir(parents=True, exist_ok=True)
-        prefix = struct.pack("<Q", len(header)) + header
-        if partial.exists() and chunkmap.exists():
-            with open(partial, "rb") as f:
-                same = f.read(len(prefix)) == prefix
-            if same and chunkmap.stat().st_size == count:
-                have = chunkmap.read_bytes()
-                return [i for i in range(count) if not have[i]]
-        with open(partial, "wb") as f:  # a fresh (sparse) file: header, then room for the data
-            f.write(prefix)
-            f.truncate(len(prefix) + data_bytes)
-        chunkmap.write_bytes(b"\0" * count)
-        return list(range(count))
-
-    def write_chunk(self, unit: str, index: int, data: bytes, sha256: bytes) -> bool:
-        """Write one chunk if its checksum holds; returns False for a corrupted chunk.
-        Renames the unit into place when it is complete."""
-        final, partial, chunkmap = self._paths(unit)
-        if final.exists():
-            return True
-        if not partial.exists() or not chunkmap.exists():
-            raise WeightsError(f"unit {unit} was not offered first (call Have)")
-        count = chunkmap.stat().st_size
-        if not 0 <= index < count:
-            raise WeightsError(f"chunk {index} of unit {unit} is out of range [0, {count})")
-        if hashlib.sha256(data).digest() != sha256:
-            return False
-        start = data_start(partial)
-        expect = chunk_size(partial.stat().st_size - start, index, self.chunk_bytes)
-        if len(data) != expect:
-            raise WeightsError(f"chunk {index} of unit {unit} has {len(data)} bytes, expected {expect}")
-        fd = os.open(partial, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, start + index * self.chunk_bytes)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fd = os.open(chunkmap, os.O_WRONLY)
-        try:  # only after the data is on disk
-            os.pwrite(fd, b"\1", index)
-        finally:
-            os.close(fd)
-        if all(chunkmap.read_bytes()):
-            os.replace(partial, final)
-            chunkmap.unlink()
-        return True
-
-    def verified_bytes(self) -> int:
-        """Data bytes received and verified so far (complete units and partial chunks)."""
-        total = 0
-        for f in self.dir.glob("model-*.safetensors"):
-            total += f.stat().st_size - data_start(f)
-        for chunkmap in self.dir.glob("*.chunks"):
-            partial = chunkmap.with_suffix(".partial")
-            try:
-                data = partial.stat().st_size - data_start(partial)
-                got = chunkmap.read_bytes()
-            except FileNotFoundError:  # completed (renamed) since the listing, by a receiver writing now
-                continue
-            total += sum(chunk_size(data, i, self.chunk_bytes) for i, g in enumerate(got) if g)
-        return total
-
-    def complete(self, units: List[str]) -> bool:
-        return (self.dir / "config.json").exists() and all(self._paths(u)[0].exists() for u in units)

@@ -12,7 +12,8 @@ runs (versions, chip, memory offered, its clock), for the head's checks
 (``server/cluster/checks.py``).
 
 The cluster id a node announces is an HMAC of a fixed label under the secret:
-nodes of one cluster share it, and it says nothing of the secret.
+nodes of one cluster share it, and it says nothing of the secret. What a node says
+of itself (here, or in its announcement) is shown by a head through ``shown``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def cluster_id(secret: Optional[str]) -> str:
     if not secret:
         return ""
     return hmac.new(secret.encode(), CLUSTER_LABEL, hashlib.sha256).hexdigest()[:16]
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """``text`` safe to print or log: control and format characters escaped (``\\n``,
+    ``\\x1b``, ``\\u202e``), so it cannot start a forged line, colour a terminal or reorder
+    what it shows; cut at ``limit`` characters."""
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def proof(secret: str, nonce: bytes, address: str) -> bytes:

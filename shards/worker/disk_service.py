@@ -1,10 +1,12 @@
 """A stage's prefix-cache disk tier as its servicer keeps it across Loads
-(``disk_cache.py`` is the tier itself): which tier a Load gets, what Load and Health
-report of it, and the ``Fetch`` RPC that reads its blocks back.
+(``shards/cache/disk.py`` is the tier itself): which tier a Load gets, what Load and
+Health report of it, and the ``Fetch`` RPC that reads its blocks back.
 
-The tier outlives a shard: a Load of another range of the same model (and block size)
-keeps it and what it holds for the new range; ``Fetch`` reads on a thread of its own,
-never the MLX thread.
+A Load's tier is the directory of what the stage loaded (its ``WeightsDigest``, the
+block size and the KV quantization: ``shards/cache/tier_dirs.py``); it outlives a shard
+of the same weights, and a stage loaded with another range reads the files of the
+tiers of ranges that cover it with the same weights. ``Fetch`` reads on a thread of
+its own, never the MLX thread.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Optional
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.shards.cache.block_file import block_file_bytes
-from mlxpipe.shards.cache.disk import FLUSH_S, DiskTier, tier_root
+from mlxpipe.shards.cache.disk import FLUSH_S, DiskTier
+from mlxpipe.shards.cache.tier_dirs import TierRefused, open_tier, readable, tier_root
 from mlxpipe.shards.models.store import mlxpipe_home
 
 logger = logging.getLogger(__name__)
@@ -28,27 +31,35 @@ class DiskService:
         self.disk_bytes = disk_bytes  # the node's own bound (None: the head's, else a share of free disk)
         self.tier: Optional[DiskTier] = None  # for the model loaded (MLX thread)
 
-    def for_load(self, request: pb.LoadRequest, model_print: str, kv=None) -> Optional[DiskTier]:
-        """The tier for this Load (None: none), kept from the last Load where the model, block
-        size and KV quantization (``kv``: the ``KvQuant`` the stage applies; its blocks are
-        stored as they are) are the same (MLX thread). A node's own bound wins over the head's."""
+    def for_load(self, request: pb.LoadRequest, digest, kv=None) -> Optional[DiskTier]:
+        """The tier for this Load (None: none, or its directory is refused), kept from the last
+        Load where the weights (``digest``: the stage's ``WeightsDigest``), block size and KV
+        quantization (``kv``: the ``KvQuant`` the stage applies; its blocks are stored as they
+        are) are the same (MLX thread). A node's own bound wins over the head's."""
         limit = self.disk_bytes
         if limit is None and request.HasField("prefix_disk_bytes"):
             limit = request.prefix_disk_bytes
-        root = tier_root(mlxpipe_home(), model_print, request.block_tokens, kv)
-        if request.HasField("group"):  # a tensor group's rank keeps its own heads' blocks, apart from any other's
-            root = root.with_name(f"{root.name}-tp{request.group.rank}of{request.group.size}")
+        home = mlxpipe_home()
+        root = tier_root(home, digest.stage, request.block_tokens, kv)
         if self.tier is not None and (limit == 0 or not request.block_tokens or self.tier.base != root):
             self.tier.close()
             self.tier = None
         if limit == 0 or not request.block_tokens:
             return None
+        try:
+            if self.tier is None:
+                open_tier(home, digest, request.block_tokens, kv)
+        except (TierRefused, OSError) as err:
+            logger.warning("the prefix cache keeps no blocks on disk for layers [%d, %d): %s",
+                           request.start, request.end, err)
+            return None
+        also = readable(home, digest, request.start, request.end, root)
         if self.tier is None:
-            self.tier = DiskTier(root, request.start, request.end, limit)
+            self.tier = DiskTier(root, request.start, request.end, limit, readable=also)
             logger.info("prefix cache on disk: %s, %d blocks, %.1f of %.1f MB", self.tier.dir, self.tier.count,
                         self.tier.own_bytes / 1e6, self.tier.limit / 1e6)
         else:
-            self.tier.retarget(request.start, request.end, limit)
+            self.tier.retarget(request.start, request.end, limit, readable=also)
         return self.tier
 
     def close(self) -> None:

@@ -69,7 +69,7 @@ def output(last: bool, frame: pb.Frame, out, times, computed: float, stolen: flo
                          timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
     nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
                    tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
-                   timings=frame.timings)
+                   timings=frame.timings, positions=frame.positions)
     if out is not None:
         codec.encode(out, into=nxt.hidden)
     nxt.timings.append(stage_timing(*times, computed, stolen=stolen))

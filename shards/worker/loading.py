@@ -23,7 +23,8 @@ from mlxpipe.shards.models import tensor_parallel as tp
 from mlxpipe.shards.models.grammar import tokenizer_from_json
 from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.profile import offered_memory
-from mlxpipe.shards.models.slicing import SlicedModel, load_stage, read_weights, warm_up
+from mlxpipe.shards.models.digest import read_weights
+from mlxpipe.shards.models.slicing import SlicedModel, load_stage, warm_up
 from mlxpipe.shards.models.store import fingerprint, text_config
 from mlxpipe.shards.params import wire
 from mlxpipe.shards.params.quant import quantized_fingerprint
@@ -36,11 +37,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Loaded:
-    """A loaded shard plus what Load replied (and, for a group's rank, its group)."""
+    """A loaded shard plus what Load replied, the head's offer of its weights (if any) and, for a
+    group's rank, its group."""
 
     shard: Shard
     reply: pb.LoadReply
     request: pb.LoadRequest
+    offer: object = None                # weight_service.Offer: the same request over other weights is another shard
     spec: Optional[groups.Spec] = None  # this node's rank of the stage's group (None: alone)
     group: object = None                # its collective
 
@@ -79,7 +82,6 @@ class _Read:
     stage: SlicedModel
     config: dict
     path: object           # the model folder
-    partial: bool          # it holds only the weights received for this range
     quant: object          # how it was quantized on load (None: as stored)
     offered: int           # memory this node offers
     resident: int          # the process's resident bytes before
@@ -98,7 +100,7 @@ def _read(node, request: pb.LoadRequest, spec=None, group=None) -> _Read:
     memory.check_load(path, request, quant, offered, ranks=spec.size if spec else 1)  # MemoryShort
     resident, before = memory.resident_bytes(), mx.get_active_memory()
     mx.reset_peak_memory()
-    stage, config = load_stage(path, request.start, request.end, strict=not partial, quant=quant)
+    stage, config = load_stage(path, request.start, request.end, not partial, quant, request.vision)
     if spec is not None:
         sums = tp.Sums(group)
         tp.shard_blocks(stage.blocks, request.start, tp.Part(spec.rank, spec.size), sums)  # Unsplittable
@@ -107,12 +109,14 @@ def _read(node, request: pb.LoadRequest, spec=None, group=None) -> _Read:
         stage = tp.Taped(stage, sums)
     elif node.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
         stage.launch_blocks()
-    return _Read(stage, config, path, partial, quant, offered, resident, before)
+    return _Read(stage, config, path, quant, offered, resident, before)
 
 
 def _finish(node, request: pb.LoadRequest, read: _Read, spec=None, group=None) -> Loaded:
     stage, config, path, before = read.stage, read.config, read.path, read.before
-    read_weights(stage, progress=node.progress)
+    # A group's rank hashes what it computes with: its slice of each layer (so its own disk tier, and a
+    # layout of other groups another prefix-cache salt: a miss, never a wrong hit).
+    hashing = read_weights(stage, progress=node.progress)  # (on threads, while it warms up)
     mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
     text = with_sizes(text_config(config))
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
@@ -134,19 +138,21 @@ def _finish(node, request: pb.LoadRequest, read: _Read, spec=None, group=None) -
     tokenizer = None
     if request.HasField("tokenizer") and stage.last:
         tokenizer = tokenizer_from_json(request.tokenizer.json, vocab, request.tokenizer.eos_token_ids)
-    model_print = request.fingerprint if read.partial else quantized_fingerprint(fingerprint(path), read.quant)
+    digest = hashing.result(config)
     shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                  node.disk.for_load(request, model_print, switch.kv if switch.slots else None))
+                  node.disk.for_load(request, digest, switch.kv if switch.slots else None))
     reply = pb.LoadReply(
         model_path=str(path), model_type=config.get("model_type", ""), num_layers=stage.num_layers,
         hidden_size=hidden, vocab_size=vocab, weight_bytes=weight_bytes, model_bytes=model_bytes,
-        max_context=max_context, fingerprint=model_print, max_cache_bytes=limits.max_cache_bytes,
+        max_context=max_context, max_cache_bytes=limits.max_cache_bytes,
+        fingerprint=request.fingerprint or quantized_fingerprint(fingerprint(path), read.quant),
+        unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
         block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
         peak_bytes=peak_bytes, mlx_peak_bytes=mlx_peak_bytes,
         memory_warning=node.metal.settle(weight_bytes, limits.max_cache_bytes,
                                          f"layers [{request.start}, {request.end})"),
         max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
-        state_bytes=footprint.state_bytes, **kv_reply,
+        state_bytes=footprint.state_bytes, vision=request.vision, **kv_reply,
     )
     if spec is not None:
         reply.group_size = spec.size
@@ -154,7 +160,7 @@ def _finish(node, request: pb.LoadRequest, read: _Read, spec=None, group=None) -
         reply.allreduces_per_token = 2 * len(stage.blocks)
         if spec.leader:
             shard.mirror = groups.Mirror(group)
-    return Loaded(shard, reply, request, spec, group)
+    return Loaded(shard, reply, request, node.weights.offer(request), spec, group)
 
 
 def _agree_blocks(group, shard: Shard) -> None:

@@ -1,6 +1,6 @@
 """Options of ``mlxpipe node`` that a head also takes, to pass on to the stage
 processes it starts itself. Declared here, with no gRPC or MLX import, so that the
-head's config tree (``server/cluster/config.py``) and the benchmarks take them as
+head's config tree (``server/config.py``) and the benchmarks take them as
 they are."""
 
 from __future__ import annotations

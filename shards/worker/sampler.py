@@ -248,3 +248,13 @@ def score_prompt(sampler: SeqSampler, seq_id: int, offset: int, tokens: Sequence
             out.top_logprobs.extend(arrays[2].reshape(-1).tolist())
         return [out]
     return Scored(arrays, results)
+
+
+def token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
+    """A pick (token, log-probability, top alternatives) as the wire's ``TokenResult``."""
+    token, logprob, top = pick
+    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
+    if top is not None:
+        r.top_ids.extend(top[0])
+        r.top_logprobs.extend(top[1])
+    return r

@@ -182,7 +182,8 @@ class StageServicer(pb_grpc.StageServicer):
             # run another frame (one could replay a stale prefill over a new
             # sequence of the same id), and their results are stale.
             await self._end_streams()
-            if self.loaded is not None and self.loaded.request == request:
+            if self.loaded is not None and self.loaded.request == request and \
+                    self.loaded.offer == self.weights.offer(request):
                 # The same shard again (a rebuilt pipeline): live sequences go, the
                 # prefix cache stays (the head learns what it holds from the reply).
                 if not self._following():  # (a group's other ranks: their leader frees for them)

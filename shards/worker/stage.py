@@ -1,42 +1,39 @@
 """A stage's state and work, without any networking: Frames in, Frames or Results out.
 
-``Shard`` owns the loaded layer range, every live sequence's caches and
-the micro-batch groups. It runs on the one thread that owns MLX in the stage
-process (see ``servicer.py``); nothing here blocks on I/O.
+``Shard`` owns the loaded layer range, every live sequence's caches and the micro-batch groups.
+It runs on the one thread that owns MLX in the stage process (see ``servicer.py``); nothing here
+blocks on I/O.
 
 Sequences and caches:
 
 - A PREFILL frame carries one chunk of one sequence. The sequence's caches
   are its own (mlx-lm ``KVCache`` per block) until it joins a decode group.
-- A DECODE frame carries one token for each member of micro-batch group
-  ``group``. The group's caches are batched (mlx-lm ``BatchKVCache``,
-  left-padded, so members may have different lengths). Members that the head
-  added since the group's last step are merged in; members it dropped are
-  filtered out; rows follow the frame's order.
-- ``free`` drops sequences wherever they are. Every frame is validated before
-  any state changes; a bad frame raises ``FrameError`` and changes nothing.
-- A VERIFY frame carries positions of one sequence (its last token and
-  tokens the head drafted: speculative decoding). The sequence leaves its
-  decode group for caches of its own; the last stage samples after every
-  position. The head judges the drafts; a later frame's ``trim`` takes back
-  the positions it rejected, before anything else: positional caches are
-  trimmed, state caches (rotating windows, state-space arrays) go back to a
-  snapshot taken before the verify frame, and what it accepted of that frame
-  is computed again (``caches.Rewind``). A stage can take back at most
-  ``ShardLimits.max_rewind`` positions and says so in its Load reply.
-- A sequence with a grammar (``grammar.py``, last stage only) never verifies
-  drafts; when it is replayed, its first frame names the tokens it generated
-  (``generated``) and the grammar advances past them again.
-- Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame
-  first drops the blocks in ``evict``; a sequence's first frame may start it
-  after cached blocks (``reuse``); any later frame may name blocks of the
-  sequence to keep (``store``), copied out before the frame's work, with the
-  state at the end of the last (``snap``: the caches are exactly there). With a
-  disk tier, a first frame may start from blocks read back for it (``Fetch``),
-  which its ``store`` keeps in memory; ``discard`` drops blocks from disk too.
-- KV quantization (``kv_quant.py``): a sequence's caches turn quantized before
-  its first frame at or past its switch point (named in its first frame), after
-  the blocks that frame keeps; in a decode group its row moves to a quantized part.
+- A DECODE frame carries one token for each member of micro-batch group ``group``. The group's
+  caches are batched (mlx-lm ``BatchKVCache``, left-padded, so members may have different
+  lengths). Members that the head added since the group's last step are merged in; members it
+  dropped are filtered out; rows follow the frame's order.
+- ``free`` drops sequences wherever they are. Every frame is validated before any state changes;
+  a bad frame raises ``FrameError`` and changes nothing.
+- A VERIFY frame carries positions of one sequence (its last token and tokens the head drafted:
+  speculative decoding). The sequence leaves its decode group for caches of its own; the last
+  stage samples after every position. The head judges the drafts; a later frame's ``trim`` takes
+  back the positions it rejected, before anything else: positional caches are trimmed, state
+  caches (rotating windows, state-space arrays) go back to a snapshot taken before the verify
+  frame, and what it accepted of that frame is computed again (``caches.Rewind``). A stage can
+  take back at most ``ShardLimits.max_rewind`` positions and says so in its Load reply.
+- A sequence with a grammar (``grammar.py``, last stage only) never verifies drafts; when it is
+  replayed, its first frame names the tokens it generated (``generated``) and the grammar advances
+  past them again.
+- Prefix cache (``prefix.BlockStore``, when the head asks for one): a frame first drops the
+  blocks in ``evict``; a sequence's first frame may start it after cached blocks (``reuse``); any
+  later frame may name blocks of the sequence to keep (``store``), copied out before the frame's
+  work, with the state at the end of the last (``snap``: the caches are exactly there). With a
+  disk tier, a first frame may start from blocks read back for it (``Fetch``), which its
+  ``store`` keeps in memory; ``discard`` drops blocks from disk too.
+- KV quantization (``kv_quant.py``): a sequence's caches turn quantized before its first frame at
+  or past its switch point (named in its first frame), after the blocks that frame keeps; in a
+  decode group its row moves to a quantized part.
+- An embedding request (``pool``, ``pooling.py``): the last stage pools its final hidden state.
 """
 
 from __future__ import annotations
@@ -61,7 +58,10 @@ from mlxpipe.shards.params import wire
 from mlxpipe.shards.worker.clock import BusyClock, ShardView
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
 from mlxpipe.shards.worker.launch import Launched, later
-from mlxpipe.shards.worker.sampler import SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt
+from mlxpipe.shards.worker import images
+from mlxpipe.shards.worker.pooling import Pool
+from mlxpipe.shards.worker.sampler import (SeqSampler, SequenceFailure, pick_batch, pick_positions, score_prompt,
+                                           token_result)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class _Seq:
     kv_at: int = 0                    # its caches turn quantized before a frame starting here or later (0: never)
     kv_named: bool = False            # ... as its first frame said (no frame may cross it)
     quantized: bool = False           # they did
+    pool: Optional[Pool] = None       # last stage, an embedding request: its pooled hidden state (pooling.py)
 
 
 @dataclass
@@ -89,15 +90,6 @@ class ShardLimits:
     max_cache_bytes: int = 0   # KV-cache bytes this stage may hold, cached prefix blocks included (0: no cap)
     block_tokens: int = 0      # positions per prefix-cache block (0: keep no prefix cache)
     max_rewind: int = 16       # drafted positions a trim may take back (state caches keep a snapshot per frame)
-
-
-def _token_result(seq_id: int, pick, done: bool = False) -> pb.TokenResult:
-    token, logprob, top = pick
-    r = pb.TokenResult(seq_id=seq_id, token=token, logprob=logprob, done=done)
-    if top is not None:
-        r.top_ids.extend(top[0])
-        r.top_logprobs.extend(top[1])
-    return r
 
 
 class Shard:
@@ -195,6 +187,7 @@ class Shard:
         if (frame.evict or frame.discard) and self.prefix is None:
             raise FrameError("this stage keeps no prefix cache; the frame evicts blocks")
         rows, n = check_shape(frame, self.limits, self.model.first, self.vocab_size)
+        images.check(frame, self.model, n)  # a vision model's image rows and positions
         freeing = set(frame.free)
         for e in frame.seqs:
             self._check_entry(frame, e, freeing)
@@ -259,6 +252,7 @@ class Shard:
                 hidden = codec.decode(frame.hidden, expect_shape=(rows, n, self.hidden_size))
             except codec.WireError as err:
                 raise FrameError(str(err)) from err
+        rows_in = images.embeds(frame, self.hidden_size) if self.model.first else None  # an image's rows
         decoded = time.perf_counter()
         if self.mirror is not None:  # accepted: the group's other ranks run it too
             self.mirror.frame(frame, session)
@@ -269,13 +263,13 @@ class Shard:
             self.prefix.discard(frame.discard)
         for e in frame.seqs:
             if e.trim:
-                self._trim(self.seqs[e.seq_id], e.trim)
+                self._trim(self.seqs[e.seq_id], e.trim, e.position_shift)
         self.stats.begin()
         self.publish()
         out = None  # a frame of no kind only frees and evicts
         try:
             if frame.kind == pb.Frame.PREFILL:
-                out = self._prefill(frame, hidden, session)
+                out = self._prefill(frame, hidden, session, rows_in)
             elif frame.kind == pb.Frame.DECODE:
                 out = self._decode(frame, hidden)
             elif frame.kind == pb.Frame.VERIFY:
@@ -290,7 +284,7 @@ class Shard:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state
             self.free([entry.seq_id])
         seq = _Seq(caches=self.model.make_cache(), session=session, kv_at=self.kv.point(entry.kv_quantize_at),
-                   kv_named=bool(entry.kv_quantize_at))
+                   kv_named=bool(entry.kv_quantize_at), pool=Pool.of(entry.pool, self.model.last))
         if entry.reuse:
             staged = self.prefix.unstage(entry.seq_id)  # read back from disk for it (Fetch)
             seq.length = self.prefix.start(entry.reuse, seq.caches, staged)
@@ -328,7 +322,7 @@ class Shard:
             self.kv.turn(seq.caches)
             seq.quantized = True
 
-    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int):
+    def _prefill(self, frame: pb.Frame, hidden: Optional[mx.array], session: int, rows_in: Optional[mx.array]):
         entry = frame.seqs[0]
         if entry.offset == 0 or entry.reuse:
             seq = self._new_seq(entry, session)
@@ -338,11 +332,14 @@ class Shard:
         self._turn_due(entry.seq_id, seq)
         self.stats.prefilled_tokens += entry.num_tokens
         tokens = mx.array(list(frame.tokens), dtype=mx.int32)[None]
-        out = self.model(tokens, hidden, seq.caches, [seq.length])
+        out = self.model(tokens, hidden, seq.caches, [seq.length], pooled=seq.pool is not None,
+                         **images.extras(frame, rows_in, seq.length))
         seq.length += entry.num_tokens
         if not self.model.last:
             mx.async_eval(out)
             return out
+        if seq.pool is not None:  # its vector once the prompt's last position is in; no sampling
+            return later([kinds.arrays(seq.caches), seq.pool.add(out)], seq.pool.results(entry))
         seq.sampler.observe(frame.tokens)
         scored = score_prompt(seq.sampler, entry.seq_id, entry.offset, frame.tokens, out[0])  # if it asked
         if not entry.sample:
@@ -350,7 +347,7 @@ class Shard:
         logits = out[:, -1, :]
         return later([logits, scored.arrays], lambda: scored.results() + self._sample([entry], [seq], logits))
 
-    def _trim(self, seq: _Seq, n: int) -> None:
+    def _trim(self, seq: _Seq, n: int, shift: int = 0) -> None:
         """Take back a sequence's last ``n`` positions (drafts the head rejected); it holds
         caches of its own while it verifies drafts."""
         if seq.rewind is None:
@@ -359,7 +356,8 @@ class Shard:
         else:
             def again(tokens, hidden, caches):  # accepted positions of a frame, computed again
                 start = seq.length - n - len(tokens)
-                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start])))
+                mx.eval(kinds.arrays(self.model(mx.array(tokens, dtype=mx.int32)[None], hidden, caches, [start],
+                                                **images.shifted(start, len(tokens), shift))))
                 mx.eval(kinds.arrays(caches))
 
             seq.rewind.back(seq.caches, seq.length, n, again)
@@ -379,7 +377,8 @@ class Shard:
             if seq.rewind is None:
                 seq.rewind = kinds.Rewind(self.limits.max_rewind)
             seq.rewind.mark(seq.caches, seq.length, frame.tokens, hidden)
-        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches, [seq.length])
+        out = self.model(mx.array(list(frame.tokens), dtype=mx.int32)[None], hidden, seq.caches, [seq.length],
+                         **images.extras(frame, None, seq.length))
         seq.length += entry.num_tokens
         seq.drafted += entry.num_tokens
         if not self.model.last:
@@ -393,7 +392,7 @@ class Shard:
         if failed is not None or seq.failed:
             seq.failed = seq.failed or str(failed)
             return [pb.TokenResult(seq_id=entry.seq_id, error=seq.failed)]
-        return [_token_result(entry.seq_id, pick) for pick in picks]
+        return [token_result(entry.seq_id, pick) for pick in picks]
 
     def _decode(self, frame: pb.Frame, hidden: Optional[mx.array]):
         for e in frame.seqs:  # back from verifying drafts: its positions are all confirmed now
@@ -404,7 +403,8 @@ class Shard:
             self._turn_due(e.seq_id, self.seqs[e.seq_id])
         parts = self.groups.regroup_parts(frame.group, [e.seq_id for e in frame.seqs], lambda s: self.seqs[s].quantized)
         seqs = [self.seqs[e.seq_id] for e in frame.seqs]
-        out = self.groups.step(self.model, parts, frame.tokens, hidden, [seq.length for seq in seqs])
+        lengths = [seq.length for seq in seqs]
+        out = self.groups.step(self.model, parts, frame.tokens, hidden, lengths, images.decode_positions(frame, lengths))
         for seq in seqs:
             seq.length += 1
         if not self.model.last:
@@ -439,5 +439,5 @@ class Shard:
             if s.failed:
                 out.append(pb.TokenResult(seq_id=e.seq_id, error=s.failed))
             else:
-                out.append(_token_result(e.seq_id, pick, s.sampler.finished))
+                out.append(token_result(e.seq_id, pick, s.sampler.finished))
         return out

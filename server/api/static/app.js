@@ -4,6 +4,7 @@
 
 import { apiMessages, assistantTurn, ReplyView, streamReply } from "./chat.js";
 import { watchCluster } from "./cluster.js";
+import { contentParts, enableAttach, hasPending, takeContent, takesImages, thumb } from "./images.js";
 import { copyCode } from "./render.js";
 import { forgetTurns, keepSettings, loadTurns, restoreSettings, saveTurns } from "./storage.js";
 
@@ -21,9 +22,16 @@ function bubble(role) {
   return el;
 }
 
-function userBubble(text) {
+function userBubble(content) {
   const el = bubble("user");
+  const { text, images } = contentParts(content);
   el.textContent = text;
+  if (images.length) {
+    const row = document.createElement("div");
+    row.className = "thumbs";
+    row.append(...images.map(thumb));
+    el.append(row);
+  }
   return el;
 }
 
@@ -64,11 +72,12 @@ function setStreaming(on) {
 
 async function send() {
   const text = $("prompt").value.trim();
-  if (!text || controller) return;
+  if ((!text && !hasPending()) || controller) return;
   $("prompt").value = "";
   keepSettings();
-  const userEl = userBubble(text);
-  turns.push({ role: "user", content: text });
+  const content = takeContent(text);   // with images: OpenAI's parts
+  const userEl = userBubble(content);
+  turns.push({ role: "user", content });
   const body = requestBody();
   const turn = assistantTurn();
   const view = new ReplyView(bubble("assistant"), () => scrollDown());
@@ -140,3 +149,4 @@ $("settings").addEventListener("change", keepSettings);
 restoreSettings();
 showConversation();
 watchCluster(authHeaders);
+takesImages(authHeaders()).then((yes) => { if (yes) enableAttach(); });

@@ -39,8 +39,10 @@ function stageCard() {
 
 function renderStage(card, s) {
   const reachable = s.state !== "unreachable";
-  const busy = reachable ? Math.round((s.busy_fraction || 0) * 100) : null;
-  const dash = (v) => (reachable ? v : "–");
+  // A key that is not an operator's gets no activity figures (busy, queue, caches): shown as a dash.
+  const has = (key) => reachable && s[key] !== undefined;
+  const busy = has("busy_fraction") ? Math.round(s.busy_fraction * 100) : null;
+  const dash = (key, v) => (has(key) ? v() : "–");
   card.el.dataset.state = s.state;
   card.index.textContent = `Stage ${s.stage}`;
   card.layers.textContent = `[${s.layers[0]}, ${s.layers[1]})`;
@@ -48,14 +50,15 @@ function renderStage(card, s) {
   card.address.textContent = s.address;
   card.fill.style.width = `${busy ?? 0}%`;
   card.busy.textContent = busy === null ? "–" : `${busy}%`;
-  card.tps.textContent = dash((s.tokens_per_s ?? 0).toFixed(1));
-  card.queue.textContent = dash(s.queue_depth);
-  card.seqs.textContent = dash(s.live_sequences);
-  card.memory.textContent = dash(`${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
-  card.prefix.textContent = dash(`${((s.prefix_cache_bytes || 0) / MB).toFixed(1)} MB`);
-  card.disk.textContent = dash(s.prefix_disk_limit_bytes
-    ? `${((s.prefix_disk_bytes || 0) / MB).toFixed(1)} of ${(s.prefix_disk_limit_bytes / MB).toFixed(0)} MB` : "off");
-  card.hits.textContent = dash(`${Math.round((s.prefix_hit_rate || 0) * 100)}%`);
+  card.tps.textContent = dash("tokens_per_s", () => s.tokens_per_s.toFixed(1));
+  card.queue.textContent = dash("queue_depth", () => s.queue_depth);
+  card.seqs.textContent = dash("live_sequences", () => s.live_sequences);
+  card.memory.textContent = dash("weight_bytes",
+    () => `${(((s.weight_bytes || 0) + (s.cache_bytes || 0)) / MB).toFixed(1)} MB`);
+  card.prefix.textContent = dash("prefix_cache_bytes", () => `${(s.prefix_cache_bytes / MB).toFixed(1)} MB`);
+  card.disk.textContent = dash("prefix_disk_limit_bytes", () => (s.prefix_disk_limit_bytes
+    ? `${((s.prefix_disk_bytes || 0) / MB).toFixed(1)} of ${(s.prefix_disk_limit_bytes / MB).toFixed(0)} MB` : "off"));
+  card.hits.textContent = dash("prefix_hit_rate", () => `${Math.round(s.prefix_hit_rate * 100)}%`);
   const g = s.group;
   card.group.textContent = g ? `group of ${g.size}: ` + g.ranks.map((r) => `${r.rank} ${r.address} ${r.state}`).join(", ") +
     `; all-reduces ${g.allreduce_ms_per_token.toFixed(2)} ms a token` : "";
