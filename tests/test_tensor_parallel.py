@@ -19,6 +19,7 @@ from mlxpipe.server.cluster.assembly import Cluster
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.server.core.streams import collect
 from mlxpipe.server.core.supervision import Supervision
+from mlxpipe.shards.worker.pooling import MEAN
 
 NEW_TOKENS = 24
 FEW_TOKENS = 12  # the default run's one test: every all-reduce waits for both ranks' cores on a shared machine
@@ -131,16 +132,26 @@ async def _one_stream(path):
     (prompt,) = _chat(path, PROMPTS[:1])
     async with Cluster(cfg) as cluster:
         tokens = [t.id for t in await collect(cluster.engine.submit(prompt, FEW_TOKENS))]
-        return prompt, tokens, cluster.pipeline.stages[0].load
+        pooled = cluster.engine.submit(prompt, 0, pool=MEAN)  # an embedding request: the leader pools
+        await collect(pooled)
+        return prompt, tokens, pooled.embedding, cluster.pipeline.stages[0].load
 
 
 def test_a_stage_of_two_ranks_equals_mlx_lm(default_model, reference):
     """The default run's one group test, as cheap as it can be: the default model (uneven heads: 5
-    and 4 query heads a rank) on one stage of two ranks, one stream, greedy tokens as mlx-lm's.
+    and 4 query heads a rank) on one stage of two ranks, one stream, greedy tokens as mlx-lm's; then
+    an embedding request (a pooled frame, handed to the other rank like any) equal to mlx-lm's.
     Everything else a group must keep doing (8 streams, 2 stages, the prefix cache, speculation,
     a rank killed, other models, --kv-bits 8, nodes): the extended tests below."""
-    prompt, tokens, load = run_async(_one_stream(default_model), timeout=300)
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load as load_model
+
+    prompt, tokens, embedding, load = run_async(_one_stream(default_model), timeout=300)
     assert tokens == reference(default_model, prompt, FEW_TOKENS), "a 2-rank stage diverged from mlx-lm"
+    hidden = load_model(str(default_model))[0].model(mx.array([prompt]))[0].astype(mx.float32).mean(axis=0)
+    want = np.array(hidden / mx.linalg.norm(hidden))
+    np.testing.assert_allclose(embedding, want, atol=1e-4)  # (pooled on the leader, its ranks' sums in step)
     assert load.group_size == 2 and load.allreduces_per_token == 2 * 30 and load.allreduce_seconds > 0
 
 
