@@ -131,10 +131,10 @@ async def _one_stream(path):
     cfg = ClusterConfig(model=str(path), stages=1, tp=[2], split="even", supervision=FAST)  # (even: no profiling)
     (prompt,) = _chat(path, PROMPTS[:1])
     async with Cluster(cfg) as cluster:
-        tokens = [t.id for t in await collect(cluster.engine.submit(prompt, FEW_TOKENS))]
-        pooled = cluster.engine.submit(prompt, 0, pool=MEAN)  # an embedding request: the leader pools
-        await collect(pooled)
-        return prompt, tokens, pooled.embedding, cluster.pipeline.stages[0].load
+        stream = cluster.engine.submit(prompt, FEW_TOKENS)
+        pooled = cluster.engine.submit(prompt, 0, pool=MEAN)  # beside it, an embedding request: the leader pools
+        got, _ = await asyncio.gather(collect(stream), collect(pooled))
+        return prompt, [t.id for t in got], pooled.embedding, cluster.pipeline.stages[0].load
 
 
 def test_a_stage_of_two_ranks_equals_mlx_lm(default_model, reference):
