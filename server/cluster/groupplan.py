@@ -173,12 +173,3 @@ def lines(best: Choice, choices: Sequence[Choice], concurrency: int) -> List[str
                    f"{c.tokens_per_s(max(concurrency, len(p.stages))):7.1f} in all; layers {split}")
     return out
 
-
-def with_widths(nodes: Sequence[str], widths: Sequence[int]) -> List[str]:
-    """``--nodes`` entries of a layout: a+b for a group of a and b."""
-    out, at = [], 0
-    for k in widths:
-        out.append("+".join(nodes[at:at + k]))
-        at += k
-    return out
-
