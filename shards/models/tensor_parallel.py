@@ -1,7 +1,7 @@
 """Tensor parallel inside a stage: rank r of a group of k holds a slice of every block of
 the stage's range, and the ranks all-reduce inside each block with MLX's own collective
-(``mx.distributed.all_sum``: JACCL over Thunderbolt RDMA on Macs, the ring backend over
-TCP elsewhere). Megatron's cut, for any mlx-lm model whose blocks it recognizes:
+(``mx.distributed.all_sum``, over the backend the group joined: ``shards/worker/group.py``).
+Megatron's cut, for any mlx-lm model whose blocks it recognizes:
 
 - attention by heads: each rank a contiguous run of query heads, as even as heads allow
   (9 over 2 ranks: 5 and 4), with the KV heads they read. A KV head whose query heads

@@ -2,8 +2,9 @@
 
 A stage may be a group of ranks (processes; on Macs, Macs) that each hold a slice of every
 block of the stage's range (``shards/models/tensor_parallel.py``) and all-reduce inside each
-block with MLX's own collective, ``mx.distributed``: the ring backend over TCP here, JACCL
-over Thunderbolt 5 RDMA on Macs. gRPC stays the wire between stages: the group's leader
+block with MLX's own collective, ``mx.distributed``: the ring backend over TCP (JACCL over
+Thunderbolt 5 RDMA is not wired yet: nodes report their RDMA devices, the head forms ring
+groups only). gRPC stays the wire between stages: the group's leader
 (rank 0) is the stage the head and the neighbours see.
 
 The other ranks run the same ``Shard`` logic on the same inputs. The leader hands them, in
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 60.0  # how long a rank waits for the others to connect
 FIRST_BYTES = 16 << 10  # an item's first all-reduce: its length and up to this many bytes
-BACKENDS = ("ring", "jaccl")
+BACKENDS = ("ring",)  # (JACCL, RDMA over Thunderbolt 5, needs each pair's RDMA devices in its hostfile: not yet)
 MAX_RANKS = 64  # ranks in a group, at most (a Load naming more is refused)
 
 
