@@ -173,10 +173,11 @@ def long_text(tok, tokens: int, tag: str = "") -> str:
 class HttpServer:
     """A server process speaking the OpenAI API: ``mlxpipe serve`` or ``mlx_lm.server``."""
 
-    def __init__(self, name: str, cmd: List[str], cpu: Optional[int] = None, port: Optional[int] = None):
+    def __init__(self, name: str, cmd: List[str], cpu: Optional[int] = None, port: Optional[int] = None,
+                 env: Optional[dict] = None):
         self.name = name
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     preexec_fn=pin_to(cpu))
+                                     preexec_fn=pin_to(cpu), env=env)
         if port is None:  # mlxpipe serve --port 0 prints where it listens
             line = self.proc.stdout.readline()
             if " on http" not in line:

@@ -326,7 +326,7 @@ class TokenizerSpec(_message.Message):
     def __init__(self, json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "mtp", "vision")
+    __slots__ = ("model", "start", "end", "next_address", "max_batch", "max_cache_bytes", "fingerprint", "max_chunk_tokens", "block_tokens", "quantization", "tokenizer", "kv_cache", "prefix_disk_bytes", "group", "mtp", "vision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class LoadRequest(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     MTP_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
     model: str
@@ -355,12 +356,55 @@ class LoadRequest(_message.Message):
     tokenizer: TokenizerSpec
     kv_cache: KvQuantization
     prefix_disk_bytes: int
+    group: TensorGroup
     mtp: bool
     vision: bool
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., mtp: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ..., mtp: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
+
+class TensorGroup(_message.Message):
+    __slots__ = ("rank", "size", "peers", "backend")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    size: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class GroupItem(_message.Message):
+    __slots__ = ("kind", "session", "frame", "seq_ids", "fetch")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FRAME: _ClassVar[GroupItem.Kind]
+        FREE: _ClassVar[GroupItem.Kind]
+        FREE_SESSION: _ClassVar[GroupItem.Kind]
+        FREE_ALL: _ClassVar[GroupItem.Kind]
+        FETCH: _ClassVar[GroupItem.Kind]
+        STOP: _ClassVar[GroupItem.Kind]
+        BEAT: _ClassVar[GroupItem.Kind]
+    FRAME: GroupItem.Kind
+    FREE: GroupItem.Kind
+    FREE_SESSION: GroupItem.Kind
+    FREE_ALL: GroupItem.Kind
+    FETCH: GroupItem.Kind
+    STOP: GroupItem.Kind
+    BEAT: GroupItem.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    kind: GroupItem.Kind
+    session: int
+    frame: Frame
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fetch: FetchRequest
+    def __init__(self, kind: _Optional[_Union[GroupItem.Kind, str]] = ..., session: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Union[FetchRequest, _Mapping]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "mtp_layers", "mtp_note", "mtp_bytes", "unit_digests", "weights_digest", "vision")
+    __slots__ = ("model_path", "model_type", "num_layers", "hidden_size", "vocab_size", "weight_bytes", "model_bytes", "max_context", "fingerprint", "kv_bytes_per_token", "max_cache_bytes", "block_tokens", "blocks", "peak_bytes", "starts", "max_rewind", "state_bytes", "kv_cache", "kv_full_bytes_per_token", "disk_blocks", "disk_starts", "disk_limit_bytes", "disk_block_bytes", "kv_note", "mlx_peak_bytes", "memory_warning", "mtp_layers", "mtp_note", "mtp_bytes", "unit_digests", "weights_digest", "vision", "group_size", "allreduce_seconds", "allreduces_per_token")
     class UnitDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +444,9 @@ class LoadReply(_message.Message):
     UNIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     num_layers: int
@@ -432,7 +479,10 @@ class LoadReply(_message.Message):
     unit_digests: _containers.ScalarMap[str, str]
     weights_digest: str
     vision: bool
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., mtp_layers: _Optional[int] = ..., mtp_note: _Optional[str] = ..., mtp_bytes: _Optional[int] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ..., vision: _Optional[bool] = ...) -> None: ...
+    group_size: int
+    allreduce_seconds: float
+    allreduces_per_token: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., max_context: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., peak_bytes: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., max_rewind: _Optional[int] = ..., state_bytes: _Optional[int] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., kv_full_bytes_per_token: _Optional[int] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_starts: _Optional[_Iterable[int]] = ..., disk_limit_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., kv_note: _Optional[str] = ..., mlx_peak_bytes: _Optional[int] = ..., memory_warning: _Optional[str] = ..., mtp_layers: _Optional[int] = ..., mtp_note: _Optional[str] = ..., mtp_bytes: _Optional[int] = ..., unit_digests: _Optional[_Mapping[str, str]] = ..., weights_digest: _Optional[str] = ..., vision: _Optional[bool] = ..., group_size: _Optional[int] = ..., allreduce_seconds: _Optional[float] = ..., allreduces_per_token: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("model", "batch", "quantization")
@@ -505,7 +555,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped")
+    __slots__ = ("busy_seconds", "uptime_seconds", "frames", "tokens", "queue_depth", "busy_fraction", "tokens_per_s", "reused_tokens", "prefilled_tokens", "disk_blocks_read", "disk_blocks_written", "disk_blocks_dropped", "mirror_seconds", "mirrored")
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +568,8 @@ class StageStats(_message.Message):
     DISK_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORED_FIELD_NUMBER: _ClassVar[int]
     busy_seconds: float
     uptime_seconds: float
     frames: int
@@ -530,10 +582,12 @@ class StageStats(_message.Message):
     disk_blocks_read: int
     disk_blocks_written: int
     disk_blocks_dropped: int
-    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ...) -> None: ...
+    mirror_seconds: float
+    mirrored: int
+    def __init__(self, busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., frames: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., disk_blocks_read: _Optional[int] = ..., disk_blocks_written: _Optional[int] = ..., disk_blocks_dropped: _Optional[int] = ..., mirror_seconds: _Optional[float] = ..., mirrored: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit")
+    __slots__ = ("state", "detail", "model", "start", "end", "num_layers", "weight_bytes", "active_bytes", "cache_bytes", "rss_bytes", "live_seqs", "stats", "next_address", "prefix_bytes", "prefix_blocks", "next_link", "in_link", "prefix_disk_bytes", "prefix_disk_blocks", "prefix_disk_limit", "group_rank", "group_size", "allreduce_seconds", "allreduces_per_token")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +608,10 @@ class HealthReply(_message.Message):
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     state: str
     detail: str
     model: str
@@ -574,7 +632,11 @@ class HealthReply(_message.Message):
     prefix_disk_bytes: int
     prefix_disk_blocks: int
     prefix_disk_limit: int
-    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., next_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., in_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ...) -> None: ...
+    group_rank: int
+    group_size: int
+    allreduce_seconds: float
+    allreduces_per_token: int
+    def __init__(self, state: _Optional[str] = ..., detail: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., live_seqs: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., next_address: _Optional[str] = ..., prefix_bytes: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., next_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., in_link: _Optional[_Union[LinkFigures, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., prefix_disk_blocks: _Optional[int] = ..., prefix_disk_limit: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., allreduce_seconds: _Optional[float] = ..., allreduces_per_token: _Optional[int] = ...) -> None: ...
 
 class LinkFigures(_message.Message):
     __slots__ = ("latency_s", "bytes_per_s", "jitter_s", "samples", "measured_at", "to")
@@ -621,7 +683,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("proof", "name", "chip", "memory_bytes", "mlxpipe_version", "mlx_version", "mlx_lm_version", "time_s", "cluster")
+    __slots__ = ("proof", "name", "chip", "memory_bytes", "mlxpipe_version", "mlx_version", "mlx_lm_version", "time_s", "cluster", "group_port", "rdma")
     PROOF_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHIP_FIELD_NUMBER: _ClassVar[int]
@@ -631,6 +693,8 @@ class HelloReply(_message.Message):
     MLX_LM_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    RDMA_FIELD_NUMBER: _ClassVar[int]
     proof: bytes
     name: str
     chip: str
@@ -640,7 +704,9 @@ class HelloReply(_message.Message):
     mlx_lm_version: str
     time_s: float
     cluster: str
-    def __init__(self, proof: _Optional[bytes] = ..., name: _Optional[str] = ..., chip: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., mlxpipe_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., time_s: _Optional[float] = ..., cluster: _Optional[str] = ...) -> None: ...
+    group_port: int
+    rdma: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, proof: _Optional[bytes] = ..., name: _Optional[str] = ..., chip: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., mlxpipe_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., time_s: _Optional[float] = ..., cluster: _Optional[str] = ..., group_port: _Optional[int] = ..., rdma: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ()

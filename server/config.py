@@ -102,6 +102,17 @@ def _node_list(text: str) -> List[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+def _widths(text: str) -> List[int]:
+    """--tp: ranks per stage, each at least 1, or 'auto' ([0]: the planner's choice); a ValueError
+    (one line, before anything loads) for anything else."""
+    if text.strip() == "auto":
+        return [0]
+    try:
+        return [count(x) for x in text.split(",") if x.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        raise ValueError(f"--tp takes whole numbers, at least 1, one per stage or one for all: {text!r}") from err
+
+
 def _non_negative_int(text: str) -> int:
     """An argparse type: a whole number, 0 to ``UINT32_MAX``."""
     value = int(text)
@@ -158,8 +169,14 @@ class ClusterConfig:
                       "Hugging Face cache when not there), or 'default' (the embedded SmolLM2-135M-Instruct, 4-bit)")
     stages: int = knob(2, "local stage processes to start (default %(default)s; they get a random cluster secret)",
                        type=count)
-    nodes: List[str] = knob(help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order",
+    nodes: List[str] = knob(help="comma-separated host:port of running `mlxpipe node` workers, in pipeline order; "
+                            "a+b: one stage split across nodes a and b (a tensor-parallel group, a its leader)",
                             factory=list, parse=_node_list, cli_default="")
+    tp: List[int] = knob(help="ranks per local stage (default 1): a stage of k ranks is a tensor-parallel group, each "
+                         "rank a process of its own on a core of its own holding 1/k of every layer of the stage's "
+                         "range, MLX's own collective between them (as k Macs would); one number for every stage "
+                         "(2), or one per stage (2,1). With --nodes, 'auto': the planner groups the nodes from the "
+                         "measured links (docs/multi-mac.md)", factory=list, parse=_widths, cli_default="")
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
     prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "

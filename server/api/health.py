@@ -39,6 +39,8 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
                 prefix_disk_io={"read": s.disk_blocks_read, "written": s.disk_blocks_written,
                                 "dropped": s.disk_blocks_dropped},
                 prefix_hit_rate=s.reused_tokens / max(s.reused_tokens + s.prefilled_tokens, 1))
+    if reply.group_size:  # a tensor-parallel group: its ranks, and what its all-reduces cost a token
+        info["group"] = _group(st, reply)
     load = getattr(st, "load", None)  # the stage's Load reply, when the transport keeps it
     if load is not None:
         info["kv_bytes_per_token"] = load.kv_bytes_per_token
@@ -51,6 +53,17 @@ def _stage(i: int, st, reply, err: str) -> Tuple[dict, List[str]]:
 
 # What a stage's entry in /health shows a key that is not an operator's: where it is and whether it serves.
 USER_STAGE_FIELDS = ("stage", "address", "layers", "state", "weight_bytes", "kv_bytes_per_token")
+
+
+def _group(st, reply) -> dict:
+    """A stage's tensor-parallel group in /health: its ranks (the leader first) and their state, one
+    all-reduce and a token's all-reduces (timed when it loaded), the leader's hand-offs so far."""
+    ranks = [{"rank": 0, "address": st.address, "state": reply.state}]
+    for r, (address, rh, err) in enumerate(getattr(st, "rank_health", ()), start=1):
+        ranks.append({"rank": r, "address": address, "state": rh.state if rh is not None else "unreachable"})
+    return {"size": reply.group_size, "ranks": ranks, "allreduce_ms": reply.allreduce_seconds * 1e3,
+            "allreduce_ms_per_token": reply.allreduce_seconds * reply.allreduces_per_token * 1e3,
+            "handoff_seconds": reply.stats.mirror_seconds, "handoffs": reply.stats.mirrored}
 
 
 def _cluster(head, keys=("links", "link_warnings", "workload")) -> dict:

@@ -78,6 +78,30 @@ class _Stages:
         yield from (busy, frames, queue, kv, weights, up, prefix, reused, computed, disk, disk_limit, disk_io)
 
 
+class _Groups:
+    """Each tensor-parallel group's ranks and what its all-reduces cost, from the last Health snapshot."""
+
+    def __init__(self):
+        self.snapshot: list = []  # (stage, its Placement, its HealthReply)
+
+    def collect(self):
+        ranks = GaugeMetricFamily("mlxpipe_group_rank_up", "1 for each rank of a stage's tensor-parallel group that "
+                                  "answers and is ready", labels=["stage", "rank", "address"])
+        per_token = GaugeMetricFamily("mlxpipe_group_allreduce_seconds_per_token", "What a token's all-reduces cost "
+                                      "each group (one timed at load, times those a token needs)", labels=["stage"])
+        handoff = CounterMetricFamily("mlxpipe_group_handoff_seconds", "Seconds each group's leader spent handing "
+                                      "work items to its other ranks", labels=["stage"])
+        for i, st, reply in self.snapshot:
+            if reply is None or not reply.group_size:
+                continue
+            ranks.add_metric([str(i), "0", st.address], 1.0 if reply.state == "ready" else 0.0)
+            for r, (address, rh, _) in enumerate(getattr(st, "rank_health", ()), start=1):
+                ranks.add_metric([str(i), str(r), address], 1.0 if rh is not None and rh.state == "ready" else 0.0)
+            per_token.add_metric([str(i)], reply.allreduce_seconds * reply.allreduces_per_token)
+            handoff.add_metric([str(i)], reply.stats.mirror_seconds)
+        yield from (ranks, per_token, handoff)
+
+
 class _Budget:
     """The head's totals of where frames' time went (``core/budget.KindTotals`` per kind), at scrape time."""
 
@@ -206,6 +230,8 @@ class Metrics:
         r.register(self.budget)
         self.links = _Links()
         r.register(self.links)
+        self.groups = _Groups()
+        r.register(self.groups)
         self.embeddings = _Embeddings()
         r.register(self.embeddings)
         self.keys: Dict[bytes, KeyMeter] = {}  # one per API key that was used (the key file bounds them)
@@ -256,5 +282,6 @@ class Metrics:
                 self.by_source.labels(source=source, accepted="no").set(judged - accepted)
                 self.acceptance.labels(source=source).set(accepted / judged if judged else 0.0)
         self.stages.snapshot = [(i, st.address, reply) for i, (st, reply, _) in enumerate(health)]
+        self.groups.snapshot = [(i, st, reply) for i, (st, reply, _) in enumerate(health)]
         return generate_latest(self.registry)
 

@@ -112,6 +112,7 @@ class _Planned:
     most: int                 # the model's own context
     cuts: object = None       # where the model can be cut (``shards/models/cuts.py``)
     links: Optional[List[str]] = None  # with --link: the chosen split with every hop priced, in words
+    layouts: object = None    # with --link: (the best layout, every layout): stages as tensor-parallel groups
 
 
 def _weights_cost(args, spec: Optional[QuantSpec] = None) -> ModelCost:
@@ -183,6 +184,7 @@ def run(args) -> int:
         contexts = context_table(p.base, nodes, p.most, group_size=args.kv_group_size)
         priced = _priced(args, p, nodes)
         p.cuts, p.links = cuts, priced.lines([n.name for n in nodes]) if priced else None
+        p.layouts = _layouts(args, p, nodes)
     except ValueError as e:
         if args.json:
             print(json.dumps({"feasible": False, "error": str(e)}, indent=2))
@@ -206,6 +208,13 @@ def _json(args, p: _Planned, nodes, assumed: bool, decode_only: Plan, contexts) 
            "context_table": [{"kv_bits": r.kv_bits, "kv_bytes_per_token": r.kv_bytes_per_token,
                               "longest_context": {str(n): c for n, c in r.longest.items()}} for r in contexts],
            "cuts": p.cuts.to_dict(), "links": p.links}
+    if p.layouts is not None:
+        best, choices = p.layouts
+        out["layouts"] = [{"widths": list(c.widths), "layout": c.describe(), "chosen": c is best,
+                           "tokens_per_s_one_stream": c.one_stream,
+                           "tokens_per_s": c.tokens_per_s(args.concurrency), "why_not": c.why_not,
+                           "layers": [s.num_layers for s in c.priced.plan.stages] if c.priced else None}
+                          for c in choices]
     for st, s in zip(out["stages"], result.stages):
         st["mean_bits"] = p.cost.stage_mean_bits(s.start, s.end)
     if p.choice is not None:
@@ -242,6 +251,10 @@ def _print_plan(args, p: _Planned, decode_only: Plan, contexts) -> None:
     print("\n".join(_mix_lines(args, result, decode_only)))
     print("\n".join([p.cuts.describe() + ("" if p.cuts.traced else " (assumed: the structure could not be read here)"),
                      *(p.links or [])]))
+    if p.layouts is not None:
+        from mlxpipe.server.cluster.groupplan import lines
+
+        print("\n".join(lines(*p.layouts, args.concurrency)))
     if p.choice is not None:
         print(f"quality: {p.choice.trade()}")
     print()
@@ -332,3 +345,22 @@ def _priced(args, p: _Planned, nodes: List[NodeSpec]):
                           for b in range(a + 1, len(used))})
     return linkplan.evaluate(p.cost, [nodes[i] for i in used], sub, p.plan.ranges, context=p.context,
                              concurrency=args.concurrency, workload=Workload(args.prompt_ratio, args.chunk))
+
+
+def _layouts(args, p: _Planned, nodes: List[NodeSpec]):
+    """With --link: every layout of the nodes as stages of tensor-parallel groups, planned with
+    the links priced (``groupplan.py``), and the best; else None."""
+    if not args.link:
+        return None
+    from mlxpipe.server.cluster import groupplan, linkplan
+    from mlxpipe.shards.models.tensor_parallel import why_not
+
+    given = Path(args.model)
+    raw = json.loads((given / "config.json" if given.is_dir() else given).read_text())
+    if p.cost.bits and not raw.get("quantization"):  # split as it will be quantized
+        raw = dict(raw, quantization={"bits": p.cost.bits, "group_size": p.cost.group_size})
+    hidden = int(_config(args.model).get("hidden_size", 0))
+    links = linkplan.Links.in_a_row(hidden * 2, [linkplan.parse_link(x) for x in args.link], len(nodes))
+    return groupplan.choose(p.cost, nodes, links, hidden, lambda k: why_not(raw, k), context=p.context,
+                            concurrency=args.concurrency, workload=Workload(args.prompt_ratio, args.chunk),
+                            cuts=args.cuts)

@@ -52,7 +52,19 @@ def from_head(url: str, key: str = "") -> str:
     head += _speculation(h.get("speculation") or {})
     warnings = [f"stage {s['stage']}: {s['memory_warning']}" for s in h.get("stages", []) if s.get("memory_warning")]
     warnings += h.get("link_warnings", [])
-    return head + "\n\n" + table(rows) + _links(h) + _workload(h) + "".join(f"\n{w}" for w in warnings)
+    return head + "\n\n" + table(rows) + _groups(h) + _links(h) + _workload(h) + "".join(f"\n{w}" for w in warnings)
+
+
+def _groups(h: dict) -> str:
+    """Each stage that is a tensor-parallel group: its ranks and what its all-reduces cost a token."""
+    lines = []
+    for s in h.get("stages", []):
+        g = s.get("group")
+        if g:
+            ranks = ", ".join(f"{r['rank']} {r['address']} {r['state']}" for r in g["ranks"])
+            lines.append(f"stage {s['stage']}: a group of {g['size']} ranks ({ranks}); all-reduces "
+                         f"{g['allreduce_ms_per_token']:.2f} ms a token ({g['allreduce_ms']:.3f} ms each)")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _speculation(spec: dict) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxpipe.proto.rpc import REPLAN_WAIT_S, Security
-from mlxpipe.server.cluster import mix
+from mlxpipe.server.cluster import groups, mix
 from mlxpipe.server.cluster.checks import vet
 from mlxpipe.server.cluster.discovery import DROP_AFTER_S, Discovery
 from mlxpipe.server.cluster.draft_model import load_draft_model
@@ -24,7 +24,7 @@ from mlxpipe.server.cluster.join import joined_table, start_join_server
 from mlxpipe.server.cluster.local import LocalStages, placement
 from mlxpipe.server.cluster.model import Model, open_model
 from mlxpipe.server.cluster.placement import Placer
-from mlxpipe.server.cluster.rebuild import answering, await_nodes, build_leaving_out
+from mlxpipe.server.cluster.rebuild import answering, await_nodes, await_up, build_leaving_out
 from mlxpipe.server.cluster.sizing import (disk_blocks, kv_quant, kv_token_budget, prefix_blocks, scheduler_config,
                                            stage_limits, uses_mtp)
 from mlxpipe.server.cluster.splits import even_split, fixed_ranges
@@ -55,7 +55,8 @@ class Cluster:
         self.engine: Optional[Engine] = None  # owns the running pipeline
         self.model: Optional[Model] = None
         self.placer: Optional[Placer] = None
-        self.addresses: List[str] = []   # every stage we may use, in pipeline order
+        self.addresses: List[str] = []   # every stage we may use, in pipeline order (a group's leader)
+        self.layout = groups.Layout([])  # the stages' tensor-parallel groups: each leader's other ranks
         self.security = Security()
         self.weights: Optional[WeightSource] = None  # for remote nodes that lack the model
         self.draft = None  # draft_model.DraftModel (--draft-model), handed to the engine
@@ -149,7 +150,12 @@ class Cluster:
         lines = [f"model {self.model_path}" + (f", quantized on load: {quant.describe()}" if quant else "")]
         for i, st in enumerate(self.pipeline.stages):
             mb = st.load.weight_bytes / 1e6 if st.load else 0
-            lines.append(f"stage {i}: {st.address} layers [{st.start}, {st.end}) {mb:.1f} MB")
+            group = ""
+            if st.ranks and st.load is not None:  # a tensor-parallel group: the leader's share, and its sums
+                group = (f" per rank, a group of {1 + len(st.ranks)} ranks; all-reduces "
+                         f"{st.load.allreduce_seconds * st.load.allreduces_per_token * 1e3:.2f} ms a token")
+            lines.append(f"stage {i}: {'+'.join([st.address, *st.ranks])} layers [{st.start}, {st.end}) {mb:.1f} MB"
+                         + group)
         if self.plan_note:
             lines.append(self.plan_note)
         if self.placer is not None:
@@ -235,14 +241,17 @@ class Cluster:
         cfg = self.config
         if not (cfg.nodes or cfg.join_listen or cfg.discover):
             # Local stages: a random cluster secret of their own, so that other
-            # users of this machine cannot drive them either.
+            # users of this machine cannot drive them either. A stage of k ranks: k processes.
             self.security = Security(secret=secrets.token_urlsafe(32))
-            self.local = LocalStages(cfg.stages, self.security.secret, self.model.path.parent,
-                                     cpus=placement(cfg.stages, cfg.pin), log_level=cfg.stage_log_level,
+            widths = groups.widths_of(cfg.stages, cfg.tp)
+            self.local = LocalStages(sum(widths), self.security.secret, self.model.path.parent,
+                                     cpus=placement(sum(widths), cfg.pin), log_level=cfg.stage_log_level,
                                      launch_ahead=cfg.launch_ahead)
-            self.addresses = self.local.start()
+            self.layout = groups.layout_of(self.local.start(), widths)
+            self.addresses = list(self.layout.leaders)
             return
-        self.addresses = list(cfg.nodes)
+        self.layout = groups.from_nodes(cfg.nodes)
+        self.addresses = list(self.layout.leaders)
         self.security = cfg.security
         self.weights = WeightSource(self.model.path, fingerprint(self.model.path), self.model.num_layers,
                                     rate=cfg.weights_rate, mtp=uses_mtp(cfg))
@@ -255,14 +264,18 @@ class Cluster:
                 await self._node_added.wait()
         if cfg.discover:
             await self._discover()
-        await await_nodes(self.addresses, self.security, cfg.rejoin_timeout_s)
+        await await_nodes(self._every(), self.security, cfg.rejoin_timeout_s)
         found = set(self.discovery.usable()) if self.discovery is not None else set()
-        listed = await vet([a for a in self.addresses if a not in found], self.security)
+        listed = await vet([a for a in self._every() if a not in found], self.security)
         # (a node found on the LAN proves the secret again before it is sent any)
-        proved = await vet([a for a in self.addresses if a in found], self.security, need_proof=True)
+        proved = await vet([a for a in self._every() if a in found], self.security, need_proof=True)
         refused = {a: why for a, why in {**listed, **proved}.items() if why}
         if refused:
             raise PipelineError("; ".join(refused.values()), list(refused))
+
+    def _every(self) -> List[str]:
+        """Every node the stages may use, a group's ranks beside its leader."""
+        return [a for leader in self.addresses for a in self.layout.ranks(leader)]
 
     def _budget(self, pipeline: Pipeline) -> Tuple[int, int, int]:
         """The KV positions and prefix-cache blocks (in memory, on disk) a loaded pipeline's stages hold."""
@@ -288,27 +301,33 @@ class Cluster:
 
     def _pipeline(self, addresses: List[str]) -> Pipeline:
         cap = 0  # remote nodes cap their KV caches at the memory they offer, less weights
-        if self.local is not None:  # local stages share this machine's memory (and the head's own models)
+        if self.local is not None:  # local stages and ranks share this machine's memory (and the head's own models)
             head = sum(b for _, b in self.head_models()) + (self.vision.planned_bytes if self.vision is not None else 0)
-            cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(addresses)
+            cap = max(offered_memory() - self.model.weight_bytes - head, 0) // len(self.local.procs)
         # Local stages load the head's own folder; remote nodes resolve the name themselves.
         name = str(self.model.path) if self.local is not None else self.config.model
         # Links are timed between machines; local stages share this one's loopback.
         probe = (0, 0) if self.local is not None else probe_sizes(int(self.model.config["hidden_size"]), 4,
                                                                      self.config.chunk_size)
         limits = replace(stage_limits(self.config, cap), vision=self.model.vision)  # a vision model: mlx-vlm's
-        return Pipeline(addresses, name, self.security, limits, tokenizer=self.model.tokenizer_spec, probe=probe)
+        return Pipeline(addresses, name, self.security, limits, tokenizer=self.model.tokenizer_spec, probe=probe,
+                        followers=self.layout.followers)
 
     async def _build(self, addresses: List[str]) -> Pipeline:
         """Split the layers over ``addresses`` and load them: a pipeline ready to open."""
         split, layers = self.config.split, self.model.num_layers
+        if self.config.tp == [0]:  # --tp auto: every node planned alone first, then grouped as the plan says
+            self.layout = groups.Layout(list(addresses))
         pipeline = self._pipeline(addresses)
         try:
             if split in (None, "auto"):
                 ranges, keep = await self.placer.plan(pipeline)
-                if keep != list(range(len(addresses))):  # the planner left nodes out
+                if self.config.tp == [0] and self.placer.widths:
+                    self.layout = groups.layout_of([addresses[i] for i in keep], self.placer.widths)
+                if keep != list(range(len(addresses))) or self.layout.followers:  # nodes left out, or grouped
                     await pipeline.close()
-                    pipeline = self._pipeline([addresses[i] for i in keep])
+                    pipeline = self._pipeline(self.layout.leaders if self.layout.followers
+                                              else [addresses[i] for i in keep])
             elif split == "even" or len(split.split(",")) == len(addresses):
                 ranges = fixed_ranges(layers, len(addresses), split, self.model.cuts)
             else:  # not the stages the fixed split names (one was lost, or joined): split evenly
@@ -344,9 +363,12 @@ class Cluster:
         if meter is not None and meter.enough:
             self.placer.measured = meter.mix()  # a re-plan balances for what the head measured
         gone = self.discovery.gone if self.discovery is not None else set
-        alive = await answering([a for a in self.addresses if a not in gone()], self.security, self.local,
-                                cfg.restart, cfg.rejoin_timeout_s, why, suspects, gone=gone)
-        pipeline = await build_leaving_out(alive, self._build, why)
+        followers = {} if cfg.tp == [0] else self.layout.followers  # (--tp auto: the plan groups them again)
+        layout = groups.Layout([a for a in self.addresses if a not in gone()], followers)
+        alive = await answering(layout, self.security, self.local, cfg.restart, cfg.rejoin_timeout_s, why, suspects,
+                                gone=gone)
+        pipeline = await build_leaving_out(alive, self._build, why, self.layout, wait=lambda restarting: await_up(
+            dict.fromkeys(restarting, "restarting"), self.security, cfg.rejoin_timeout_s))
         return Rebuilt(pipeline, *self._budget(pipeline))
 
     # -- nodes found on the LAN, nodes that join, stopping --------------------------------

@@ -70,6 +70,7 @@ class Found:
     chip: str = ""
     versions: Dict[str, str] = field(default_factory=dict)
     cluster: str = ""        # "this", "another" or "unknown" (no secret here to tell)
+    rdma: List[str] = field(default_factory=list)  # its RDMA devices (Thunderbolt 5: a tensor group's fast link)
     usable: bool = False
     why: str = "not checked yet"
     present: bool = True     # False: silent past DROP_AFTER_S (kept, to notice it come back)
@@ -241,7 +242,8 @@ class Discovery:
             self._once(f"announcement {label}: {line}")
         host, reason, why = choose(hosts, port, fields.cluster_id, self.cluster, self.listening)
         found = Found(label, f"{host or '?'}:{port}", fields.name, fields.memory_bytes, fields.chip,
-                      dict(fields.versions), key=instance, heard=(tuple(hosts), port, repr(fields)),
+                      dict(fields.versions), rdma=list(fields.rdma), key=instance,
+                      heard=(tuple(hosts), port, repr(fields)),
                       cluster="unknown" if not self.cluster else "this" if fields.cluster_id == self.cluster
                       else "another")
         if was is not None and was.heard == found.heard:

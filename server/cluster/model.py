@@ -17,6 +17,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.cluster.groups import widths_of
 from mlxpipe.server.cluster.splits import fixed_ranges
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.shards.models.cuts import Cuts, of_config
@@ -105,6 +106,14 @@ def open_model(cfg: ClusterConfig) -> Model:
             raise ValueError("--bits auto needs --split auto: the planner chooses the bits")
         if cfg.bits != "auto":
             model.quant = QuantSpec.parse(cfg.bits, cfg.group_size)
+    remote = bool(cfg.nodes or cfg.join_listen or cfg.discover)
+    if cfg.tp == [0] and (not remote or cfg.split not in (None, "auto")):
+        raise ValueError("--tp auto groups remote nodes from their measured links: give --nodes (and --split auto); "
+                         "on one machine give the ranks per stage, --tp 2 or 2,1")
+    if cfg.tp and cfg.tp != [0] and remote:
+        raise ValueError("--tp gives local stages' ranks; with --nodes, name a stage's group as a+b (or --tp auto)")
+    if not remote:
+        widths_of(cfg.stages, cfg.tp)  # (ValueError: one line, before any stage starts)
     if cfg.split not in (None, "auto"):
         # (nodes that join are not known yet: then the split need only fit the model)
         named = len(cfg.split.split(",")) if cfg.join_listen or cfg.discover else len(cfg.nodes) or cfg.stages

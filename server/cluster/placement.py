@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import linkplan, planner
+from mlxpipe.server.cluster import groupplan, linkplan, planner
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
@@ -47,6 +48,7 @@ class Placer:
         self.measured: Optional[dict] = None  # the workload the head measured (core/workload.py's mix)
         self._cost: Optional[ModelCost] = None  # the model's cost as it runs (for the measured mix's split)
         self.planned = 0  # tokens per request the last plan made room for (0: no plan yet)
+        self.widths: Optional[Tuple[int, ...]] = None  # ``--tp auto``: each stage's group, as the last plan chose
 
     def ratio(self) -> Tuple[float, str]:
         """The prompt tokens per generated token the split is balanced for, and whence."""
@@ -91,9 +93,10 @@ class Placer:
             wanted = [] if self.profiles else [0]  # one profile serves every local stage
         for i, reply in zip(wanted, await pipeline.profile(wanted, self.config.profile_batch, quant)):
             self.profiles[addresses[i]] = reply
-        if self.local:
+        if self.local:  # this machine's memory shared by every rank: a group's stage gets its ranks' shares
             first = next(iter(self.profiles.values()))
-            return [first] * count, [first.memory_bytes // count] * count
+            widths = [1 + len(st.ranks) for st in pipeline.stages]
+            return [first] * count, [first.memory_bytes * w // sum(widths) for w in widths]
         profiles = [self.profiles[a] for a in addresses]
         return profiles, [p.memory_bytes for p in profiles]
 
@@ -113,6 +116,22 @@ class Placer:
                 prefill_embed_seconds=prof.prefill_embed_seconds, decode_rows=self.config.profile_batch))
         return nodes
 
+    def _grouped(self, pipeline: Pipeline, cost: ModelCost, nodes: List[planner.NodeSpec]) -> List[planner.NodeSpec]:
+        """A stage that is a tensor-parallel group planned as one node (``groupplan.group_node``): local
+        ranks (``nodes``' memory theirs together) over loopback; a group of remote nodes (the leader's
+        profile for each) over what its ranks measured when they last loaded, else free links."""
+        out = []
+        for st, node in zip(pipeline.stages, nodes):
+            k = 1 + len(st.ranks)
+            if k == 1:
+                out.append(node)
+                continue
+            measured = st.load.allreduce_seconds if st.load is not None else 0.0
+            hop = groupplan.LOOPBACK if self.local else linkplan.Hop(measured / (2 * (k - 1)))
+            member = node if not self.local else replace(node, memory_bytes=node.memory_bytes // k)
+            out.append(groupplan.group_node(cost, [member] * k, hop, int(self.model.config["hidden_size"])))
+        return out
+
     async def plan(self, pipeline: Pipeline) -> Tuple[List[Tuple[int, int]], List[int]]:
         """Layer ranges that balance stage time within each node's memory, and the indices
         of the stages that get them (all, for local stages)."""
@@ -126,11 +145,14 @@ class Placer:
         # A node without the model cannot time it: then every node is planned on
         # paper, from its measured memory bandwidth (as `mlxpipe plan` does).
         on_paper = any(not p.layer_seconds for p in profiles)
-        nodes = self._nodes([st.address for st in pipeline.stages], profiles, memory, cost, on_paper, auto)
+        nodes = self._grouped(pipeline, cost, self._nodes([st.address for st in pipeline.stages], profiles, memory,
+                                                          cost, on_paper, auto))
         links = None if self.local or auto else await self._links(pipeline)
         ratio, whence = self.ratio()
         work = planner.Workload(ratio, cfg.chunk_size)
         cuts = None if self.model.cuts.all_valid else self.model.cuts.valid
+        if cfg.tp == [0] and links is not None and len(nodes) > 1:  # --tp auto: groups from the links
+            return self._plan_groups(cost, nodes, links, work, cuts)
         plan, order = self._plan(nodes, None if auto else cost, work, cuts, links)
         ranges = plan.ranges
         basis = "memory bandwidth" if on_paper else f"measured steps of {cfg.profile_batch} rows"
@@ -142,6 +164,26 @@ class Placer:
             + (f" + {1000 * s.prefill_seconds:.1f} ms per prompt token" if costed else "") for s in plan.stages))
         logger.info(self.note)
         return ranges, order
+
+    def _plan_groups(self, cost: ModelCost, nodes: List[planner.NodeSpec], links: linkplan.Links,
+                     work: planner.Workload, cuts) -> Tuple[List[Tuple[int, int]], List[int]]:
+        """``--tp auto``: the best layout of the nodes, in order, as stages of tensor-parallel groups
+        (``groupplan.py``); its widths in ``widths``, every layout in words in ``note``."""
+        from mlx_lm.utils import load_config
+
+        from mlxpipe.shards.models.tensor_parallel import why_not
+
+        cfg, raw, quant = self.config, load_config(self.model.path), self.model.quant
+        if quant is not None and quant.bits.isdigit():  # split as the stages will quantize it
+            raw = dict(raw, quantization={"bits": int(quant.bits), "group_size": quant.group_size})
+        cost = at_kv_bits(cost, cfg.kv_bits, cfg.kv_group_size)
+        best, choices = groupplan.choose(cost, nodes, links, int(self.model.config["hidden_size"]),
+                                         lambda k: why_not(raw, k), context=self.context,
+                                         concurrency=cfg.concurrency, workload=work, cuts=cuts)
+        self.widths, self.planned = best.widths, self.context
+        self.note = "\n".join(groupplan.lines(best, choices, cfg.concurrency))
+        logger.info(self.note)
+        return best.priced.plan.ranges, list(range(len(nodes)))
 
     async def _links(self, pipeline: Pipeline) -> Optional[linkplan.Links]:
         """Every hop among the nodes and to the head, timed one after the other (once per pair);
@@ -176,7 +218,8 @@ class Placer:
             logger.warning("no prediction for this split: %s", err)
             return []
         addresses = [st.address for st in pipeline.stages]
-        nodes = self._nodes(addresses, profiles, memory, cost, any(not p.layer_seconds for p in profiles), False)
+        nodes = self._grouped(pipeline, cost, self._nodes(addresses, profiles, memory, cost,
+                                                          any(not p.layer_seconds for p in profiles), False))
         table = pipeline.links
         links = linkplan.Links(pipeline.probe[0], tuple(_hop(table.head[i].link) if i in table.head else
                                                         linkplan.Hop() for i in range(len(addresses))),

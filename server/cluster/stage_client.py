@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
@@ -20,7 +20,9 @@ import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.errors import GROUP_BROKEN
 from mlxpipe.proto.rpc import Security, culprits_of
+from mlxpipe.server.cluster import groups
 from mlxpipe.server.cluster.budget import FrameBudget
 from mlxpipe.server.cluster.links import LinkTable
 from mlxpipe.server.cluster.sizing import StageLimits
@@ -37,15 +39,31 @@ LOAD_TIMEOUT_S = 900.0
 CALL_TIMEOUT_S = 10.0
 
 
+def _rank_requests(req: pb.LoadRequest, peers: List[str]) -> List[pb.LoadRequest]:
+    """Each rank's Load of a group's stage: the leader's as the stage's, the others' without the next
+    stage and the tokenizer (only the leader sends on and samples)."""
+    out = []
+    for rank in range(len(peers)):
+        r = pb.LoadRequest()
+        r.CopyFrom(req)
+        r.group.CopyFrom(pb.TensorGroup(rank=rank, size=len(peers), peers=peers, backend="ring"))
+        if rank:
+            r.next_address = ""
+            r.ClearField("tokenizer")
+        out.append(r)
+    return out
+
+
 async def probe(addresses: Sequence[str], security: Security, timeout: float = 2.0) -> List[Optional[str]]:
-    """For each stage: None when it answers a health check within ``timeout``, else why not."""
+    """For each stage: None when it answers a health check within ``timeout``, else why not (a
+    node whose tensor group broke answers, but is about to start afresh: not yet)."""
 
     async def one(address: str) -> Optional[str]:
         async with security.channel(address) as channel:
             try:
-                await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout,
-                                                        metadata=security.metadata())
-                return None
+                reply = await pb_grpc.StageStub(channel).Health(pb.HealthRequest(), timeout=timeout,
+                                                                metadata=security.metadata())
+                return f"restarting: {reply.detail}" if reply.detail.startswith(GROUP_BROKEN) else None
             except grpc.aio.AioRpcError as err:
                 return f"{err.code().name}: {err.details()}"
 
@@ -61,6 +79,8 @@ class Placement:
     end: int
     load: Optional[pb.LoadReply] = None
     weights_sent: int = 0  # data bytes of weights the head streamed to it
+    ranks: List[str] = field(default_factory=list)  # a tensor-parallel group's other ranks (groups.py)
+    rank_health: List[Tuple[str, Optional[pb.HealthReply], str]] = field(default_factory=list)  # theirs, last asked
 
 
 class Pipeline:
@@ -68,8 +88,9 @@ class Pipeline:
 
     def __init__(self, addresses: Sequence[str], model: str, security: Optional[Security] = None,
                  limits: StageLimits = StageLimits(), tokenizer: Optional[pb.TokenizerSpec] = None,
-                 probe: Tuple[int, int] = (0, 0), fingerprint: str = ""):
-        self.stages = [Placement(a, 0, 0) for a in addresses]
+                 probe: Tuple[int, int] = (0, 0), fingerprint: str = "",
+                 followers: Optional[Dict[str, List[str]]] = None):
+        self.stages = [Placement(a, 0, 0, ranks=list((followers or {}).get(a, []))) for a in addresses]
         self.model = model
         self.security = security or Security()
         self.md = self.security.metadata()  # every call carries the cluster secret
@@ -77,6 +98,8 @@ class Pipeline:
         self.tokenizer = tokenizer  # for the last stage's grammars (None: it refuses sequences with one)
         self.channels = [self.security.channel(a) for a in addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
+        self.rank_channels = {a: self.security.channel(a) for st in self.stages for a in st.ranks}
+        self.rank_stubs = {a: pb_grpc.StageStub(c) for a, c in self.rank_channels.items()}
         self._forward = None
         self._results = None
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -108,16 +131,6 @@ class Pipeline:
         for st, (s, e) in zip(self.stages, ranges):
             st.start, st.end = s, e
 
-    async def send_weights(self, i: int, source: WeightSource, progress: bool = False) -> int:
-        """Offer stage i the units of its range and send the chunks it lacks; returns the bytes sent."""
-        st = self.stages[i]
-        offer = pb.WeightsOffer(model=self.model, fingerprint=source.fingerprint, start=st.start, end=st.end,
-                                chunk_bytes=CHUNK_BYTES, files=source.files,
-                                source_fingerprint=source.source_fingerprint)
-        sent = await send_weights(self.stubs[i], i, st.address, offer, source, self.md, progress)
-        st.weights_sent += sent
-        return sent
-
     async def load(self, progress: bool = False, weights: Optional[WeightSource] = None,
                    quant: Optional[QuantSpec] = None) -> List[pb.LoadReply]:
         """Every stage loads its range, all at once (a progress bar counts them in).
@@ -131,36 +144,36 @@ class Pipeline:
         async def one(i: int) -> pb.LoadReply:
             st = self.stages[i]
             nxt = self.stages[i + 1].address if i + 1 < len(self.stages) else ""
-            lim = self.limits
-            req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
-                                 max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
-                                 max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
-                                 quantization=wire.quant_to_wire(quant) if quant else None,
-                                 tokenizer=self.tokenizer if not nxt else None,
-                                 kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, mtp=lim.mtp,
-                                 vision=lim.vision)
-            if lim.disk_bytes is not None:
-                req.prefix_disk_bytes = lim.disk_bytes
+            req = self._request(st, nxt, quant)
+            ranks, stubs = [st.address, *st.ranks], [self.stubs[i], *(self.rank_stubs[a] for a in st.ranks)]
             try:
                 if weights is not None:
-                    await self.send_weights(i, weights, progress)
+                    for address, stub in zip(ranks, stubs):
+                        st.weights_sent += await send_weights(stub, i, address, self._offer(st, weights), weights,
+                                                              self.md, progress)
                     req.fingerprint = weights.fingerprint
-                st.load = await self.stubs[i].Load(req, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                reqs = [req]
+                if st.ranks:  # every rank at once: they form their group's collective inside Load
+                    reqs = _rank_requests(req, await groups.peers(stubs, ranks, self.md))
+                replies = await asyncio.gather(*(s.Load(r, timeout=LOAD_TIMEOUT_S, metadata=self.md)
+                                                 for s, r in zip(stubs, reqs)))
+                st.load = replies[0]
+                self._check_fingerprints(replies, ranks)
                 bar.update()
-            except grpc.aio.AioRpcError as err:
-                # A stage that cannot reach its successor blames the successor.
-                suspect = self.stages[i + 1] if "next stage" in (err.details() or "") else st
-                raise PipelineError(
-                    f"stage {i} at {st.address} could not load layers [{st.start}, {st.end}): "
-                    f"{err.code().name}: {err.details()}", [suspect.address]
-                ) from err
+            except (grpc.aio.AioRpcError, ValueError) as err:
+                details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                code = err.code().name + ": " if isinstance(err, grpc.aio.AioRpcError) else ""
+                # A stage that cannot reach its successor blames the successor; a group goes as a unit.
+                suspects = [self.stages[i + 1].address] if "next stage" in (details or "") else ranks
+                raise PipelineError(f"stage {i} at {'+'.join(ranks)} could not load layers [{st.start}, {st.end}): "
+                                    f"{code}{details}", suspects) from err
             return st.load
 
         try:
             replies = await asyncio.gather(*(one(i) for i in range(len(self.stages))))
         finally:
             bar.close()
-        self._check_fingerprints(replies)
+        self._check_fingerprints(replies, [st.address for st in self.stages])
         self._check_digests(replies)
         if self.probe[1]:
             await self.links.measure(self.stubs, self.md, *self.probe)
@@ -169,10 +182,28 @@ class Pipeline:
                 logger.info("links: %s", "; ".join(link.describe() for link in self.links.links()))
         return replies
 
-    def _check_fingerprints(self, replies: Sequence[pb.LoadReply]) -> None:
-        """Every stage holds the head's model (one line naming those that do not)."""
+    def _request(self, st: Placement, nxt: str, quant: Optional[QuantSpec]) -> pb.LoadRequest:
+        lim = self.limits
+        req = pb.LoadRequest(model=self.model, start=st.start, end=st.end, next_address=nxt,
+                             max_batch=lim.max_batch, max_chunk_tokens=lim.max_chunk_tokens,
+                             max_cache_bytes=lim.max_cache_bytes, block_tokens=lim.block_tokens,
+                             quantization=wire.quant_to_wire(quant) if quant else None,
+                             tokenizer=self.tokenizer if not nxt else None,
+                             kv_cache=wire.kv_to_wire(lim.kv) if lim.kv else None, mtp=lim.mtp,
+                             vision=lim.vision)
+        if lim.disk_bytes is not None:
+            req.prefix_disk_bytes = lim.disk_bytes
+        return req
+
+    def _offer(self, st: Placement, source: WeightSource) -> pb.WeightsOffer:
+        return pb.WeightsOffer(model=self.model, fingerprint=source.fingerprint, start=st.start, end=st.end,
+                               chunk_bytes=CHUNK_BYTES, files=source.files,
+                               source_fingerprint=source.source_fingerprint)
+
+    def _check_fingerprints(self, replies: Sequence[pb.LoadReply], addresses: Sequence[str]) -> None:
+        """Every stage (every rank of a group) holds the head's model (one line naming those that do not)."""
         want = self.fingerprint or replies[0].fingerprint
-        wrong = [(st.address, r.fingerprint) for st, r in zip(self.stages, replies) if r.fingerprint != want]
+        wrong = [(a, r.fingerprint) for a, r in zip(addresses, replies) if r.fingerprint != want]
         if wrong:
             raise PipelineError("; ".join(
                 f"node {a} holds another copy of {Path(self.model).name} (fingerprint {f[:12]}, the head's "
@@ -242,24 +273,37 @@ class Pipeline:
         raise PipelineError("stage 0 closed the forward stream")
 
     async def health(self, timeout: float = CALL_TIMEOUT_S) -> List[Tuple[Placement, Optional[pb.HealthReply], str]]:
-        """(stage, reply or None, error) for every stage, asked at once."""
+        """(stage, reply or None, error) for every stage, asked at once; a group's other ranks too
+        (``Placement.rank_health``): one of them down or not ready is its stage's error."""
 
-        async def one(i: int):
+        async def ask(stub, address: str) -> Tuple[Optional[pb.HealthReply], str]:
             try:
-                reply = await self.stubs[i].Health(pb.HealthRequest(), timeout=timeout, metadata=self.md)
-                self.links.saw_health(i, reply)
-                return self.stages[i], reply, ""
+                return await stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.md), ""
             except grpc.aio.AioRpcError as err:
-                return self.stages[i], None, f"{err.code().name}: {err.details()}"
+                return None, f"{err.code().name}: {err.details()}"
             except grpc.aio.UsageError as err:  # closed under us: a recovery replaced this pipeline
-                return self.stages[i], None, f"{err} (the pipeline is being rebuilt)"
+                return None, f"{err} (the pipeline is being rebuilt)"
             except asyncio.CancelledError:
                 # gRPC cancels calls in flight when their channel closes (a recovery
                 # replacing this pipeline); only a cancel of the caller itself goes on.
                 task = asyncio.current_task()
                 if task is not None and getattr(task, "cancelling", lambda: 1)():
                     raise
-                return self.stages[i], None, "the call was cancelled: the pipeline is being rebuilt"
+                return None, "the call was cancelled: the pipeline is being rebuilt"
+
+        async def one(i: int):
+            st = self.stages[i]
+            (reply, err), *ranks = await asyncio.gather(ask(self.stubs[i], st.address),
+                                                        *(ask(self.rank_stubs[a], a) for a in st.ranks))
+            st.rank_health = [(a, r, e) for a, (r, e) in zip(st.ranks, ranks)]
+            if reply is not None:
+                self.links.saw_health(i, reply)
+            bad = next(((a, r, e) for a, r, e in st.rank_health if r is None or r.state != "ready"), None)
+            if reply is not None and reply.state == "ready" and bad is not None:
+                a, r, e = bad
+                return st, None, f"its group's rank at {a} is " + (f"unreachable ({e})" if r is None else
+                                                                  f"{r.state}: {r.detail}")
+            return st, reply, err
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.stages)))))
 
@@ -296,5 +340,5 @@ class Pipeline:
         for call in (self._forward, self._results):
             if call is not None:
                 call.cancel()
-        for ch in self.channels:
+        for ch in [*self.channels, *self.rank_channels.values()]:
             await ch.close()

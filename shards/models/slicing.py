@@ -153,15 +153,19 @@ class _Inbox:
 
 
 class _Enter(_StandIn):
-    """The first block of a later stage: runs on the received activations."""
+    """A block of the range, run on the received activations (the first of a later stage; else ``inbox``
+    None) and, with ``finish`` (the last, where no head follows), handing its output out."""
 
-    def setup(self, block: nn.Module, inbox: _Inbox, hidden: Slot = 0) -> None:
-        self.block = block
-        self._inbox, self._slot = inbox, hidden
+    def setup(self, block: nn.Module, inbox: Optional[_Inbox], hidden: Slot = 0, finish: bool = False) -> None:
+        self.block, self._inbox, self._slot, self._finish = block, inbox, hidden, finish
 
     def __call__(self, *args, **kwargs):
-        args, kwargs = _with_hidden(args, kwargs, self._slot, self._inbox.hidden)
-        return self.block(*args, **kwargs)
+        if self._inbox is not None:
+            args, kwargs = _with_hidden(args, kwargs, self._slot, self._inbox.hidden)
+        out = self.block(*args, **kwargs)
+        if self._finish:
+            raise _Leave(out[0] if isinstance(out, tuple) else out)
+        return out
 
 
 @dataclass
@@ -334,6 +338,13 @@ class SlicedModel:
         sooner."""
         for block in self.blocks:
             _launching(block)
+
+    def drop_head(self) -> None:
+        """End the forward after the range's last block (a group's other ranks on the last stage)."""
+        blocks, i = layer_list(self.model), self.end - 1
+        if not isinstance(blocks[i], _Enter):
+            blocks[i] = _mimic(_Enter, blocks[i], blocks[i], None)
+        blocks[i]._finish, self.last = True, False
 
     def make_cache(self) -> list:
         """Fresh caches for one sequence, one per cache slot of the range."""

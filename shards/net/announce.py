@@ -48,7 +48,7 @@ def addresses(host: str) -> List[str]:
 
 
 # The TXT record's text fields and the most characters each may hold (what ``properties`` writes fits).
-TEXT_FIELDS = {"name": 63, "chip": 63, "ver": 64, "mlx": 64, "mlxlm": 64}
+TEXT_FIELDS = {"name": 63, "chip": 63, "ver": 64, "mlx": 64, "mlxlm": 64, "rdma": 63}
 CLUSTER_ID = re.compile(r"[0-9a-f]{16}")   # hello.cluster_id's form
 MAX_MEMORY_DIGITS = 18                     # bytes offered: up to an exabyte
 
@@ -56,8 +56,11 @@ MAX_MEMORY_DIGITS = 18                     # bytes offered: up to an exabyte
 def properties(name: str, memory_bytes: int, secret: str) -> dict:
     """The TXT record: short keys, short values."""
     v = hello.versions()
-    return {"name": name[:TEXT_FIELDS["name"]], "cid": hello.cluster_id(secret), "mem": str(memory_bytes),
-            "chip": hello.chip()[:TEXT_FIELDS["chip"]], "ver": v["mlxpipe"], "mlx": v["mlx"], "mlxlm": v["mlx_lm"]}
+    props = {"name": name[:TEXT_FIELDS["name"]], "cid": hello.cluster_id(secret), "mem": str(memory_bytes),
+             "chip": hello.chip()[:TEXT_FIELDS["chip"]], "ver": v["mlxpipe"], "mlx": v["mlx"], "mlxlm": v["mlx_lm"]}
+    if hello.rdma_devices():  # peers over Thunderbolt 5 RDMA (JACCL): a tensor group's fast link; none on Linux
+        props["rdma"] = ",".join(hello.rdma_devices())[:TEXT_FIELDS["rdma"]]
+    return props
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Fields:
     memory_bytes: int = 0
     cluster_id: str = ""
     versions: Dict[str, str] = field(default_factory=lambda: {"mlxpipe": "", "mlx": "", "mlx_lm": ""})
+    rdma: List[str] = field(default_factory=list)  # its RDMA devices (Thunderbolt 5: a tensor group's fast link)
 
 
 def _text(key: str, raw: bytes) -> Tuple[str, str]:
@@ -110,6 +114,8 @@ def read(txt: Dict[bytes, object]) -> Tuple[Fields, List[str]]:
             fields.cluster_id = text
         elif key in names:
             fields.versions[names[key]] = text
+        elif key == "rdma":
+            fields.rdma = [d for d in text.split(",") if d]
         else:
             setattr(fields, key, text)
     return fields, skipped

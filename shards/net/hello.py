@@ -79,6 +79,20 @@ def chip() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def rdma_devices() -> tuple:
+    """This node's RDMA devices (on a Mac with Thunderbolt 5 and RDMA enabled: ``rdma_en2``, ...),
+    over which JACCL reaches the peers cabled to them; none elsewhere (Linux here: the ring backend)."""
+    if platform.system() != "Darwin":
+        return ()
+    try:
+        out = subprocess.run(["ibv_devices"], capture_output=True, text=True, timeout=2).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    names = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]  # after its two header lines
+    return tuple(n for n in names if n.isprintable())[:8]
+
+
+@functools.lru_cache(maxsize=1)
 def versions() -> dict:
     """mlxpipe's, MLX's and mlx-lm's versions here."""
     def version(name: str) -> str:
@@ -102,12 +116,14 @@ def own_addresses(port: int, advertise: Iterable[str] = ()) -> Set[str]:
     return out
 
 
-def reply(secret: Optional[str], memory_bytes: int, name: str, metadata, mine: Set[str]) -> pb.HelloReply:
-    """The Hello answer to a call with ``metadata``: the proof only for an address in ``mine``."""
+def reply(secret: Optional[str], memory_bytes: int, name: str, metadata, mine: Set[str],
+          group_port: int = 0) -> pb.HelloReply:
+    """The Hello answer to a call with ``metadata``: the proof only for an address in ``mine``;
+    ``group_port``: where its rank of a tensor group would listen."""
     v = versions()
     out = pb.HelloReply(name=name, chip=chip(), memory_bytes=memory_bytes, mlxpipe_version=v["mlxpipe"],
                         mlx_version=v["mlx"], mlx_lm_version=v["mlx_lm"], time_s=time.time(),
-                        cluster=cluster_id(secret))
+                        cluster=cluster_id(secret), group_port=group_port, rdma=rdma_devices())
     md = dict(metadata or ())
     try:
         nonce = bytes.fromhex(md.get(NONCE_KEY, ""))

@@ -95,6 +95,8 @@ class _FrameJob:
         stream.failed = True
         if not isinstance(err, FrameError):  # not the frame's own fault (refused, nothing changed): the stage's
             logger.exception("frame %d failed on this stage", frame.frame_id)
+            if stream.loaded.spec is not None:  # a tensor group out of step for good (group.py)
+                stream.loop.call_soon_threadsafe(stream.servicer.group_broken, f"frame {frame.frame_id} failed")
             req = stream.request
             fault = StageFault(f"stage with layers [{req.start}, {req.end}) failed running frame "
                                f"{frame.frame_id}: {type(err).__name__}: {err}", [e.seq_id for e in frame.seqs])
@@ -111,7 +113,7 @@ class ForwardStream:
 
     def __init__(self, servicer, loaded, request_iterator, session: int):
         self.servicer, self.requests, self.session = servicer, request_iterator, session
-        self.shard, self.request = loaded.shard, loaded.request
+        self.loaded, self.shard, self.request = loaded, loaded.shard, loaded.request
         self.mlx, self.depth, self.results = servicer.mlx, servicer.depth, servicer.results
         self.loop = asyncio.get_running_loop()
         self.last = not loaded.request.next_address

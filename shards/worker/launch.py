@@ -10,7 +10,9 @@ import time
 
 import mlx.core as mx
 
+from mlxpipe.proto import codec
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.worker.clock import stage_timing
 
 
 def later(arrays, then):
@@ -50,9 +52,25 @@ class Launched:
                     mx.eval(out)
         finally:
             self.drop()
-        return shard._output(self.frame, out, self.times, time.perf_counter(), self.stolen)
+        return output(shard.model.last, self.frame, out, self.times, time.perf_counter(), self.stolen)
 
     def drop(self) -> None:
         """The frame's work is over (finished, or its output unwanted): the busy clock stops."""
         self.shard.stats.end(self.tokens)
         self.shard.publish()
+
+
+def output(last: bool, frame: pb.Frame, out, times, computed: float, stolen: float):
+    """The Frame for the next stage (``out``: its activations, evaluated), or the ``last``
+    stage's Result (``out``: its token results), with this stage's timing."""
+    if last:  # ``out``: token results, and the prompt scores of sequences that asked
+        return pb.Result(frame_id=frame.frame_id, tokens=[r for r in out if isinstance(r, pb.TokenResult)],
+                         prompt=[r for r in out if isinstance(r, pb.PromptScores)],
+                         timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
+    nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
+                   tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
+                   timings=frame.timings, positions=frame.positions)
+    if out is not None:
+        codec.encode(out, into=nxt.hidden)
+    nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
+    return nxt

@@ -143,13 +143,16 @@ def range_weights(path: Path, start: int, end: int, quant: Optional[QuantSpec] =
     return StageNeed(weights, 0, 3 * max(modules.values(), default=0))
 
 
-def check_load(path: Path, request: pb.LoadRequest, quant: Optional[QuantSpec], budget: int) -> StageNeed:
+def check_load(path: Path, request: pb.LoadRequest, quant: Optional[QuantSpec], budget: int,
+               ranks: int = 1) -> StageNeed:
     """Raise ``MemoryShort`` when the shard ``request`` names would not fit ``budget``; else
-    return what it needs. A range or folder that cannot be read is left for loading to report."""
+    return what it needs (``ranks``: a tensor-parallel group's, each holding about its share of
+    the weights, and reading each tensor whole before it slices it). A range or folder that
+    cannot be read is left for loading to report."""
     try:
         need = range_weights(path, request.start, request.end, quant, request.mtp)
     except (OSError, ValueError, KeyError):
         return StageNeed(0, 0, 0)
-    need = replace(need, kv=request.max_cache_bytes)
+    need = replace(need, weights=need.weights // ranks, kv=request.max_cache_bytes)
     need.check(budget, f"layers [{request.start}, {request.end})")
     return need

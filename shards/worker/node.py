@@ -96,6 +96,28 @@ async def _join_or_exit(head: str, address: str, security: Security, memory_byte
                    reply.detail)
 
 
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (for a tensor group's collective, which binds it later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
+        s.bind((host.strip("[]") or "0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _restart_in_place(host: str, port: int) -> None:
+    """Start this node afresh in this process, on the port it has (its tensor group broke, and
+    ``mx.distributed.init`` runs once per process): the ring's sockets and the server's close
+    with the old image; a head sees the node answer again within seconds."""
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    for i, arg in enumerate(argv):
+        if arg == "--listen" and i + 1 < len(argv):
+            argv[i + 1] = f"{host}:{port}"
+        elif arg.startswith("--listen="):
+            argv[i] = f"--listen={host}:{port}"
+    logging.shutdown()
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+    os.execv(sys.executable, argv)
+
+
 def _advertised(listen: str, head: str) -> str:
     """The address the head should use for us: ours on the route toward the head."""
     host, _, port = listen.rpartition(":")
@@ -129,7 +151,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
                 models_dir: Optional[Path] = None, exit_with_parent: bool = False,
                 join: Optional[str] = None, advertise: Optional[str] = None,
                 launch_ahead: Optional[bool] = None, announce: bool = False, name: Optional[str] = None,
-                kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None) -> None:
+                kv: Optional[KvQuant] = None, disk_bytes: Optional[int] = None, group_port: int = 0) -> None:
     """Run a stage server on ``listen`` (host:port; port 0 picks a free one); ``announce``: on the LAN."""
     security = security or Security()
     raise_fd_limit()  # every connection, a stranger's half-open one too, holds a descriptor
@@ -146,6 +168,8 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
     servicer.listening = (bound, advertise or "")
+    servicer.group_port = group_port or free_port(host)
+    servicer.restart = lambda: _restart_in_place(host, bound)
     announcer = None  # (set below: stop() reads it when it runs)
     stopping = []  # the stop under way, which main awaits: returning first would start the noisy teardown
 
@@ -201,6 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-disk", default=None, metavar="SIZE",
                         help="disk this node's prefix cache may fill under $MLXPIPE_HOME, e.g. 50GB; 0: none "
                              "(default: what the head asks, else 10%% of the free disk). Wins over the head's")
+    parser.add_argument("--group-port", type=int, default=0, metavar="PORT",
+                        help="where this node's rank of a tensor-parallel group listens for its peers (MLX's "
+                             "ring backend: plain TCP, no secret, not encrypted; default: a free port)")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin this process to one CPU core (Linux), so that it stands for one node")
     add_launch_ahead(parser)
@@ -249,7 +276,7 @@ def run(args) -> int:
                           Path(args.models_dir).expanduser() if args.models_dir else None,
                           exit_with_parent=args.exit_with_parent, join=args.join, advertise=args.advertise,
                           launch_ahead=args.launch_ahead, announce=args.announce, name=args.name, kv=kv,
-                          disk_bytes=disk))
+                          disk_bytes=disk, group_port=args.group_port))
     except KeyboardInterrupt:
         pass
     return 0

@@ -14,10 +14,11 @@ The prefix cache's disk tier outlives a shard (``disk_service.py``).
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
+import os
 import platform
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,32 +28,29 @@ import mlx.core as mx
 
 from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
+from mlxpipe.proto.errors import GROUP_BROKEN
 from mlxpipe.proto.rpc import Security, culprits_metadata, culprits_of, refuse_malformed
-from mlxpipe.shards.cache.kinds import kv_switch
-from mlxpipe.shards.cache.quantized import KvSwitch
-from mlxpipe.shards.models.grammar import tokenizer_from_json
-from mlxpipe.shards.models.layers import with_sizes
 from mlxpipe.shards.models.metal import Metal
 from mlxpipe.shards.models.profile import memory_bandwidth, node_name, offered_memory, profile
-from mlxpipe.shards.models.digest import read_weights
-from mlxpipe.shards.models.slicing import SlicedModel, load_stage, warm_up
-from mlxpipe.shards.models.store import (BrokenModel, ModelNotFound, fingerprint, resolve_model,
-                                  text_config)
+from mlxpipe.shards.models.store import BrokenModel, ModelNotFound, fingerprint, resolve_model
 from mlxpipe.shards.models.store import models_dir as default_models_dir
 from mlxpipe.shards.net import hello, links
 from mlxpipe.shards.params import wire
 from mlxpipe.shards.params.kv import KvQuant
 from mlxpipe.shards.params.quant import quantized_fingerprint
 from mlxpipe.shards.worker import disk_service, memory
+from mlxpipe.shards.worker import group as groups
 from mlxpipe.shards.worker.forward import QUEUE_FRAMES, ForwardStream, QueueDepth, StageFault
+from mlxpipe.shards.worker.loading import Loaded, load
 from mlxpipe.shards.worker.mlx_thread import MlxThread
-from mlxpipe.shards.worker.mtp_drafts import load_drafting
-from mlxpipe.shards.worker.stage import FrameError, ShardLimits, Shard
+from mlxpipe.shards.worker.stage import FrameError
 from mlxpipe.shards.worker.weight_service import WeightService
 
 logger = logging.getLogger(__name__)
 
 NEXT_HOP_TIMEOUT_S = 5.0  # how long Load waits to reach the next stage
+BEAT_S = 1.0  # a group's leader hands its other ranks a beat this often while idle: a rank gone is found
+GROUP_RESTART_S = 0.5  # a node whose group broke restarts this long after (its last replies go out first)
 
 
 def _model_status(err: ValueError) -> grpc.StatusCode:
@@ -63,16 +61,6 @@ def _model_status(err: ValueError) -> grpc.StatusCode:
         if isinstance(err, kind):
             return code
     return grpc.StatusCode.INVALID_ARGUMENT  # a range outside the model, a missing or misshapen tensor
-
-
-class _Loaded:
-    """A loaded shard plus what Load replied, and the head's offer of its weights (if any)."""
-
-    def __init__(self, shard: Shard, reply: pb.LoadReply, request: pb.LoadRequest, offer=None):
-        self.shard = shard
-        self.reply = reply
-        self.request = request
-        self.offer = offer  # weight_service.Offer: the same request over other weights is another shard
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -87,7 +75,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.memory_bytes = memory_bytes  # offered to the planner; default: a share of physical memory
         self.models_dir = models_dir      # where model paths from a head must lie
         self.mlx = MlxThread(ahead=launch_ahead)  # all MLX work, in order; frames launched ahead (mlx_thread.py)
-        self.loaded: Optional[_Loaded] = None
+        self.loaded: Optional[Loaded] = None
         self.state, self.detail = "empty", "no shard loaded yet"
         self.next_channel: Optional[grpc.aio.Channel] = None
         self.next_stub: Optional[pb_grpc.StageStub] = None
@@ -98,12 +86,16 @@ class StageServicer(pb_grpc.StageServicer):
         self._sessions = itertools.count(1)
         self._streams: set = set()  # Forward handlers running now
         self.weights = WeightService(self._resolve, self.mlx, progress)
+        self.weights.following = self._following
         self.metal = Metal()  # wired memory and working-set warnings on Apple silicon; a no-op elsewhere
         self.disk = disk_service.DiskService(disk_bytes)  # the prefix cache's disk tier, across Loads
         self.name = platform.node()  # what Hello and the announcement call this node
         self.listening = (0, "")     # our port and the address we advertise (node.py sets them once bound)
         self.next_link: Optional[links.Keeper] = None  # the hop to the next stage, kept current
         self.in_link = links.LiveLink()                # the hop into this stage, from live frames
+        self.restart = lambda: os._exit(75)  # a node whose tensor group broke starts afresh (node.py: in place)
+        self.group_port = 0  # where its rank of a tensor group listens (node.py picks it)
+        self._beat: Optional[asyncio.Task] = None  # a group leader's heartbeat to its other ranks
 
     async def _mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.mlx, fn, *args)
@@ -119,7 +111,7 @@ class StageServicer(pb_grpc.StageServicer):
         port, advertise = self.listening
         mine = hello.own_addresses(port, [advertise] if advertise else [])
         return hello.reply(self.security.secret, offered_memory(self.memory_bytes), self.name,
-                           context.invocation_metadata(), mine)
+                           context.invocation_metadata(), mine, self.group_port)
 
     async def Echo(self, request: pb.EchoRequest, context):
         await refuse_malformed(request, context)
@@ -162,90 +154,12 @@ class StageServicer(pb_grpc.StageServicer):
 
     # -- Load ------------------------------------------------------------------
 
-    def _load_sync(self, request: pb.LoadRequest) -> _Loaded:
-        path, partial = self.weights.model_path(request)
-        # Weights received from the head come quantized already; a full-precision
-        # folder of our own is quantized here, one module at a time.
-        quant = None if partial else wire.quant_from_wire(request.quantization)
-        gc.collect()  # let a replaced shard's arrays go before measuring
-        mx.clear_cache()
-        offered = offered_memory(self.memory_bytes)
-        memory.check_load(path, request, quant, offered)  # MemoryShort: RESOURCE_EXHAUSTED, nothing read
-        resident, before = memory.resident_bytes(), mx.get_active_memory()
-        mx.reset_peak_memory()
-        stage, config = load_stage(path, request.start, request.end, not partial, quant, request.vision)
-        if self.mlx.ahead:  # build each block while MLX runs the last (slicing.py)
-            stage.launch_blocks()
-        hashing = read_weights(stage, progress=self.progress)  # (on threads, while it warms up)
-        drafting, mtp = load_drafting(request.mtp, stage, path, config, quant)  # the model's MTP head (last stage)
-        mlx_peak_bytes = max(mx.get_peak_memory() - before, 0)
-        text = with_sizes(text_config(config))
-        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
-        max_context = int(text.get("max_position_embeddings") or 1 << 20)
-        footprint = warm_up(stage, hidden)
-        switch, kv_reply = self._kv_switch(request, stage, hidden, footprint.kv_bytes_per_token)
-        weight_bytes = max(mx.get_active_memory() - before, 0)
-        peak_bytes = memory.load_peak_bytes(resident, mx.get_peak_memory() - before)
-        model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        limits = ShardLimits(
-            max_batch=request.max_batch or ShardLimits.max_batch,
-            max_chunk_tokens=request.max_chunk_tokens or ShardLimits.max_chunk_tokens,
-            max_context=max_context,
-            max_cache_bytes=request.max_cache_bytes or max(offered - weight_bytes, 0),
-            block_tokens=request.block_tokens,
-        )
-        spec = request.tokenizer if request.HasField("tokenizer") and stage.last else None
-        tokenizer = tokenizer_from_json(spec.json, vocab, spec.eos_token_ids) if spec is not None else None
-        digest = hashing.result(config)
-        shard = Shard(stage, hidden, vocab, limits, tokenizer, switch,
-                      self.disk.for_load(request, digest, switch.kv if switch.slots else None), drafting)
-        reply = pb.LoadReply(
-            model_path=str(path),
-            model_type=config.get("model_type", ""),
-            num_layers=stage.num_layers,
-            hidden_size=hidden,
-            vocab_size=vocab,
-            weight_bytes=weight_bytes,
-            model_bytes=model_bytes,
-            max_context=max_context,
-            fingerprint=request.fingerprint or quantized_fingerprint(fingerprint(path), quant),
-            unit_digests=digest.units, weights_digest=digest.stage,  # what it computes with (models/digest.py)
-            max_cache_bytes=limits.max_cache_bytes,
-            block_tokens=shard.prefix.block_tokens if shard.prefix is not None else 0,
-            peak_bytes=peak_bytes,
-            mlx_peak_bytes=mlx_peak_bytes,
-            memory_warning=self.metal.settle(weight_bytes, limits.max_cache_bytes,
-                                             f"layers [{request.start}, {request.end})"),
-            max_rewind=limits.max_rewind if shard.stateful else limits.max_context,
-            state_bytes=footprint.state_bytes, vision=request.vision,
-            **mtp.reply(kv_reply),
-        )
-        return _Loaded(shard, reply, request, self.weights.offer(request))
-
     def close(self) -> None:
         """The node stops: finish the disk tier's writes (a while, at most)."""
         self.disk.close()
 
-    def _kv_switch(self, request: pb.LoadRequest, stage: SlicedModel, hidden: int,
-                   full_bytes: int) -> tuple[KvSwitch, dict]:
-        """The KV quantization this stage applies (the head's, else the node's own): the
-        switch, and what the Load reply says of it: a token's KV bytes as the head is to
-        plan them, before and after the switch, and why fewer caches turn quantized than
-        asked (``kv_note``: one line, logged here too)."""
-        asked = wire.kv_from_wire(request.kv_cache) if request.HasField("kv_cache") else None
-        kv = asked or self.kv
-        if kv is None:
-            return KvSwitch(), {"kv_bytes_per_token": full_bytes, "kv_full_bytes_per_token": full_bytes}
-        switch, quantized_bytes, note = kv_switch(stage, hidden, kv)
-        if note:
-            logger.warning("layers [%d, %d): %s: %s", request.start, request.end, kv, note)
-        # The node's own --kv-bits saves memory the head does not plan on: a token counts at full precision.
-        return switch, {"kv_bytes_per_token": quantized_bytes if asked else full_bytes,
-                        "kv_full_bytes_per_token": full_bytes, "kv_note": note,
-                        "kv_cache": wire.kv_to_wire(switch.kv) if switch.slots else None}
-
     @staticmethod
-    def _reply(loaded: _Loaded) -> pb.LoadReply:
+    def _reply(loaded: Loaded) -> pb.LoadReply:
         """What Load answers: the shard, and the prefix blocks it holds now (in memory and on disk)."""
         reply = pb.LoadReply()
         reply.CopyFrom(loaded.reply)
@@ -272,47 +186,58 @@ class StageServicer(pb_grpc.StageServicer):
                     self.loaded.offer == self.weights.offer(request):
                 # The same shard again (a rebuilt pipeline): live sequences go, the
                 # prefix cache stays (the head learns what it holds from the reply).
-                await self._mlx(self.loaded.shard.free_all)
+                if not self._following():  # (a group's other ranks: their leader frees for them)
+                    await self._mlx(self.loaded.shard.free_all)
                 return self._reply(self.loaded)
+            await self._leave_group()
             self.loaded = None
             self.state, self.detail = "loading", f"loading {request.model} [{request.start}, {request.end})"
             try:
-                loaded = await self._mlx(self._load_sync, request)
-            except ValueError as err:  # no such model, a broken folder, a range outside the model
+                loaded = await self._mlx(load, self, request)
+            except ValueError as err:  # no such model, a broken folder, a range outside the model, a layer not split
                 self.state, self.detail = "empty", str(err)
                 await context.abort(_model_status(err), str(err))
+            except groups.GroupError as err:  # the group could not form, or broke: this node starts afresh
+                self.group_broken(str(err))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{err}; this node restarts")
             except Exception as err:  # noqa: BLE001 - a broken model folder, reported to the caller
                 logger.exception("loading failed")
                 self.state, self.detail = "failed", f"{type(err).__name__}: {err}"
                 await context.abort(grpc.StatusCode.INTERNAL, f"loading failed: {self.detail}")
-            if self.next_link is not None:
-                self.next_link.stop()
-                self.next_link = None
-            if self.next_channel is not None:
-                await self.next_channel.close()
-                self.next_channel = self.next_stub = None
-            self.in_link = links.LiveLink()
-            if request.next_address:
-                self.next_channel = self.security.channel(request.next_address)
-                self.next_stub = pb_grpc.StageStub(self.next_channel)
-                try:  # a stage that cannot reach its successor is no use in this pipeline
-                    await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S,
-                                                metadata=self.security.metadata())
-                except grpc.aio.AioRpcError as err:
-                    self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"next stage {request.next_address} is unreachable from this stage: "
-                        f"{err.code().name}: {err.details()}",
-                    )
+            await self._connect_next(request, context)
             self.loaded = loaded
             self.state, self.detail = "ready", ""
+            self._join_group(loaded)
             logger.info(
                 "loaded %s layers [%d, %d) of %d: %.1f MB",
                 loaded.reply.model_path, request.start, request.end,
                 loaded.reply.num_layers, loaded.reply.weight_bytes / 1e6,
             )
             return self._reply(loaded)
+
+    async def _connect_next(self, request: pb.LoadRequest, context) -> None:
+        """The channel to the next stage (none on the last), checked: a stage that cannot reach
+        its successor is no use in this pipeline."""
+        if self.next_link is not None:
+            self.next_link.stop()
+            self.next_link = None
+        if self.next_channel is not None:
+            await self.next_channel.close()
+            self.next_channel = self.next_stub = None
+        self.in_link = links.LiveLink()
+        if request.next_address:
+            self.next_channel = self.security.channel(request.next_address)
+            self.next_stub = pb_grpc.StageStub(self.next_channel)
+            try:  # a stage that cannot reach its successor is no use in this pipeline
+                await self.next_stub.Health(pb.HealthRequest(), timeout=NEXT_HOP_TIMEOUT_S,
+                                            metadata=self.security.metadata())
+            except grpc.aio.AioRpcError as err:
+                self.state, self.detail = "failed", f"next stage {request.next_address} unreachable"
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"next stage {request.next_address} is unreachable from this stage: "
+                    f"{err.code().name}: {err.details()}",
+                )
 
     async def TimeNextHop(self, request: pb.LinkProbe, context):
         """Time the hop to the next stage (``links.py``), then keep its latency current. The head
@@ -347,9 +272,68 @@ class StageServicer(pb_grpc.StageServicer):
         while not self.results.empty():
             self.results.get_nowait()
 
+    # -- a tensor-parallel group (group.py) ----------------------------------------
+
+    def _following(self) -> bool:
+        """Whether this node is a rank of a group other than its leader."""
+        return self.loaded is not None and self.loaded.spec is not None and not self.loaded.spec.leader
+
+    def _join_group(self, loaded: Loaded) -> None:
+        """Loaded as a group's rank: the leader beats, the others follow it on the MLX thread."""
+        if loaded.spec is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loaded.spec.leader:  # (a hand-off that fails, on any path: the node restarts)
+            loaded.shard.mirror.broken = lambda why: loop.call_soon_threadsafe(self.group_broken, why)
+            self._beat = asyncio.ensure_future(self._heartbeat(loaded))
+            return
+
+        def ended(future) -> None:  # (MLX thread) the leader said stop, or the group broke
+            if future.exception() is not None:
+                loop.call_soon_threadsafe(self.group_broken, str(future.exception()))
+
+        self.mlx.submit(groups.follow, loaded.group, loaded.shard, threading.Event()).add_done_callback(ended)
+
+    async def _leave_group(self) -> None:
+        """Before another Load: a leader stops its beat and tells its other ranks to stop following."""
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+        loaded = self.loaded
+        if loaded is not None and loaded.spec is not None and loaded.spec.leader:
+            try:
+                await self._mlx(loaded.shard.mirror.stop)
+            except groups.GroupError as err:
+                self.group_broken(str(err))
+
+    async def _heartbeat(self, loaded: Loaded) -> None:
+        while True:
+            await asyncio.sleep(BEAT_S)
+            try:
+                await self._mlx(loaded.shard.mirror.beat)
+            except groups.GroupError as err:
+                self.group_broken(str(err))
+                return
+
+    def group_broken(self, why: str) -> None:
+        """The group this node is a rank of broke (a rank gone, a frame failed mid-forward): out of
+        step for good, the node starts afresh (``restart``), shortly, so that its last replies go out."""
+        if self.state == "failed" and self.detail.startswith(GROUP_BROKEN):
+            return
+        logger.error("tensor group broken: %s; this node restarts", why)
+        self.state, self.detail = "failed", f"{GROUP_BROKEN}: {why}"
+        asyncio.get_running_loop().call_later(GROUP_RESTART_S, self.restart)
+
+    async def _refuse_follower(self, context) -> None:
+        if self._following():
+            spec = self.loaded.spec
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node is rank {spec.rank} of a tensor "
+                                f"group; its leader at {spec.peers[0]} takes the stage's work")
+
     # -- Forward -------------------------------------------------------------
 
     async def Forward(self, request_iterator, context):
+        await self._refuse_follower(context)
         loaded = self.loaded
         if loaded is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
@@ -379,6 +363,7 @@ class StageServicer(pb_grpc.StageServicer):
         return pb.ForwardSummary(frames=stream.count)
 
     async def Results(self, request, context):
+        await self._refuse_follower(context)
         if self.loaded is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no shard loaded ({self.detail})")
         if self.loaded.request.next_address:
@@ -397,13 +382,22 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Fetch(self, request: pb.FetchRequest, context):
         await refuse_malformed(request, context)
+        await self._refuse_follower(context)
         loaded = self.loaded
         if loaded is None or loaded.shard.prefix is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shard with a prefix cache is loaded")
+        if loaded.spec is not None:  # every rank reads its own disk, in the leader's order (on the MLX thread)
+            try:
+                got, dropped = await self._mlx(loaded.shard.mirror.fetch, loaded.shard.prefix, request)
+            except groups.GroupError as err:
+                self.group_broken(str(err))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            return pb.FetchReply(loaded=got, dropped=dropped)
         return await disk_service.fetch(loaded.shard.prefix, request)
 
     async def Free(self, request: pb.FreeRequest, context):
         await refuse_malformed(request, context)
+        await self._refuse_follower(context)
         loaded = self.loaded
         if loaded is None:
             return pb.FreeReply(freed=0)
@@ -445,4 +439,11 @@ class StageServicer(pb_grpc.StageServicer):
                 )
             )
             disk_service.report_health(reply, loaded.shard.prefix)
+            if loaded.spec is not None:
+                reply.group_rank, reply.group_size = loaded.spec.rank, loaded.spec.size
+                reply.allreduce_seconds = loaded.reply.allreduce_seconds
+                reply.allreduces_per_token = loaded.reply.allreduces_per_token
+                mirror = loaded.shard.mirror
+                if mirror is not None:
+                    reply.stats.mirror_seconds, reply.stats.mirrored = mirror.seconds, mirror.count
         return reply

@@ -57,7 +57,7 @@ from mlxpipe.shards.cache.quantized import KvSwitch, quantized
 from mlxpipe.shards.models.grammar import Constraint
 from mlxpipe.shards.models.slicing import SlicedModel
 from mlxpipe.shards.params import wire
-from mlxpipe.shards.worker.clock import BusyClock, ShardView, stage_timing
+from mlxpipe.shards.worker.clock import BusyClock, ShardView
 from mlxpipe.shards.worker.errors import check_sampling, check_shape
 from mlxpipe.shards.worker import answers
 from mlxpipe.shards.worker.launch import Launched, later
@@ -116,6 +116,7 @@ class Shard:
         if limits.block_tokens:
             self.prefix = BlockStore(limits.block_tokens, kv.kv if kv.slots else None, disk, model.own)  # disk: or None
         self._template = template
+        self.mirror = None  # a tensor-parallel group's leader: hands its state changes to its other ranks (group.py)
         self.view = ShardView()
         self.publish()
 
@@ -144,17 +145,23 @@ class Shard:
         return freed
 
     def free_and_publish(self, seq_ids) -> int:
+        if self.mirror is not None:
+            self.mirror.free(seq_ids)
         freed = self.free(seq_ids)
         self.publish()
         return freed
 
     def free_session(self, session: int) -> int:
         """Drop every sequence a (now closed) Forward stream brought."""
+        if self.mirror is not None:
+            self.mirror.free_session(session)
         freed = self.free([sid for sid, seq in self.seqs.items() if seq.session == session])
         self.publish()
         return freed
 
     def free_all(self) -> int:
+        if self.mirror is not None:
+            self.mirror.free_all()
         n = len(self.seqs)
         self.seqs.clear()
         self.groups.clear()
@@ -250,6 +257,8 @@ class Shard:
                 raise FrameError(str(err)) from err
         rows_in = images.embeds(frame, self.hidden_size) if self.model.first else None  # an image's rows
         decoded = time.perf_counter()
+        if self.mirror is not None:  # accepted: the group's other ranks run it too
+            self.mirror.frame(frame, session)
         # Nothing below raises FrameError: state changes start here.
         self.free(frame.free)
         if frame.evict or frame.discard:
@@ -275,21 +284,6 @@ class Shard:
             self.publish()
             raise
         return Launched(self, frame, out, rows * n, (arrived, started, decoded))
-
-    def _output(self, frame: pb.Frame, out, times, computed: float, stolen: float):
-        """The Frame for the next stage (``out``: its activations, evaluated), or the last
-        stage's Result (``out``: its token results), with this stage's timing."""
-        if self.model.last:  # ``out``: token results, and the prompt scores of sequences that asked
-            return pb.Result(frame_id=frame.frame_id, tokens=[r for r in out if isinstance(r, pb.TokenResult)],
-                             prompt=[r for r in out if isinstance(r, pb.PromptScores)],
-                             timings=[*frame.timings, stage_timing(*times, stolen=stolen)])
-        nxt = pb.Frame(frame_id=frame.frame_id, kind=frame.kind, group=frame.group, seqs=frame.seqs,
-                       tokens=frame.tokens, free=frame.free, evict=frame.evict, discard=frame.discard,
-                       timings=frame.timings, positions=frame.positions)
-        if out is not None:
-            codec.encode(out, into=nxt.hidden)
-        nxt.timings.append(stage_timing(*times, computed, stolen=stolen))
-        return nxt
 
     def _new_seq(self, entry: pb.SeqEntry, session: int) -> _Seq:
         if entry.seq_id in self.seqs:  # replayed from the start: forget the old state

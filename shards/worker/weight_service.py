@@ -75,6 +75,8 @@ class WeightService:
     def __init__(self, resolve: Callable[[str], Path], mlx: ThreadPoolExecutor, progress: bool = False):
         self.resolve = resolve    # a model name from the head -> this node's folder (raises ModelNotFound)
         self.mlx = mlx            # the thread that owns MLX: offers are answered there, between loads
+        self.following = lambda: False  # a tensor group's other rank, its MLX thread following its leader:
+                                        # offers are answered on a thread of their own (no load runs meanwhile)
         self.progress = progress  # show progress while receiving (a node, not a head's own stage)
         self._offers: Dict[Tuple[str, int, int], Offer] = {}    # (fingerprint, start, end) -> the last offer
         self._digests: Dict[Tuple[str, str], str] = {}          # (fingerprint, unit) -> digest offered
@@ -125,7 +127,8 @@ class WeightService:
     async def Have(self, request: pb.WeightsOffer, context):
         await refuse_malformed(request, context)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.mlx, self._have_sync, request)
+            return await asyncio.get_running_loop().run_in_executor(None if self.following() else self.mlx,
+                                                                     self._have_sync, request)
         except WeightsError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 

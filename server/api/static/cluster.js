@@ -30,10 +30,11 @@ function stageCard() {
       <div title="bytes of the prefix cache's blocks in memory"><dt>prefix</dt><dd class="prefix"></dd></div>
       <div title="bytes of the prefix cache's blocks on the stage's disk, of what it may hold"><dt>prefix disk</dt><dd class="disk"></dd></div>
       <div title="prompt positions taken from the prefix cache, of all prompt positions"><dt>prefix hits</dt><dd class="hits"></dd></div>
-    </dl>`;
+    </dl>
+    <div class="group" title="a tensor-parallel group: the ranks that split every layer of this stage, and what their all-reduces cost a token"></div>`;
   const part = (cls) => el.querySelector(`.${cls}`);
   return { el, ...Object.fromEntries(["index", "layers", "state", "address", "fill", "busy", "tps", "queue", "seqs",
-                                       "memory", "prefix", "disk", "hits"].map((cls) => [cls, part(cls)])) };
+                                       "memory", "prefix", "disk", "hits", "group"].map((cls) => [cls, part(cls)])) };
 }
 
 function renderStage(card, s) {
@@ -58,6 +59,10 @@ function renderStage(card, s) {
   card.disk.textContent = dash("prefix_disk_limit_bytes", () => (s.prefix_disk_limit_bytes
     ? `${((s.prefix_disk_bytes || 0) / MB).toFixed(1)} of ${(s.prefix_disk_limit_bytes / MB).toFixed(0)} MB` : "off"));
   card.hits.textContent = dash("prefix_hit_rate", () => `${Math.round(s.prefix_hit_rate * 100)}%`);
+  const g = s.group;
+  card.group.textContent = g ? `group of ${g.size}: ` + g.ranks.map((r) => `${r.rank} ${r.address} ${r.state}`).join(", ") +
+    `; all-reduces ${g.allreduce_ms_per_token.toFixed(2)} ms a token` : "";
+  card.group.hidden = !g;
 }
 
 function renderSpeculation(spec) {
