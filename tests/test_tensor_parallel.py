@@ -237,3 +237,26 @@ def test_tp_auto_plans_groups_from_the_measured_links(default_model, three_nodes
     assert sum(1 + len(ranks) for _, ranks in stages) == 3, (chosen, stages)
     for p, got in zip(prompts, outs):
         assert got == reference(default_model, p, NEW_TOKENS)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(1200)
+def test_the_leader_of_a_last_stage_group_drafts_with_the_mtp_head(mtp_models, reference):
+    """The model's MTP head on a group's leader (the other rank runs no head): drafts are
+    offered, hit and miss, and greedy tokens stay mlx-lm's on the same weights."""
+    base, path = mtp_models("deepseek_v3")
+
+    async def run():
+        cfg = ClusterConfig(model=str(path), stages=2, tp=[1, 2], split="even", chunk_size=8, speculation="mtp")
+        prompts = _chat(path, PROMPTS[:2])
+        async with Cluster(cfg) as cluster:
+            outs = []
+            for p in prompts:  # one at a time: speculation runs while few sequences are live
+                outs.append([t.id for t in await collect(cluster.engine.submit(p, NEW_TOKENS))])
+            loads = [st.load for st in cluster.pipeline.stages]
+            return prompts, outs, cluster.engine.scheduler.drafts.by_source.get("mtp"), loads
+
+    prompts, outs, by, loads = run_async(run(), timeout=600)
+    assert outs == [reference(base, p, NEW_TOKENS) for p in prompts], "a group's MTP drafts changed greedy tokens"
+    assert loads[-1].group_size == 2 and loads[-1].mtp_layers == 1, loads[-1]
+    assert by is not None and by[0] > 0, "no MTP draft was judged"
