@@ -402,10 +402,12 @@ def test_fuzz_the_grammar_path(server):
     # steps), so the bound is a stall's, not the hostile cases' 3x median: a chunk holds a
     # stage --max-stall, or its smallest chunk's time where that is longer (a slow stage:
     # on this machine a position of the default model costs a stage tens of ms), and the
-    # canary's step may wait behind the chunks in flight.
+    # canary's step may wait behind the chunks in flight at the first stage and the one
+    # ahead at the next (alone here: 2.4 s gaps at 0.8 s a chunk); half again for noise.
     cfg = SchedulerConfig()
     stall = max(cfg.max_stall, cfg.min_chunk * _seconds_per_position(before, _prefill_cost(server.root)))
-    bound = max(3 * statistics.median(gaps), 1.0, statistics.median(gaps) + (cfg.max_prefill_inflight + 1) * stall)
+    bound = max(3 * statistics.median(gaps), 1.0,
+                statistics.median(gaps) + 1.5 * (cfg.max_prefill_inflight + 1) * stall)
     print(f"\n[record] fuzz: {seen}; canary median gap {statistics.median(gaps):.3f} s, longest {max(gaps):.3f} s,"
           f" a stall's bound {bound:.3f} s")
     assert max(gaps) < bound, gaps
