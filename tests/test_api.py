@@ -101,6 +101,7 @@ def test_chat_streaming_equals_non_streaming(client, mlx_lm_chat):
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 5  # really streamed
 
 
+@pytest.mark.extended  # (the prefix cache through the API: test_protocols' Claude Code turns in the default run)
 def test_a_resent_conversation_is_reused_from_the_prefix_cache(client, mlx_lm_chat):
     system = ("You are the archivist of a river town. " * 12).strip()
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Who built the first bridge?"}]

@@ -192,6 +192,7 @@ def test_pull_prints_the_default_models_folder(default_model):
     assert out.stdout.strip() == str(default_model)
 
 
+@pytest.mark.extended  # (bench soak: a minute of kills)
 def test_bench_soak_kills_a_stage_and_every_answer_holds(dsv3_model, tmp_path):
     """A short `mlxpipe bench soak`: answers equal the undisturbed run's, no 5xx."""
     import json

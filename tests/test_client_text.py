@@ -181,6 +181,7 @@ def _rss_mb(pid):
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.extended  # a soak of the head's memory: CI's second run
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the head's RSS from /proc")
 def test_bodies_of_ignored_items_leave_the_heads_memory_within_the_stores_bound(default_server):
     """15 bodies of 4 MB of tiny ignored items used to take the head from 286 MB to 1.2 GB

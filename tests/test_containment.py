@@ -367,6 +367,7 @@ cases = st.tuples(st.just("schema"), schemas) | st.tuples(st.just("schema"), sch
     st.just("tools"), tools.flatmap(lambda fs: st.tuples(st.just(fs), st.sampled_from([None, fs[0]["name"], "nope"]))))
 
 
+@pytest.mark.extended  # (24 random schemas beside a canary: the hostile cases above stay in the default run)
 def test_fuzz_the_grammar_path(server):
     """Random schemas and tools (names and strings full of markers and quotes): every
     answer is a 2xx whose output follows the schema, or a 4xx; never a 5xx, and the

@@ -130,6 +130,7 @@ def test_sampled_output_is_the_same_with_a_draft_model(dsv3_model, reference):
     assert after["accepted_tokens"] > 0, after
 
 
+@pytest.mark.extended  # (a kill while verifying: test_faults in the default run)
 def test_kill_9_of_a_node_while_verifying_model_drafts(dsv3_model, reference):
     """A node dies with drafts in flight: drafters of the lost pipeline are closed
     (their running job's answer is dropped), the sequence replays on the nodes left

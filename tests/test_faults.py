@@ -117,6 +117,7 @@ def test_kill_9_stage_restarted_in_place(dsv3_model, reference):
     assert all(h.state == "ready" and list(h.live_seqs) == [] for _, h, _ in health)
 
 
+@pytest.mark.extended  # (kills while verifying: test_draft_model and test_mtp, extended too; a kill mid-stream stays in the default run)
 def test_kill_9_while_verifying_drafts(default_model, reference):
     """One stream copying code from its prompt decodes speculatively; stage 1 is
     killed with drafts in flight: the replay gives the same tokens as mlx-lm."""
@@ -371,6 +372,7 @@ def test_delay_jitter_stalls_and_a_partition_between_hosts(netns, dsv3_model, re
 # -- load ------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # (64 clients: test_context's waits for room in the default run)
 def test_64_concurrent_clients_finish_or_get_backpressure(dsv3_model):
     srv = ServerProcess("--model", str(dsv3_model), "--stages", "2", "--split", "even", "--max-batch", "8",
                         "--max-waiting", "16")
@@ -489,7 +491,9 @@ async def _http_round(srv, kill=None):
     return results, seen, had_token, metrics
 
 
-@pytest.mark.parametrize("stage,when", [(0, "prefill"), (1, "decode"), (0, "decode"), (1, "prefill")])
+@pytest.mark.parametrize("stage,when", [(0, "prefill"), pytest.param(1, "decode", marks=pytest.mark.extended),
+                                         pytest.param(0, "decode", marks=pytest.mark.extended),
+                                         pytest.param(1, "prefill", marks=pytest.mark.extended)])
 def test_kill_9_through_the_http_api(three_stage_server, stage, when):
     """Stage 0 and the middle one of three, killed during prefill and during decode,
     under 8 streaming HTTP clients: every answer equals the undisturbed one, and

@@ -214,6 +214,7 @@ def test_langchain_structured_output_by_function_calling(root):
     assert isinstance(person, Person)
 
 
+@pytest.mark.extended  # (sampled structured output through every API; greedy schemas stay in the default run)
 def test_json_schema_output_is_valid_at_temperature_1_through_every_api(claude, oai, olla):
     outs = []
     for seed in range(3):

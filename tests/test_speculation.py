@@ -183,7 +183,7 @@ def _code_prompt(tok):
 # (Two stages with one position per frame, the CPU case, runs through real stage
 # processes in test_equality.py.)
 @pytest.mark.parametrize("model,ranges,positions", [
-    ("default_model", [(0, 30)], 9),
+    pytest.param("default_model", [(0, 30)], 9, marks=pytest.mark.extended),  # (one stage: 2 in the default run)
     ("default_model", [(0, 13), (13, 30)], 3),
     ("dsv3_model", [(0, 1), (1, 3), (3, 4)], 1),
 ])
