@@ -5,7 +5,7 @@ import warnings
 
 from mlxpipe.proto import pipeline_pb2 as mlxpipe_dot_proto_dot_pipeline__pb2
 
-GRPC_GENERATED_VERSION = '1.85.4'
+GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
