@@ -47,7 +47,9 @@ def prompts() -> List[List[int]]:
 
 class Oracle:
     """Drafts from the answer mlx-lm gives, wrong at every fifth position (so that
-    some drafts are accepted and some rejected)."""
+    some drafts are accepted and some rejected): a draft model's kind of source."""
+
+    source = "draft_model"
 
     def __init__(self, prompt: Sequence[int], answer: Sequence[int]):
         self.start, self.answer = len(prompt), list(answer)
