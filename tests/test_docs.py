@@ -155,12 +155,16 @@ def proto_comments() -> Iterator[Token]:
 # -- what exists ----------------------------------------------------------------------------
 
 
+OUTPUTS = ("bench-out", "build", "dist")  # folders runs write (.gitignore)
+
+
 def _repo_files() -> Set[str]:
-    """Every file of the repository, and every folder with a trailing /."""
+    """Every file of the repository, and every folder with a trailing /: not what runs write
+    (bench-out/, build/, dist/: what a doc names there is an output, not a file of ours)."""
     out = set()
     for root, dirs, files in os.walk(REPO):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__" and not d.endswith(".egg-info")
-                   or d == ".ci"]
+                   and not (root == str(REPO) and d in OUTPUTS) or d == ".ci"]
         rel = Path(root).relative_to(REPO)
         out |= {f"{rel / d}/" for d in dirs} | {str(rel / f) for f in files}
     return out
