@@ -17,6 +17,7 @@ gRPC); the default model at 2 stages and 4 bits also runs through real stage pro
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 from conftest import PROMPTS, REPEAT_CODE, run_async
@@ -83,6 +84,13 @@ def test_quantized_kv_equals_mlx_lm_in_process(model, stages, bits, request, ref
         assert ip.scheduler.drafts.accepted > 0, "the copied code was not drafted"
 
 
+async def _streams(cluster, prompts):
+    """``prompts`` through ``cluster`` at once: each one's greedy tokens, and its cached tokens."""
+    streams = [cluster.engine.submit(p, NEW_TOKENS) for p in prompts]
+    outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
+    return outs, [s.cached_tokens for s in streams]
+
+
 @pytest.mark.extended
 def test_quantized_kv_through_stage_processes(default_model, reference):
     """`--kv-bits 4` on real stage processes: 8 streams at once, then again from the prefix
@@ -92,10 +100,7 @@ def test_quantized_kv_through_stage_processes(default_model, reference):
 
     async def go():
         async with Cluster(cfg) as cluster:
-            async def run(ps):
-                streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
-                outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
-                return outs, [s.cached_tokens for s in streams]
+            run = functools.partial(_streams, cluster)
 
             first, _ = await run(prompts)
             again, cached = await run(prompts)
@@ -127,10 +132,7 @@ def test_4_bit_kv_from_position_0_on_the_served_folder(default_model, reference)
 
     async def go():
         async with Cluster(cfg) as cluster:
-            async def run(ps):
-                streams = [cluster.engine.submit(p, NEW_TOKENS) for p in ps]
-                outs = [[t.id for t in toks] for toks in await asyncio.gather(*map(collect, streams))]
-                return outs, [s.cached_tokens for s in streams]
+            run = functools.partial(_streams, cluster)
 
             (alone,), _ = await run([repeat])
             together, cached = await run(batch)
