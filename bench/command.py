@@ -42,6 +42,8 @@ MODES = (
                "hit, while speculating, after a replay"),
     ("mtp", "drafts from the model itself: an MTP head trained briefly on the model's own answers, acceptance and "
             "decode tok/s beside speculation off"),
+    ("tracing", "what OpenTelemetry tracing costs a decode token: mlxpipe serve with tracing off, on, and (--before) "
+                "from an install without it"),
     ("tp", "a stage split across 2 ranks (tensor parallel) beside mlx-lm, mlx_lm.server, the 2-stage pipeline and "
            "mlx_lm.server under 2 ring ranks: one stream and 8"),
     ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "
