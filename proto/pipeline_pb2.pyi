@@ -362,16 +362,24 @@ class LoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., next_address: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerSpec, _Mapping]] = ..., kv_cache: _Optional[_Union[KvQuantization, _Mapping]] = ..., prefix_disk_bytes: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ..., mtp: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class TensorGroup(_message.Message):
-    __slots__ = ("rank", "size", "peers", "backend")
+    __slots__ = ("rank", "size", "peers", "backend", "rdma")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RDMA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     backend: str
-    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ...) -> None: ...
+    rdma: _containers.RepeatedCompositeFieldContainer[RdmaRow]
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., rdma: _Optional[_Iterable[_Union[RdmaRow, _Mapping]]] = ...) -> None: ...
+
+class RdmaRow(_message.Message):
+    __slots__ = ("to",)
+    TO_FIELD_NUMBER: _ClassVar[int]
+    to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, to: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GroupItem(_message.Message):
     __slots__ = ("kind", "session", "frame", "seq_ids", "fetch")
@@ -683,7 +691,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("proof", "name", "chip", "memory_bytes", "mlxpipe_version", "mlx_version", "mlx_lm_version", "time_s", "cluster", "group_port", "rdma")
+    __slots__ = ("proof", "name", "chip", "memory_bytes", "mlxpipe_version", "mlx_version", "mlx_lm_version", "time_s", "cluster", "group_port", "rdma", "rdma_ports")
     PROOF_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHIP_FIELD_NUMBER: _ClassVar[int]
@@ -695,6 +703,7 @@ class HelloReply(_message.Message):
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     GROUP_PORT_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
+    RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
     proof: bytes
     name: str
     chip: str
@@ -706,7 +715,18 @@ class HelloReply(_message.Message):
     cluster: str
     group_port: int
     rdma: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, proof: _Optional[bytes] = ..., name: _Optional[str] = ..., chip: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., mlxpipe_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., time_s: _Optional[float] = ..., cluster: _Optional[str] = ..., group_port: _Optional[int] = ..., rdma: _Optional[_Iterable[str]] = ...) -> None: ...
+    rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
+    def __init__(self, proof: _Optional[bytes] = ..., name: _Optional[str] = ..., chip: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., mlxpipe_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., time_s: _Optional[float] = ..., cluster: _Optional[str] = ..., group_port: _Optional[int] = ..., rdma: _Optional[_Iterable[str]] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ...) -> None: ...
+
+class RdmaPort(_message.Message):
+    __slots__ = ("device", "port", "peer")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    port: str
+    peer: str
+    def __init__(self, device: _Optional[str] = ..., port: _Optional[str] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ()

@@ -177,6 +177,10 @@ class ClusterConfig:
                          "range, MLX's own collective between them (as k Macs would); one number for every stage "
                          "(2), or one per stage (2,1). With --nodes, 'auto': the planner groups the nodes from the "
                          "measured links (docs/multi-mac.md)", factory=list, parse=_widths, cli_default="")
+    tp_backend: str = knob("auto", "a tensor-parallel group's collective: 'auto' (default: JACCL, RDMA over "
+                           "Thunderbolt 5, where every pair of the group's nodes is cabled for it, the ring over "
+                           "TCP elsewhere), 'ring', or 'jaccl' (a group that cannot have it fails to start)",
+                           choices=("auto", "ring", "jaccl"))
     split: str = knob("auto", "how to cut the layers: 'auto' (default: the planner balances measured stage "
                       "times within each node's memory), 'even', or layers per stage such as 18,12")
     prompt_ratio: Optional[float] = knob(None, "prompt tokens per generated token the 'auto' split is balanced for, "

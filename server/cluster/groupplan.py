@@ -9,7 +9,8 @@ millisecond, and cutting between layers (a pipeline) does better.
 
 A group is planned as one node (``group_node``): its members' memory less the embedding and
 head each rank holds again, its layers' time over k, plus per layer two all-reduces of a decode step's hidden states (float32:
-``tensor_parallel.SumOut``) over the slowest link among its members, at ``2 (k - 1)`` steps of
+``tensor_parallel.SumOut``) over the slowest link among its members (``RDMA`` where they are a full Thunderbolt
+mesh, ``Links.rdma``: JACCL's), at ``2 (k - 1)`` steps of
 latency and ``2 (k - 1) / k`` of the bytes (a ring's reduce-scatter and all-gather). Not
 counted: the leader handing each frame to its ranks (one all-reduce a step, against a stage's
 two a layer) and the first rank's extra head where heads do not divide. The layouts are the ways to
@@ -38,6 +39,9 @@ MAX_NODES = 10     # more nodes than this: no layouts beyond the pure pipeline (
 # Local ranks on one machine's loopback: the ring backend's all-reduce of a token's hidden
 # state, measured at about 70 us here (2 ranks, 2 cores); one way, per step.
 LOOPBACK = Hop(35e-6, 2e9)
+# A group cabled as a full Thunderbolt 5 mesh all-reduces over JACCL (``tp_backend.py``): 80 Gb/s a
+# cable and about 10 us one way (MLX's figures for RDMA over Thunderbolt 5; not measured here: no Macs).
+RDMA = Hop(10e-6, 80e9 / 8)
 
 
 def allreduce_seconds(k: int, nbytes: float, hop: Hop) -> float:
@@ -117,8 +121,12 @@ def _group_links(links: Links, groups: Sequence[Sequence[int]]) -> Links:
 
 
 def _inner(links: Links, members: Sequence[int]) -> Hop:
-    """The slowest link among a group's members."""
-    hops = [links.between(a, b) for a, b in itertools.combinations(members, 2)]
+    """The slowest link among a group's members; ``RDMA`` where every pair of them is cabled for
+    it (the group all-reduces over JACCL then, not over the TCP the head timed)."""
+    pairs = list(itertools.combinations(sorted(members), 2))
+    if pairs and all(p in links.rdma for p in pairs):
+        return RDMA
+    hops = [links.between(a, b) for a, b in pairs]
     return Hop(max(h.latency_s for h in hops), min(h.bytes_per_s for h in hops)) if hops else Hop()
 
 

@@ -1,7 +1,8 @@
 """The head's view of tensor-parallel groups: which nodes make each stage (``--tp`` for local
 stages, ``--nodes a+b,c``, or the planner from the links), and the peers each rank's
 collective connects to, learned from the ranks themselves over the authenticated channel
-(``Hello``'s ``group_port``) and named to every rank in its ``Load``.
+(``Hello``'s ``group_port``, and its RDMA ports: ``tp_backend.py``) and named to every rank in
+its ``Load``.
 
 A stage of k ranks is one stage to the rest of the head: its leader (rank 0) is the address
 frames go to and results come from; the other ranks are loaded beside it and watched by the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from mlxpipe.proto import pipeline_pb2 as pb
 
@@ -73,12 +74,14 @@ def layout_of(addresses: Sequence[str], widths: Sequence[int]) -> Layout:
     return Layout(leaders, followers)
 
 
-async def peers(stubs: Sequence, addresses: Sequence[str], metadata, timeout: float = 10.0) -> List[str]:
-    """Where each rank's collective listens: the host the head dials it at, and the port it names."""
+async def hello(stubs: Sequence, addresses: Sequence[str], metadata,
+                timeout: float = 10.0) -> Tuple[List[str], List[pb.HelloReply]]:
+    """Where each rank's collective listens (the host the head dials it at, and the port it
+    names), and each rank's ``Hello`` (its RDMA ports: ``tp_backend.choose``)."""
     replies = await asyncio.gather(*(s.Hello(pb.HelloRequest(), timeout=timeout, metadata=metadata) for s in stubs))
     out = []
     for address, reply in zip(addresses, replies):
         if not reply.group_port:
             raise ValueError(f"node {address} names no port for a tensor group (an older mlxpipe?)")
         out.append(f"{address.rpartition(':')[0]}:{reply.group_port}")
-    return out
+    return out, list(replies)

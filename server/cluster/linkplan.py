@@ -22,7 +22,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from mlxpipe.server.cluster.cost import ModelCost
 from mlxpipe.server.cluster.planner import NodeSpec, Plan, Workload, _Problem
@@ -71,6 +71,7 @@ class Links:
     row_bytes: int                                 # one token's activations on the wire
     head: Tuple[Hop, ...]                          # head <-> node i
     pairs: Dict[Tuple[int, int], Hop] = field(default_factory=dict)  # (i, j), i < j
+    rdma: FrozenSet[Tuple[int, int]] = frozenset()  # (i, j), i < j: cabled for RDMA both ways (JACCL's links)
 
     def between(self, i: int, j: int) -> Hop:
         return self.pairs.get((min(i, j), max(i, j)), Hop())

@@ -11,16 +11,17 @@ bits, and the model is quantized by that choice.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import grpc
 
 from mlxpipe.proto import pipeline_pb2 as pb
-from mlxpipe.server.cluster import groupplan, linkplan, planner
+from mlxpipe.server.cluster import groupplan, linkplan, planner, tp_backend
 from mlxpipe.server.cluster.bits import plan_bits
 from mlxpipe.server.cluster.context import at_kv_bits, plan_context
 from mlxpipe.server.cluster.cost import ModelCost, load_model_cost
@@ -203,7 +204,20 @@ class Placer:
             return None
         pairs = {(i, j): _hop(self.hops[tuple(sorted((a, b)))]) for i, a in enumerate(addresses)
                  for j, b in enumerate(addresses) if i < j}
-        return linkplan.Links(small, tuple(_hop(self.hops[("head", a)]) for a in addresses), pairs)
+        return linkplan.Links(small, tuple(_hop(self.hops[("head", a)]) for a in addresses), pairs,
+                              await self._rdma(pipeline))
+
+    async def _rdma(self, pipeline: Pipeline) -> FrozenSet[Tuple[int, int]]:
+        """The pairs of nodes cabled for RDMA (their ``Hello``s' ports), where groups may use JACCL."""
+        if self.config.tp_backend == "ring":
+            return frozenset()
+        try:
+            hellos = await asyncio.gather(*(s.Hello(pb.HelloRequest(), timeout=10, metadata=pipeline.md)
+                                            for s in pipeline.stubs))
+        except grpc.aio.AioRpcError as err:
+            logger.warning("RDMA links not known to the plan: %s", err.details())
+            return frozenset()
+        return tp_backend.rdma_pairs([h.rdma_ports for h in hellos])
 
     async def predict(self, pipeline: Pipeline) -> List[str]:
         """What the running split predicts with its links priced (as measured when it was built):

@@ -34,6 +34,7 @@ class StageLimits:
     kv: Optional[KvQuant] = None  # how to quantize the KV caches (None: not)
     mtp: bool = False           # the last stage loads the model's MTP head to draft with, where it has one
     vision: bool = False        # run the language model as mlx-vlm's (a vision model: frames carry images)
+    tp_backend: str = ClusterConfig.tp_backend  # a tensor group's collective: auto, ring or jaccl (tp_backend.py)
 
 
 def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
@@ -44,7 +45,7 @@ def kv_quant(cfg: ClusterConfig) -> Optional[KvQuant]:
 def stage_limits(cfg: ClusterConfig, cache_bytes: int) -> StageLimits:
     return StageLimits(max_batch=cfg.max_batch, max_chunk_tokens=cfg.chunk_size, max_cache_bytes=cache_bytes,
                        block_tokens=cfg.block_tokens if cfg.prefix_cache_bytes != 0 else 0, kv=kv_quant(cfg),
-                       disk_bytes=cfg.prefix_cache_disk, mtp=uses_mtp(cfg))
+                       disk_bytes=cfg.prefix_cache_disk, mtp=uses_mtp(cfg), tp_backend=cfg.tp_backend)
 
 
 def uses_mtp(cfg: ClusterConfig) -> bool:

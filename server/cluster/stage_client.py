@@ -22,7 +22,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.errors import GROUP_BROKEN
 from mlxpipe.proto.rpc import Security, culprits_of
-from mlxpipe.server.cluster import groups
+from mlxpipe.server.cluster import groups, tp_backend
 from mlxpipe.server.cluster.budget import FrameBudget
 from mlxpipe.server.cluster.links import LinkTable
 from mlxpipe.server.cluster.sizing import StageLimits
@@ -39,14 +39,16 @@ LOAD_TIMEOUT_S = 900.0
 CALL_TIMEOUT_S = 10.0
 
 
-def _rank_requests(req: pb.LoadRequest, peers: List[str]) -> List[pb.LoadRequest]:
+def _rank_requests(req: pb.LoadRequest, peers: List[str],
+                   backend: tp_backend.Backend = tp_backend.Backend("ring")) -> List[pb.LoadRequest]:
     """Each rank's Load of a group's stage: the leader's as the stage's, the others' without the next
     stage and the tokenizer (only the leader sends on and samples)."""
     out = []
+    rows = [pb.RdmaRow(to=row) for row in backend.rdma]
     for rank in range(len(peers)):
         r = pb.LoadRequest()
         r.CopyFrom(req)
-        r.group.CopyFrom(pb.TensorGroup(rank=rank, size=len(peers), peers=peers, backend="ring"))
+        r.group.CopyFrom(pb.TensorGroup(rank=rank, size=len(peers), peers=peers, backend=backend.name, rdma=rows))
         if rank:
             r.next_address = ""
             r.ClearField("tokenizer")
@@ -154,7 +156,9 @@ class Pipeline:
                     req.fingerprint = weights.fingerprint
                 reqs = [req]
                 if st.ranks:  # every rank at once: they form their group's collective inside Load
-                    reqs = _rank_requests(req, await groups.peers(stubs, ranks, self.md))
+                    peers, hellos = await groups.hello(stubs, ranks, self.md)
+                    backend = tp_backend.choose(self.limits.tp_backend, [h.rdma_ports for h in hellos], ranks)
+                    reqs = _rank_requests(req, peers, backend)
                 replies = await asyncio.gather(*(s.Load(r, timeout=LOAD_TIMEOUT_S, metadata=self.md)
                                                  for s, r in zip(stubs, reqs)))
                 st.load = replies[0]

@@ -28,6 +28,7 @@ import time
 from typing import Iterable, Optional, Set
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.shards.net import rdma
 
 LABEL = b"mlxpipe hello v1\x00"
 CLUSTER_LABEL = b"mlxpipe cluster id v1"
@@ -78,18 +79,9 @@ def chip() -> str:
     return platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=1)
 def rdma_devices() -> tuple:
-    """This node's RDMA devices (on a Mac with Thunderbolt 5 and RDMA enabled: ``rdma_en2``, ...),
-    over which JACCL reaches the peers cabled to them; none elsewhere (Linux here: the ring backend)."""
-    if platform.system() != "Darwin":
-        return ()
-    try:
-        out = subprocess.run(["ibv_devices"], capture_output=True, text=True, timeout=2).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    names = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]  # after its two header lines
-    return tuple(n for n in names if n.isprintable())[:8]
+    """This node's RDMA devices (``rdma.devices``: on a Mac with Thunderbolt 5 RDMA; none on Linux)."""
+    return rdma.devices()
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,7 +115,8 @@ def reply(secret: Optional[str], memory_bytes: int, name: str, metadata, mine: S
     v = versions()
     out = pb.HelloReply(name=name, chip=chip(), memory_bytes=memory_bytes, mlxpipe_version=v["mlxpipe"],
                         mlx_version=v["mlx"], mlx_lm_version=v["mlx_lm"], time_s=time.time(),
-                        cluster=cluster_id(secret), group_port=group_port, rdma=rdma_devices())
+                        cluster=cluster_id(secret), group_port=group_port, rdma=rdma_devices(),
+                        rdma_ports=[pb.RdmaPort(device=p.device, port=p.port, peer=p.peer) for p in rdma.ports()])
     md = dict(metadata or ())
     try:
         nonce = bytes.fromhex(md.get(NONCE_KEY, ""))

@@ -2,10 +2,12 @@
 
 A stage may be a group of ranks (processes; on Macs, Macs) that each hold a slice of every
 block of the stage's range (``shards/models/tensor_parallel.py``) and all-reduce inside each
-block with MLX's own collective, ``mx.distributed``: the ring backend over TCP (JACCL over
-Thunderbolt 5 RDMA is not wired yet: nodes report their RDMA devices, the head forms ring
-groups only). gRPC stays the wire between stages: the group's leader
-(rank 0) is the stage the head and the neighbours see.
+block with MLX's own collective, ``mx.distributed``: the ring backend over TCP, or JACCL over
+Thunderbolt 5 RDMA where the head found every pair of ranks cabled (``pb.TensorGroup.rdma``,
+JACCL's device matrix, as ``mlx.launch`` writes it: ``MLX_IBV_DEVICES`` a file of the matrix,
+``MLX_JACCL_COORDINATOR`` rank 0's peer address, ``MLX_RANK``). A node whose MLX has no JACCL
+(Linux) refuses a JACCL group before it tries (``check_backend``). gRPC stays the wire between
+stages: the group's leader (rank 0) is the stage the head and the neighbours see.
 
 The other ranks run the same ``Shard`` logic on the same inputs. The leader hands them, in
 its MLX thread's order, every work item that changes a stage's state (``Mirror``): each
@@ -21,7 +23,7 @@ ranks agree on them at Load and at each read from disk (``common_keys``, ``fetch
 ranks out of step) is broken for good: its ranks leave (``GroupError``), the node restarts,
 and the head rebuilds the group as a unit and replays its sequences.
 
-The ring backend's TCP carries no secret and is not encrypted (docs/security.md): the
+The ring backend's TCP (and JACCL's coordinator) carries no secret and is not encrypted (docs/security.md): the
 head names the peers over its authenticated channel, and a dedicated link is advised.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import statistics
 import tempfile
 import threading
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 60.0  # how long a rank waits for the others to connect
 FIRST_BYTES = 16 << 10  # an item's first all-reduce: its length and up to this many bytes
-BACKENDS = ("ring",)  # (JACCL, RDMA over Thunderbolt 5, needs each pair's RDMA devices in its hostfile: not yet)
+BACKENDS = ("ring", "jaccl")  # mx.distributed's: TCP, or RDMA over Thunderbolt 5 (a full mesh of cables)
 MAX_RANKS = 64  # ranks in a group, at most (a Load naming more is refused)
 
 
@@ -62,17 +65,23 @@ class Spec:
     size: int
     peers: Tuple[str, ...]
     backend: str = "ring"
+    rdma: Tuple[Tuple[str, ...], ...] = ()  # jaccl: rdma[i][j], the device rank i opens toward rank j
 
     @classmethod
     def from_wire(cls, group: pb.TensorGroup) -> "Spec":
         """The spec a Load names; ValueError (INVALID_ARGUMENT) for one that cannot be."""
-        spec = cls(group.rank, group.size, tuple(group.peers), group.backend or "ring")
+        spec = cls(group.rank, group.size, tuple(group.peers), group.backend or "ring",
+                   tuple(tuple(row.to) for row in group.rdma))
         if not 2 <= spec.size <= MAX_RANKS or not 0 <= spec.rank < spec.size or len(spec.peers) != spec.size:
             raise ValueError(f"tensor group: rank {spec.rank} of {spec.size} with {len(spec.peers)} peers")
         if spec.backend not in BACKENDS:
             raise ValueError(f"tensor group: backend {spec.backend!r} is none of {', '.join(BACKENDS)}")
         if any(p.count(":") < 1 for p in spec.peers):
             raise ValueError("tensor group: every peer is host:port")
+        if spec.backend == "jaccl":
+            why = mesh_gaps(spec.rdma, spec.size)
+            if why:
+                raise ValueError(f"tensor group: JACCL's device matrix {why}")
         return spec
 
     @property
@@ -96,10 +105,9 @@ def join(spec: Spec, timeout_s: float = JOIN_TIMEOUT_S):
             return _joined[1]
         raise GroupError(f"this node is rank {_joined[0].rank} of another group ({', '.join(_joined[0].peers)}); "
                          "it restarts before it joins a new one")
-    fd, hostfile = tempfile.mkstemp(prefix="mlxpipe-group-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump([[peer] for peer in spec.peers], f)
-    os.environ.update(MLX_RANK=str(spec.rank), MLX_HOSTFILE=hostfile)
+    check_backend(spec.backend)
+    env, hostfile = backend_env(spec)
+    os.environ.update(env)
     made: list = []
     # The ring waits for its peers without a deadline: on a thread of its own, given up after timeout_s.
     thread = threading.Thread(target=lambda: made.append(_init(spec.backend)), name="group-init", daemon=True)
@@ -117,6 +125,44 @@ def join(spec: Spec, timeout_s: float = JOIN_TIMEOUT_S):
     _joined = (spec, group)
     logger.info("joined a %s group as rank %d of %d (%s)", spec.backend, spec.rank, spec.size, ", ".join(spec.peers))
     return group
+
+
+def mesh_gaps(rdma: Sequence[Sequence[str]], size: int) -> str:
+    """What keeps ``rdma`` from being JACCL's full mesh among ``size`` ranks ("" when nothing does)."""
+    if len(rdma) != size or any(len(row) != size for row in rdma):
+        return f"is not {size} by {size}"
+    if any(rdma[i][i] for i in range(size)):
+        return "names a device from a rank to itself"
+    gaps = [f"{i}->{j}" for i in range(size) for j in range(size) if i != j and not rdma[i][j]]
+    return f"names no device for ranks {', '.join(gaps[:4])}" if gaps else ""
+
+
+def check_backend(backend: str) -> None:
+    """ValueError (the Load's INVALID_ARGUMENT; the node stays as it was), one line, when this
+    node's MLX cannot make ``backend``'s groups at all (JACCL on Linux, or a Mac without RDMA)."""
+    if not mx.distributed.is_available(backend):
+        hint = (f" (JACCL is RDMA over Thunderbolt 5: a Mac with RDMA enabled; this is {platform.system()})"
+                if backend == "jaccl" else "")
+        raise ValueError(f"tensor group: this node's MLX {mx.__version__} has no {backend} backend{hint}; "
+                         "start the head with --tp-backend ring")
+
+
+def backend_env(spec: Spec) -> Tuple[dict, str]:
+    """The environment MLX's backend reads at init (as ``mlx.launch`` sets it), and the file it
+    names (removed once the group is made): the ring's hostfile, one address per rank, or JACCL's
+    device matrix (an entry with several devices, comma-separated on the wire, a list), whose
+    coordinator is rank 0's peer address."""
+    if spec.backend == "jaccl":
+        content = [[None if i == j else (d.split(",") if "," in d else d) for j, d in enumerate(row)]
+                   for i, row in enumerate(spec.rdma)]
+    else:
+        content = [[peer] for peer in spec.peers]
+    fd, path = tempfile.mkstemp(prefix=f"mlxpipe-{spec.backend}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(content, f)
+    if spec.backend == "jaccl":
+        return {"MLX_RANK": str(spec.rank), "MLX_IBV_DEVICES": path, "MLX_JACCL_COORDINATOR": spec.peers[0]}, path
+    return {"MLX_RANK": str(spec.rank), "MLX_HOSTFILE": path}, path
 
 
 def _init(backend: str):

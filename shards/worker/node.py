@@ -27,6 +27,7 @@ from mlxpipe.proto import pipeline_pb2 as pb
 from mlxpipe.proto import pipeline_pb2_grpc as pb_grpc
 from mlxpipe.proto.rpc import (REPLAN_WAIT_S, SECRET_ENV, Security, add_security_arguments, raise_fd_limit,
                                stage_server)
+from mlxpipe.shards.net import rdma
 from mlxpipe.shards.params.kv import (DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KV_BITS_HELP,
                                      KV_GROUP_SIZE_HELP, KV_START_HELP, KvQuant)
 from mlxpipe.shards.params.quant import KV_BITS
@@ -161,6 +162,7 @@ async def serve(listen: str, security: Optional[Security] = None, memory_bytes: 
     servicer = StageServicer(security, memory_bytes, models_dir, progress=not exit_with_parent,
                              launch_ahead=launch_ahead, kv=kv, disk_bytes=disk_bytes)
     servicer.name = name or servicer.name
+    rdma.ports()  # read once, before the first Hello asks (macOS's Thunderbolt report takes a moment)
     server = stage_server(servicer, security)
     host, _, port = listen.rpartition(":")
     bound = security.add_port(server, f"{host}:{port}")
