@@ -49,7 +49,7 @@ OTHER_PROGRAMS = {
     "mlx-lm": "named in prose (\"mlx-lm's `--prefill-step-size`\"): the library the pipeline must equal",
     "mlx_lm.generate": "mlx-lm's generate, whose --kv-bits serve's mirrors",
     "mlx_lm.convert": "mlx-lm's converter, whose -q output a quantized stage equals",
-    "farm-bench": "the timing tool the CLI's start-up figure was taken with",
+    "mlx.distributed_config": "MLX's tool that gives the interfaces a Thunderbolt cable joins their addresses (JACCL)",
 }
 # Names in backticks that look like ours but are someone else's, and why the docs name them
 # (a dotted name: its first part).
@@ -63,6 +63,7 @@ NOT_OURS = {
     "stream_options": "an OpenAI request field (stream_options.include_usage)",
     "input_tokens_details": "an OpenAI Responses usage field",
     "logprobs": "an OpenAI completions field (logprobs.tokens)",
+    "mlx": "MLX's own modules (mlx.launch, mlx.distributed_config: how JACCL ranks are set up)",
 }
 # Flags no command has, on purpose.
 NOT_FLAGS = {
