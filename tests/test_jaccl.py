@@ -125,6 +125,7 @@ def test_the_planner_prices_a_cabled_group_at_rdma_figures():
     assert groupplan._inner(Links(0, (), {}, frozenset({(0, 1)})), [1, 0]) == groupplan.RDMA
 
 
+@pytest.mark.extended  # (starts a group's rank processes: 5-15 s; the refusal's logic is tested above)
 def test_forcing_jaccl_on_this_machine_fails_at_group_start_with_one_line(default_model):
     """A real group start (`--stages 1 --tp 2 --tp-backend jaccl`): the head refuses before any Load."""
     from mlxpipe.server.cluster.assembly import Cluster
