@@ -93,7 +93,11 @@ def drive(url: str, model: str, doc: Path, question: str, snapshots: Dict, count
           timeout_s: float, work: Path) -> dict:
     """The whole visit; ``snapshots`` gets mlxpipe's counters (``counters()``) once the
     file is processed ("uploaded") and once the answer is in ("answered")."""
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise SystemExit("mlxpipe bench openwebui needs the `playwright` package: pip install 'playwright>=1.40' "
+                         "(no `playwright install`: the system's Chromium is used)") from None
 
     timings: Dict[str, float] = {}
     with sync_playwright() as pw:
