@@ -48,6 +48,8 @@ MODES = (
            "mlx_lm.server under 2 ring ranks: one stream and 8"),
     ("vision", "time to first token for an image and a question: mlxpipe serve vs mlx-vlm in one process; the "
                "head's vision tower, planned and measured"),
+    ("openwebui", "Open WebUI (from PyPI, in a venv of its own) on mlxpipe serve, driven in headless Chromium: "
+                  "chat and the RAG embeddings of an uploaded file, both served by mlxpipe; checked"),
 )
 
 
@@ -80,7 +82,7 @@ def run(args) -> int:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
+    return 1 if isinstance(result, dict) and result.get("failed") else 0  # a mode whose checks failed
 
 
 def main(argv=None) -> int:

@@ -174,10 +174,14 @@ class HttpServer:
     """A server process speaking the OpenAI API: ``mlxpipe serve`` or ``mlx_lm.server``."""
 
     def __init__(self, name: str, cmd: List[str], cpu: Optional[int] = None, port: Optional[int] = None,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, log: Optional[str] = None):
+        """``log``: a file for the server's stderr (its log; mlxpipe's request lines), else dropped."""
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        err = open(log, "w") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                      preexec_fn=pin_to(cpu), env=env)
+        if log:
+            err.close()  # the child has its own descriptor
         if port is None:  # mlxpipe serve --port 0 prints where it listens
             line = self.proc.stdout.readline()
             if " on http" not in line:
