@@ -130,3 +130,37 @@ def test_batch_decode_waits_while_an_interactive_prompt_prefills():
     s.add(seq(2, prompt_len=40))
     kinds = [f.kind for f in s.schedule()]
     assert pb.Frame.DECODE not in kinds and pb.Frame.PREFILL in kinds  # the batch group holds back
+
+
+def test_batch_chunks_stay_within_max_stall_below_min_chunk_while_batch_runs():
+    """A batch prompt's chunks hold a stage at most ``max_stall`` at the measured cost, down to one
+    position (an interactive prompt may come at any moment and wait behind them); an interactive
+    prompt's keep ``min_chunk``."""
+    s = Scheduler(SchedulerConfig(num_groups=1, max_batch=4, max_prefill_inflight=2, chunk_size=64,
+                                  max_stall=0.2, min_chunk=16))
+    s.core.prefill.observe(0, 16, [0.05 + 0.05 * 16])  # a stage: 0.05 s a frame, 0.05 s a position
+    s.add(seq(1, BATCH, prompt_len=40))
+    frames = [f.seqs[0].num_tokens for f in s.schedule()]
+    assert frames == [3, 3]  # (0.2 - 0.05) / 0.05 positions, not min_chunk
+    alone = Scheduler(SchedulerConfig(max_prefill_inflight=2, chunk_size=64, max_stall=0.2, min_chunk=16))
+    alone.core.prefill.observe(0, 16, [0.05 + 0.05 * 16])
+    alone.add(seq(3, prompt_len=40))
+    assert [f.seqs[0].num_tokens for f in alone.schedule()] == [16, 16]  # no batch: min_chunk holds
+
+
+def test_batch_decode_frames_carry_what_fits_in_max_stall_in_turn():
+    s = Scheduler(SchedulerConfig(num_groups=1, max_batch=8, max_prefill_inflight=2, chunk_size=64, max_stall=0.2))
+    for i in range(1, 5):
+        s.add(Seq(seq_id=i, prompt=[10], max_tokens=50, sampling=Sampling(), priority=BATCH))
+    for _ in range(4):  # their prefills (the last token alone): all four join the group
+        for f in s.schedule():
+            s.on_result(pb.Result(frame_id=f.frame_id, tokens=[pb.TokenResult(seq_id=e.seq_id, token=7)
+                                                               for e in f.seqs if e.sample]))
+    assert s.decoding == 4
+    s.core.prefill.observe(0, 16, [0.05 + 0.07 * 16])  # a position 0.07 s: two rows fit in 0.2 s
+    turns = []
+    for _ in range(2):
+        (f,) = s.schedule()
+        turns.append(sorted(e.seq_id for e in f.seqs))
+        s.on_result(pb.Result(frame_id=f.frame_id, tokens=[pb.TokenResult(seq_id=e.seq_id, token=7) for e in f.seqs]))
+    assert turns == [[1, 2], [3, 4]]

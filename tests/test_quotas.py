@@ -1,8 +1,8 @@
 """Per-key limits on a real server (the team server's ``TEAM_KEYS``): each limit in the key file
 refuses with a 429 and ``Retry-After`` (or, where no retry helps, a 400 or 403) naming the limit,
 in the error shape of the API asked; and, extended, a batch key's 200 queued requests beside an
-interactive key's: the interactive probe goes ahead of the batch (a batch-key probe sent at the
-same moment waits behind it), the batch completing."""
+interactive key's: the interactive probe's time to first token within 2x its idle one (issue 45's
+bar), ahead of a batch-key probe sent at the same moment, the batch completing."""
 
 from __future__ import annotations
 
@@ -82,6 +82,20 @@ def test_longest_max_tokens_and_models(team_server):
     assert post(f"{base}/embeddings", headers=_as("k-models"), json={"model": "m", "input": "a"}).status_code == 200
 
 
+def test_a_batch_prompt_in_small_chunks_gives_the_interactive_greedy_tokens(team_server):
+    """While batch work runs, a batch prompt goes in chunks of at most --max-stall, below min_chunk,
+    down to one position (core/priority.py): its greedy tokens are an interactive key's, whose chunks
+    of min_chunk and more test_equality holds to single-process mlx-lm's (each key its own prefix
+    cache: both prompts computed afresh)."""
+    body = {"model": "default", "prompt": "A pipeline cuts a model by layer across machines; each stage holds "
+            "a few layers and streams", "max_tokens": 8, "temperature": 0}
+    batch, inter = (post(f"{team_server.base_url}/completions", headers=_as(key), json=body)
+                    for key in ("k-batch", "k-inter"))
+    assert batch.status_code == inter.status_code == 200, (batch.text, inter.text)
+    assert batch.json()["choices"][0]["text"] == inter.json()["choices"][0]["text"]
+    assert batch.json()["usage"]["prompt_tokens"] > 16  # (more than one chunk of min_chunk: cut smaller for batch)
+
+
 async def _ttft(http: httpx.AsyncClient, key: str, body: dict) -> float:
     """Seconds to the first piece of content of a streamed chat completion."""
     started, first = time.monotonic(), None
@@ -106,23 +120,25 @@ def test_an_interactive_key_beside_a_batch_key_of_200_requests(team_server):
         async with httpx.AsyncClient(base_url=team_server.base_url, timeout=3000,
                                      limits=httpx.Limits(max_connections=250)) as agent, \
                 httpx.AsyncClient(base_url=team_server.base_url, timeout=3000) as person:
-            idle = [await _ttft(person, "k-inter", probe) for _ in range(3)]
+            idle = [await _ttft(person, "k-inter", probe) for _ in range(5)]
+            started = time.monotonic()
             batch = [asyncio.ensure_future(agent.post("/chat/completions", headers=_as("k-batch"), json=work))
                      for _ in range(200)]
             await asyncio.sleep(3.0)  # the batch fills the queue and the running places
             loaded, as_batch = [], []
-            for _ in range(3):  # the same probe as the batch key, sent at the same moment
+            for _ in range(5):  # the same probe as the batch key, sent at the same moment
                 as_batch.append(asyncio.ensure_future(_ttft(agent, "k-batch", probe)))
                 loaded.append(await _ttft(person, "k-inter", probe))
                 await asyncio.sleep(1.0)
             done = await asyncio.gather(*batch)
-            return idle, loaded, await asyncio.gather(*as_batch), done
+            return idle, loaded, await asyncio.gather(*as_batch), done, time.monotonic() - started
 
-    idle, loaded, as_batch, done = run_async(run(), timeout=3500)
+    idle, loaded, as_batch, done, took = run_async(run(), timeout=3500)
     assert all(r.status_code == 200 for r in done), [r.text for r in done if r.status_code != 200][:2]
     print(f"interactive time to first token: idle {idle}, beside the batch {loaded} "
-          f"({statistics.median(loaded) / statistics.median(idle):.1f}x idle); as the batch key {as_batch}")
-    # Priority: the interactive probe is admitted and prefilled ahead of the queued batch. (Issue
-    # 45's bar, within 2x idle, is not met on this CPU: alone here 1.23 s against 0.33 s idle, 3.7x,
-    # the probe waiting behind the batch frames already in flight at each stage; docs/benchmarks.md.)
+          f"({statistics.median(loaded) / statistics.median(idle):.2f}x idle); as the batch key {as_batch}; "
+          f"the batch of 200 done in {took:.0f} s")
+    # Issue 45's bar: batch frames stay small while batch work runs (core/priority.py), so that the
+    # probe waits at each stage only for frames of at most --max-stall; it goes ahead of the batch.
+    assert statistics.median(loaded) <= 2 * statistics.median(idle), (idle, loaded)
     assert statistics.median(loaded) * 4 < statistics.median(as_batch), (idle, loaded, as_batch)

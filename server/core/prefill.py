@@ -10,7 +10,8 @@ of every such step that comes back (``observe``). The rules:
 - With ``max_stall`` > 0, a chunk holds the slowest stage at most ``max_stall``
   seconds at its measured cost (``StageFit``), never cut under ``min_chunk``
   (Sarathi-Serve's stall-free batching, alone too: whoever arrives next waits for
-  the chunks in flight). Unbounded until a prefill step has been timed.
+  the chunks in flight), but a ``small`` one down to one position (a batch prompt's
+  while batch work runs: ``priority.py``). Unbounded until a prefill step has been timed.
 - No chunk crosses its sequence's KV switch (``Seq.kv_at``: its caches turn
   quantized there, ``shards/params/kv.py``).
 - Where stages have state caches (``snapshot_every`` > 0), a chunk ends at a block
@@ -160,14 +161,16 @@ class PrefillPolicy:
         fits = [n for n in (s.tokens_within(budget, offset) for s in self.stages) if n is not None]
         return min(fits) if fits else None
 
-    def chunk(self, seq: Seq) -> int:
-        """Positions of ``seq``'s next prefill step, from ``seq.sent``: never past all but its last token."""
+    def chunk(self, seq: Seq, small: bool = False) -> int:
+        """Positions of ``seq``'s next prefill step, from ``seq.sent``: never past all but its last token;
+        ``small``: held to ``max_stall`` below ``min_chunk`` too, down to one position (a batch prompt's
+        while interactive ones may come: ``priority.py``)."""
         cfg = self.config
         body = len(seq.feed) - 1
         todo = body - len(seq.reuse) * cfg.block_tokens
         n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
         if cfg.max_stall > 0 and (fits := self.tokens_within(cfg.max_stall, seq.sent)) is not None:
-            n = min(n, max(cfg.min_chunk, fits))
+            n = min(n, max(1 if small else cfg.min_chunk, fits))
         n = min(n, body - seq.sent)
         if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:
             n = seq.kv_at - seq.sent  # no chunk crosses where its caches turn quantized

@@ -11,6 +11,14 @@ the request lowered itself (vLLM's ``priority`` above 0, OpenAI's ``service_tier
 - Prefill: an interactive prompt's step goes first; batch ones keep at most
   ``max_prefill_inflight - 1`` steps in flight while any interactive prompt runs,
   so an interactive step never waits for a free slot.
+- Batch frames stay small (``guarding``): while any batch sequence is live (an interactive
+  request may come at any moment, and a frame cannot be taken back once sent), a batch
+  prompt's chunks hold a stage at most ``max_stall`` at the measured cost of a frame, down
+  to one position (``min_chunk`` does not hold for them: ``prefill.py``), and a decode step
+  of batch sequences alone carries as many rows as fit in ``max_stall`` at that cost (the
+  others in its next step, ``rows``), so that an interactive prompt waits at each stage
+  only for small batch frames. (Only while an interactive sequence is live would be too
+  late: the one that comes to a server of batch work alone finds large frames sent.)
 - Each round's steps go to the pipeline interactive first (prefill and decode), and while an
   interactive prompt is prefilling, groups of batch sequences alone send no new decode step
   (``hold_batch``: its frames then meet at every stage only the batch frames already in
@@ -26,6 +34,7 @@ from __future__ import annotations
 from typing import Iterable, List, Optional, Sequence
 
 from mlxpipe.server.core.plan import Step
+from mlxpipe.server.core.prefill import PrefillPolicy
 from mlxpipe.server.core.sequence import Seq
 
 INTERACTIVE, BATCH = 0, 1
@@ -49,6 +58,7 @@ class Priorities:
         self._admitted_in_row = 0  # interactive admissions in a row while batch waited
         self._prefilled_in_row = 0
         self._interactive_live = False  # any interactive sequence waiting or running (``note_live``)
+        self._batch_live = False  # any batch sequence waiting or running
         self._held = 0  # rounds in a row batch decode steps were held
 
     @staticmethod
@@ -88,8 +98,33 @@ class Priorities:
         return interactive
 
     def note_live(self, seqs: Iterable[Seq]) -> None:
-        """Whether any interactive sequence is admitted and not finished (set each round)."""
-        self._interactive_live = any(not self._batch(s) for s in seqs)
+        """Whether any interactive, any batch sequence is admitted or waiting and not finished (set each round)."""
+        classes = {self._batch(s) for s in seqs}
+        self._interactive_live, self._batch_live = False in classes, True in classes
+
+    @property
+    def guarding(self) -> bool:
+        """Whether batch frames are kept small: while batch sequences are live, beside interactive ones
+        or not (one may come at any moment: the frames ahead of it then are the ones already sent)."""
+        return self._batch_live
+
+    def small(self, seq: Seq) -> bool:
+        """Whether ``seq``'s prefill chunks are cut to ``max_stall`` below ``min_chunk`` (``guarding``)."""
+        return self._batch(seq) and self.guarding
+
+    def rows(self, members: List[int], seqs: dict, prefill: PrefillPolicy) -> List[int]:
+        """The sequences of a group its next decode step carries: all, but while ``guarding``, of a group
+        of batch sequences alone as many as hold a stage at most ``max_stall`` at the measured cost of a
+        prefill position at their context (at least one; the others go first in the group's next step)."""
+        stall = prefill.config.max_stall
+        if stall <= 0 or not self.guarding or any(not self._batch(seqs[s]) for s in members):
+            return list(members)
+        fits = prefill.tokens_within(stall, max(seqs[s].cached for s in members))
+        if fits is None or fits >= len(members):
+            return list(members)
+        chosen = members[:max(fits, 1)]
+        members[:] = members[len(chosen):] + chosen  # (in place: the group's own list)
+        return chosen
 
     def hold_batch(self, prefilling: Sequence[Seq]) -> bool:
         """Whether groups of batch sequences alone wait this round (an interactive prompt is prefilling)."""

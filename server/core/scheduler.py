@@ -292,7 +292,7 @@ class Scheduler:
                     members.remove(sid)
             if not members:
                 continue
-            seqs = [self.seqs[s] for s in members]
+            seqs = [self.seqs[s] for s in self.priorities.rows(members, self.seqs, self.prefill)]
             entries = []
             for s in seqs:
                 trim = 0
@@ -300,7 +300,7 @@ class Scheduler:
                     trim, s.spec_state.trim = s.spec_state.trim, 0
                 entries.append(self._entry(s, s.cached, 1, True, trim))
             tokens = [s.generated[-1] for s in seqs]
-            steps.append(self._step(StepKind.DECODE, list(members), entries, g, tokens))
+            steps.append(self._step(StepKind.DECODE, [s.seq_id for s in seqs], entries, g, tokens))
         return steps
 
     def _prefill_steps(self) -> List[Step]:
@@ -328,7 +328,8 @@ class Scheduler:
 
     def _prefill_step(self, seq: Seq) -> Step:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
-        n, sample = (self.prefill.chunk(seq), False) if seq.sent < len(seq.feed) - 1 else (1, True)
+        n, sample = (self.prefill.chunk(seq, self.priorities.small(seq)), False) if seq.sent < len(seq.feed) - 1 \
+            else (1, True)
         if not seq.known:  # its first step
             entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
         else:
