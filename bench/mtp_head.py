@@ -46,11 +46,15 @@ TRAIN_PROMPTS = [
 ]
 
 
-def greedy(model, prompt: Sequence[int], n: int, eos: Sequence[int]) -> List[int]:
-    """The model's greedy continuation of ``prompt`` (mlx-lm's ``generate_step``)."""
+def greedy(model, prompt: Sequence[int], n: int, eos: Sequence[int], record=None) -> List[int]:
+    """The model's greedy continuation of ``prompt`` (mlx-lm's ``generate_step``); with
+    ``record`` (a tap on the model's final norm, ``mtp._Record``) the hidden states the
+    MTP head takes are kept there as the model computes them (``features``)."""
     from mlx_lm.generate import generate_step
 
     out = []
+    if record is not None:
+        record.clear()
     for token, _ in generate_step(mx.array(list(prompt)), model, max_tokens=n):
         out.append(int(token))
         if token in eos:
@@ -58,11 +62,12 @@ def greedy(model, prompt: Sequence[int], n: int, eos: Sequence[int]) -> List[int
     return out
 
 
-def _features(model, record, seq: List[int]) -> mx.array:
-    """The hidden states the MTP head takes at every position of ``seq`` [T, D]."""
-    record.clear()
-    model(mx.array(seq)[None])
-    h = record.hidden()[0][0]
+def features(record, positions: int) -> mx.array:
+    """The hidden states of the first ``positions`` positions [positions, D] from what
+    ``record`` kept while ``greedy`` ran: the prompt's prefill and each decode step in
+    order (the states a forward over the whole sequence gives, from the KV cache;
+    ``generate_step`` may run one step past the last token kept: cut off)."""
+    h = mx.concatenate([c[0] for c in record.hidden()], axis=0)[:positions]
     mx.eval(h)
     record.clear()
     return h
@@ -86,7 +91,7 @@ def _loss(layer: mtp.MtpLayer, family: mtp.Family, embed, head, h: mx.array, seq
     e = embed(seq[None, 1:-1])
     if family.zero_first:
         e = e * (mx.arange(e.shape[1]) > 0)[None, :, None].astype(e.dtype)
-    z = layer(e, h[None, :-2].astype(e.dtype), None)[0]
+    z = layer(e, h[None, : seq.shape[0] - 2].astype(e.dtype), None)[0]
     targets = seq[2:]
     if at is not None:
         z, targets = z[at], targets[at]
@@ -111,14 +116,15 @@ def train(model_dir: Path, out: Path, prompts: Optional[Sequence[List[int]]] = N
     if prompts is None:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    for p in TRAIN_PROMPTS]
-    seqs = []
-    for i, p in enumerate(prompts):
-        seqs.append(list(p) + greedy(model, p, tokens, tok.eos_token_ids))
-        progress(f"greedy continuations: {i + 1} of {len(prompts)}")
     inner = mtp._inner(model)
     record = mtp._Record(family.normed)
     mtp._tap(inner.norm, record)
-    data = [(_features(model, record, s), mx.array(s)) for s in seqs if len(s) > 3]
+    data = []
+    for i, p in enumerate(prompts):  # each answer and, as it is generated, the hidden states the head takes
+        seq = list(p) + greedy(model, p, tokens, tok.eos_token_ids, record)
+        if len(seq) > 3:
+            data.append((features(record, len(seq) - 1), mx.array(seq)))
+        progress(f"greedy continuations: {i + 1} of {len(prompts)}")
     mx.random.seed(seed)
     module = __import__(type(model).__module__, fromlist=["_"])
     layer = mtp.MtpLayer(family.block(module, model.args, 0), int(model.args.hidden_size),
