@@ -53,6 +53,14 @@ def decode_window(all_times: Sequence[Sequence[float]]) -> Optional[Tuple[float,
     return max(ts[0] for ts in started), min(ts[-1] for ts in started)
 
 
+def window_tokens(all_times: Sequence[Sequence[float]]) -> int:
+    """Tokens inside the ``decode_window`` (0: none): few, and the aggregate is rough."""
+    window = decode_window(all_times)
+    if window is None:
+        return 0
+    return sum(1 for ts in all_times for t in ts if window[0] < t <= window[1])
+
+
 def window_rate(all_times: Sequence[Sequence[float]]) -> float:
     """Aggregate decode tokens/s over the ``decode_window``."""
     window = decode_window(all_times)

@@ -20,7 +20,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxpipe.bench.common import (Baseline, HttpServer, RunResult, add_common_arguments, chat_prompt, decode_rate,
                                   decode_window, long_text, measured_mix, median, percentile, pin_flags,
-                                  progress_bar, window_rate)
+                                  progress_bar, window_rate, window_tokens)
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.shards.models.store import resolve_model
 
@@ -34,6 +34,7 @@ class LoadRound:
     aggregate_tps: float
     busy: List[float] = field(default_factory=list)  # per stage, over the decode window
     server_cpu_per_1k: float = float("nan")  # CPU seconds of the server process per 1,000 tokens
+    window_tokens: int = 0  # tokens the aggregate counts: those while every stream decodes (``decode_window``)
 
 
 async def _stage_busy_sampler(http, url: str, samples: list, stop: asyncio.Event) -> None:
@@ -88,7 +89,7 @@ async def load_round(server: HttpServer, model: str, prompts: List[str], max_tok
     return LoadRound(server.name, len(prompts), [ts[0] - t0 for t0, ts in results if ts],
                      [decode_rate(ts) for ts in all_times], window_rate(all_times),
                      _busy_between(samples, *window) if sample_busy and window else [],
-                     1000 * cpu / (max_tokens * len(prompts)))
+                     1000 * cpu / (max_tokens * len(prompts)), window_tokens(all_times))
 
 
 async def bench_load(args) -> dict:

@@ -36,6 +36,7 @@ from mlxpipe.bench.load import load_round
 from mlxpipe.shards.models.store import default_model_dir, mlxpipe_home, resolve_model
 from mlxpipe.shards.params.quant import DEFAULT_GROUP_SIZE
 
+SHORT = 8  # tokens a stream, at least, inside the window that every stream decodes in, for a steady aggregate
 WIDE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
             intermediate_size=4096)
 
@@ -79,15 +80,21 @@ class RingServer(HttpServer):
         self.others = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile),
                                         preexec_fn=pin_to(r if pin else None)) for r in range(1, ranks)]
-        super().__init__(f"mlx_lm.server {ranks} ranks", cmd, cpu=0 if pin else None, port=port,
-                         env=dict(os.environ, MLX_RANK="0", MLX_HOSTFILE=self.hostfile))
+        try:
+            super().__init__(f"mlx_lm.server {ranks} ranks", cmd, cpu=0 if pin else None, port=port,
+                             env=dict(os.environ, MLX_RANK="0", MLX_HOSTFILE=self.hostfile))
+        except BaseException:  # rank 0 never served (the model cannot be split, say): the others go too
+            self.proc = getattr(self, "proc", None)
+            self.close()
+            raise
 
     def close(self) -> None:
-        super().close()
+        super().close()  # (no process: nothing)
         for proc in self.others:
             proc.kill()
             proc.wait()
-        os.unlink(self.hostfile)
+        if os.path.exists(self.hostfile):
+            os.unlink(self.hostfile)
 
 
 def _servers(args, path: str) -> List[tuple]:
@@ -122,7 +129,8 @@ async def _measure_server(start, name: str, path: str, tok, args, levels, bar) -
     finally:
         server.close()
     return {c: {"stream_tps": median([median(x.stream_tps) for x in rs]),
-                "aggregate_tps": median([x.aggregate_tps for x in rs])} for c, rs in rounds.items()}
+                "aggregate_tps": median([x.aggregate_tps for x in rs]),
+                "window_tokens": min(x.window_tokens for x in rs)} for c, rs in rounds.items()}
 
 
 async def bench_tp(args) -> dict:
@@ -167,6 +175,10 @@ def _lines(args, path: str, levels: List[int], results: dict) -> List[str]:
         for c, r in by.items():
             if "error" in r:
                 lines.append(f"{name} ({c} stream{'s' if c > 1 else ''}): {r['error']}")
+            elif c > 1 and r.get("window_tokens", SHORT * c) < SHORT * c:
+                lines.append(f"{name} ({c} streams): only {r['window_tokens']} tokens came while all {c} decoded "
+                             "(the first finished soon after the last started): its aggregate is rough; a larger "
+                             "--max-tokens widens the window")
     lines += _bar(results, levels)
     return lines
 
