@@ -176,8 +176,8 @@ class KvBudget:
         if self.prefix is None or seq.fetching or seq.known:
             return
         hit, n = self.cached_prefix(seq), len(seq.reuse)
-        if hit[:n] != seq.reuse:
-            return
+        if hit[:n] != seq.reuse or not all(k in h for k in seq.reuse for h in self.prefix.held):
+            return  # (blocks read back from disk: its first step keeps those, ``promote``)
         while n < len(hit) and all(hit[n] in h for h in self.prefix.held) and not (settled and hit[n] in self._fresh):
             n += 1
         while n > len(seq.reuse) and not all(s is None or hit[n - 1] in s for s in self.prefix.starts):
