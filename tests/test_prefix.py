@@ -7,6 +7,7 @@ import pytest
 from inproc import InProcess, WiredScheduler as Scheduler  # (the scheduler's steps as frames)
 
 from mlxpipe.proto import pipeline_pb2 as pb
+from mlxpipe.server.core.kv_budget import KvBudget
 from mlxpipe.server.core.prefix_index import PrefixIndex, chain_hashes, model_salt
 from mlxpipe.server.core.scheduler import SchedulerConfig
 from mlxpipe.server.core.sequence import Seq
@@ -146,6 +147,45 @@ def test_a_salt_keeps_one_tenants_prefixes_from_another():
     assert model_salt([{"a": "1"}, {"b": "2"}]) == model_salt([{"a": "1", "b": "2"}]) != model_salt([{"a": "1"}])
 
 
+def test_a_wave_of_like_prompts_admitted_together_computes_their_prefix_once():
+    """Sequences admitted in one round, before any of their prefix was cached: each one's first
+    step starts after the blocks the first one's steps stored since (``KvBudget.relook``)."""
+    s = Scheduler(SchedulerConfig(chunk_size=4, block_tokens=B, prefix_blocks=100, max_prefill_inflight=2))
+    s.reset_prefix([[], []], 100)
+    prompt = list(range(100, 118))  # 18 tokens: 4 whole blocks before the last one
+    for i in (1, 2, 3):
+        s.add(_seq(i, prompt))
+    firsts = {}
+    for f in _finish(s, s.schedule()):
+        for e in f.seqs:
+            firsts.setdefault(e.seq_id, e)
+    assert [(firsts[i].offset, len(firsts[i].reuse)) for i in (1, 2, 3)] == [(0, 0), (16, 4), (16, 4)]
+
+
+def test_a_first_step_starts_after_blocks_stored_this_round_only_when_it_goes_after_them():
+    """An interactive sequence's step may reach the stages before this round's batch steps
+    (``Priorities.order``): its relook takes only blocks stored in earlier rounds."""
+    kv = KvBudget(1 << 20, B, 100)
+    kv.reset_prefix([[], []], 100)
+    kv.set_room(0)
+    prompt = list(range(100, 118))
+    first = _seq(1, prompt)
+    first.feed = list(prompt)
+    kv.new_round()
+    assert len(kv.store(first, 8)[1]) == 2  # its step at 8 has the stages keep blocks 0-1
+    later = _seq(2, prompt, max_tokens=3)
+    later.feed, later.cached_tokens = list(prompt), 0
+    kv.relook(later, settled=True)
+    assert later.reuse == [] and later.sent == 0
+    kv.relook(later)
+    assert later.reuse == first.hashes[:2] and later.sent == later.cached_tokens == 8
+    kv.new_round()
+    other = _seq(3, prompt)
+    other.feed = list(prompt)
+    kv.relook(other, settled=True)
+    assert len(other.reuse) == 2
+
+
 def test_penalties_get_the_reused_tokens_they_look_back_at():
     s = _scheduler()
     prompt = list(range(100, 130))
@@ -191,8 +231,12 @@ def test_greedy_tokens_with_cache_hits_equal_mlx_lm(model, ranges, request, refe
     config = SchedulerConfig(chunk_size=8, block_tokens=8, prefix_blocks=4096, num_groups=len(ranges))
     pipe = InProcess(path, ranges, config, eos=tok.eos_token_ids)
     first = _chat(tok, "Name three rivers in Europe.")
-    (out,), (seq,) = pipe.generate([first], 12)
+    # With a like prompt admitted in the same round: its first step starts after the blocks the
+    # first one stored since (``KvBudget.relook``), and its tokens are still mlx-lm's.
+    wave = first + tok.encode(" Keep it short.")
+    (out, wave_out), (seq, wave_seq) = pipe.generate([first, wave], 12)
     assert seq.cached_tokens == 0 and out == reference(path, first, 12)
+    assert wave_seq.cached_tokens > 0 and wave_out == reference(path, wave, 12)
     prompts = [
         first,                                                   # the same prompt again
         first + out + tok.encode(" And in Asia?"),               # a later turn: the answer's blocks too

@@ -148,6 +148,19 @@ def test_batch_chunks_stay_within_max_stall_below_min_chunk_while_batch_runs():
     assert [f.seqs[0].num_tokens for f in alone.schedule()] == [16, 16]  # no batch: min_chunk holds
 
 
+def test_batch_chunks_may_take_twice_a_frames_fixed_part_where_that_alone_is_over_max_stall():
+    """On a loaded machine a frame's fixed part may be over ``max_stall``: one position a frame would then
+    cost about what more do, so a batch chunk may hold a stage up to twice that fixed part."""
+    s = Scheduler(SchedulerConfig(num_groups=1, max_batch=4, max_prefill_inflight=2, chunk_size=64,
+                                  max_stall=0.2, min_chunk=16))
+    for _ in range(8):
+        for n in (1, 4, 16):
+            s.core.prefill.observe(0, n, [0.3 + 0.01 * n])  # a stage: 0.3 s a frame, 0.01 s a position
+    s.add(seq(1, BATCH, prompt_len=200))
+    frames = [f.seqs[0].num_tokens for f in s.schedule()]
+    assert all(25 <= n <= 30 for n in frames), frames  # (0.6 - 0.3) / 0.01 positions, not one
+
+
 def test_batch_decode_frames_carry_what_fits_in_max_stall_in_turn():
     s = Scheduler(SchedulerConfig(num_groups=1, max_batch=8, max_prefill_inflight=2, chunk_size=64, max_stall=0.2))
     for i in range(1, 5):

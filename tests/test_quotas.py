@@ -96,6 +96,25 @@ def test_a_batch_prompt_in_small_chunks_gives_the_interactive_greedy_tokens(team
     assert batch.json()["usage"]["prompt_tokens"] > 16  # (more than one chunk of min_chunk: cut smaller for batch)
 
 
+def test_a_wave_of_batch_requests_with_one_prompt_computes_it_once(team_server):
+    """A batch key's requests sent at once are admitted before the first has stored any of their
+    prompt (its chunks are cut small: core/priority.py); the others start after what it stored
+    (core/kv_budget.py, ``relook``), each its greedy tokens."""
+    body = {"model": "default", "prompt": f"Wave {time.time_ns()}: a pipeline cuts a model by layer across "
+            "machines, and each stage holds a few layers", "max_tokens": 2, "temperature": 0}
+
+    async def wave():
+        async with httpx.AsyncClient(base_url=team_server.base_url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/completions", headers=_as("k-batch"), json=body)
+                                          for _ in range(4)))
+
+    replies = run_async(wave())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
+    cached = sorted(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+    assert cached[0] == 0 and all(c >= 16 for c in cached[1:]), cached
+
+
 async def _ttft(http: httpx.AsyncClient, key: str, body: dict) -> float:
     """Seconds to the first piece of content of a streamed chat completion."""
     started, first = time.monotonic(), None

@@ -58,6 +58,7 @@ class KvBudget:
                                               if prefix_blocks else None)
         self.pending_evict: List[int] = []  # blocks the next step tells the stages to drop
         self._keep: Set[int] = set()        # blocks this round's steps reuse or store: not evicted now
+        self._fresh: Set[int] = set()       # blocks this round's steps store (stages keep them once those land)
         self._room = 0                      # blocks the budget leaves for the cache this round
         self.snapshot_every = 0  # blocks between state snapshots the stages keep (0: no stage has state caches)
         self.pending_discard: List[int] = []  # blocks the next step tells the stages to drop from disk too
@@ -138,6 +139,7 @@ class KvBudget:
 
     def new_round(self) -> None:
         self._keep.clear()
+        self._fresh.clear()
 
     def set_room(self, reserved: int) -> None:
         """Blocks that fit beside what live sequences (``reserved`` positions) may grow to."""
@@ -164,6 +166,30 @@ class KvBudget:
         usable = (len(seq.feed) - 1) // self.block_tokens
         self._hashes(seq, usable)
         return seq.hashes[: self.prefix.match(seq.hashes[:usable])]
+
+    def relook(self, seq: Seq, settled: bool = False) -> None:
+        """Before ``seq``'s first step: start it after more blocks where every stage holds more of
+        its first ones in memory now than at its admission (a like prompt admitted with it stored
+        them since: a wave of requests with one prefix computes it once, not once each).
+        ``settled``: not after blocks this round's steps store (its step may reach the stages
+        first: interactive steps go ahead, ``priority.py``)."""
+        if self.prefix is None or seq.fetching or seq.known:
+            return
+        hit, n = self.cached_prefix(seq), len(seq.reuse)
+        if hit[:n] != seq.reuse or not all(k in h for k in seq.reuse for h in self.prefix.held):
+            return  # (blocks read back from disk: its first step keeps those, ``promote``)
+        while n < len(hit) and all(hit[n] in h for h in self.prefix.held) and not (settled and hit[n] in self._fresh):
+            n += 1
+        while n > len(seq.reuse) and not all(s is None or hit[n - 1] in s for s in self.prefix.starts):
+            n -= 1  # (stages with state caches start only after a block whose state they keep)
+        if n == len(seq.reuse):
+            return
+        if seq.cached_tokens == seq.sent:  # (what its usage reports: what this admission reuses)
+            seq.cached_tokens = n * self.block_tokens
+        seq.reuse, seq.stored, seq.sent = hit[:n], n, n * self.block_tokens
+        self.prefix.touch(seq.reuse)
+        self._keep.update(seq.reuse)
+        self.waiting[seq.seq_id] = list(seq.reuse)
 
     def admits(self, need: int, reserved: int, hit: List[int]) -> bool:
         """Whether ``need`` more positions fit beside ``reserved`` and the cache, after
@@ -246,6 +272,7 @@ class KvBudget:
         kept = self.prefix.add(keys, self._protected(), self.pending_evict, self._room,
                                weights=self._weights(seq, first, len(seq.reuse)), discarded=self.pending_discard)
         self._keep.update(keys[:kept])
+        self._fresh.update(keys[:kept])
         return (first if kept else 0), keys[:kept]
 
     def store(self, seq: Seq, offset: int) -> Tuple[int, List[int], bool, List[int]]:
@@ -266,6 +293,7 @@ class KvBudget:
                                start=keys[-1] if snap else None, weights=self._weights(seq, first, upto),
                                discarded=self.pending_discard)
         self._keep.update(keys[:kept])
+        self._fresh.update(keys[:kept])
         seq.stored = upto  # blocks that did not fit are not asked again
         spill = self.prefix.spill(keys[kept:], self._protected(), self.pending_discard, keys[-1] if snap else None)
         self._keep.update(spill)

@@ -11,7 +11,8 @@ of every such step that comes back (``observe``). The rules:
   seconds at its measured cost (``StageFit``), never cut under ``min_chunk``
   (Sarathi-Serve's stall-free batching, alone too: whoever arrives next waits for
   the chunks in flight), but a ``small`` one down to one position (a batch prompt's
-  while batch work runs: ``priority.py``). Unbounded until a prefill step has been timed.
+  while batch work runs: ``priority.py``), within twice a frame's fixed part where that
+  alone is over half ``max_stall`` (``stall``). Unbounded until a prefill step has been timed.
 - No chunk crosses its sequence's KV switch (``Seq.kv_at``: its caches turn
   quantized there, ``shards/params/kv.py``).
 - Where stages have state caches (``snapshot_every`` > 0), a chunk ends at a block
@@ -161,6 +162,16 @@ class PrefillPolicy:
         fits = [n for n in (s.tokens_within(budget, offset) for s in self.stages) if n is not None]
         return min(fits) if fits else None
 
+    def stall(self, small: bool = False) -> float:
+        """Seconds a step may hold a stage (0: no bound): ``max_stall``; a ``small`` one (a batch frame cut
+        below ``min_chunk``, ``priority.py``) up to twice the largest fixed part of a frame where that
+        alone is over half ``max_stall`` (a loaded machine), where one position a frame would cost
+        about what more do and an interactive request waits for a frame's fixed part anyway."""
+        stall = self.config.max_stall
+        if stall <= 0 or not small:
+            return max(stall, 0.0)
+        return max(stall, 2 * max((s.fixed for s in self.stages), default=0.0))
+
     def chunk(self, seq: Seq, small: bool = False) -> int:
         """Positions of ``seq``'s next prefill step, from ``seq.sent``: never past all but its last token;
         ``small``: held to ``max_stall`` below ``min_chunk`` too, down to one position (a batch prompt's
@@ -169,7 +180,7 @@ class PrefillPolicy:
         body = len(seq.feed) - 1
         todo = body - len(seq.reuse) * cfg.block_tokens
         n = min(cfg.chunk_size, max(cfg.min_chunk, -(-todo // (2 * cfg.max_prefill_inflight))))
-        if cfg.max_stall > 0 and (fits := self.tokens_within(cfg.max_stall, seq.sent)) is not None:
+        if cfg.max_stall > 0 and (fits := self.tokens_within(self.stall(small), seq.sent)) is not None:
             n = min(n, max(1 if small else cfg.min_chunk, fits))
         n = min(n, body - seq.sent)
         if seq.kv_at is not None and seq.sent < seq.kv_at < seq.sent + n:

@@ -13,8 +13,9 @@ the request lowered itself (vLLM's ``priority`` above 0, OpenAI's ``service_tier
   so an interactive step never waits for a free slot.
 - Batch frames stay small (``guarding``): while any batch sequence is live (an interactive
   request may come at any moment, and a frame cannot be taken back once sent), a batch
-  prompt's chunks hold a stage at most ``max_stall`` at the measured cost of a frame, down
-  to one position (``min_chunk`` does not hold for them: ``prefill.py``), and a decode step
+  prompt's chunks hold a stage at most ``max_stall`` at the measured cost of a frame (or twice
+  its fixed part, where that alone is over half of it: ``PrefillPolicy.stall``), down to one
+  position (``min_chunk`` does not hold for them: ``prefill.py``), and a decode step
   of batch sequences alone carries as many rows as fit in ``max_stall`` at that cost (the
   others in its next step, ``rows``), so that an interactive prompt waits at each stage
   only for small batch frames. (Only while an interactive sequence is live would be too
@@ -116,7 +117,7 @@ class Priorities:
         """The sequences of a group its next decode step carries: all, but while ``guarding``, of a group
         of batch sequences alone as many as hold a stage at most ``max_stall`` at the measured cost of a
         prefill position at their context (at least one; the others go first in the group's next step)."""
-        stall = prefill.config.max_stall
+        stall = prefill.stall(small=True)
         if stall <= 0 or not self.guarding or any(not self._batch(seqs[s]) for s in members):
             return list(members)
         fits = prefill.tokens_within(stall, max(seqs[s].cached for s in members))

@@ -24,8 +24,9 @@ Rules:
   group's next step; one that finishes or is cancelled leaves, and its caches
   are freed on every stage by the ``free`` list of the next step.
 - KV budget and prefix cache (``kv_budget.py``): a sequence is admitted when what
-  it may grow to fits; it starts after the longest run of its first blocks that
-  every stage holds, its first step names them (``reuse``), each later step
+  it may grow to fits; it starts after the longest run of its first blocks that every
+  stage holds when its first step goes (``relook``: a like prompt admitted with it may
+  have stored them since), which names them (``reuse``), each later step
   tells the stages to keep the blocks it completed before it (``store``), and
   the first step of a round carries the blocks to drop (``evict``; ``discard``: from
   disk too). Where stages have state caches, a step that starts at a block's end
@@ -328,12 +329,11 @@ class Scheduler:
 
     def _prefill_step(self, seq: Seq) -> Step:
         """``seq``'s next prefill step: a chunk of all but its last token, or that token, sampled."""
+        self.kv.relook(seq, settled=not seq.priority)  # (its first: after the blocks cached now)
         n, sample = (self.prefill.chunk(seq, self.priorities.small(seq)), False) if seq.sent < len(seq.feed) - 1 \
             else (1, True)
-        if not seq.known:  # its first step
-            entry = Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))
-        else:
-            entry = self._entry(seq, seq.sent, n, sample)
+        entry = self._entry(seq, seq.sent, n, sample) if seq.known else \
+            Entry(seq.seq_id, seq.sent, n, sample, opening=self._opening(seq))  # (its first step: the opening)
         tokens, chunk = seq.feed[seq.sent : seq.sent + n], None if sample else (seq.sent, n)
         seq.sent, seq.known = seq.sent + n, True
         return self._step(StepKind.PREFILL, [seq.seq_id], [entry], tokens=tokens, chunk=chunk)
