@@ -200,17 +200,10 @@ class HttpServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        if not answering(self.proc, f"{self.url}/v1/models", timeout, every=0.3):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} never became ready")
+            raise RuntimeError(f"{self.name} never became ready")
 
     def cpu_seconds(self) -> float:
         """CPU time the server process itself has used (not its stage processes):
@@ -243,6 +236,20 @@ class HttpServer:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def answering(proc: subprocess.Popen, url: str, timeout: float, every: float) -> bool:
+    """Whether ``url`` answers 200 within ``timeout`` seconds while ``proc`` runs (False: the
+    time ran out, or the process exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(every)
+    return False
 
 
 def free_port() -> int:

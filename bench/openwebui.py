@@ -40,7 +40,7 @@ from typing import Dict, List
 
 import httpx
 
-from mlxpipe.bench.common import HttpServer, free_port, pin_flags
+from mlxpipe.bench.common import HttpServer, answering, free_port, pin_flags
 from mlxpipe.bench.recorder import Recorder
 from mlxpipe.server.config import ClusterConfig
 from mlxpipe.shards.models.store import mlxpipe_home
@@ -143,16 +143,10 @@ class OpenWebUI:
             self.proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
                                          env={**child, **env}, cwd=env["DATA_DIR"], stdout=log,
                                          stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"Open WebUI exited with {self.proc.returncode}; its log:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        if answering(self.proc, f"{self.url}/health", timeout, every=1):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"Open WebUI exited with {self.proc.returncode}; its log:\n{self.tail()}")
         self.close()
         raise RuntimeError(f"Open WebUI did not answer /health in {timeout:.0f} s; its log:\n{self.tail()}")
 

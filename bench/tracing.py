@@ -18,7 +18,7 @@ import shlex
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import httpx
 
@@ -30,17 +30,19 @@ PROMPTS = [DEFAULT_PROMPT, "Write a short story about a lighthouse keeper and a 
 
 
 class Sink:
-    """An OTLP/HTTP receiver on loopback that answers 200 and counts the exports and bytes."""
+    """An OTLP/HTTP receiver on loopback that answers 200 and counts the exports and bytes;
+    ``keep`` (if given) gets each export's body too (``tests/otlp_receiver.py`` parses them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: Optional[Callable[[bytes], None]] = None) -> None:
         self.posts = self.bytes = 0
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - http.server's name
-                n = int(self.headers.get("Content-Length", 0))
-                self.rfile.read(n)
-                sink.posts, sink.bytes = sink.posts + 1, sink.bytes + n
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                sink.posts, sink.bytes = sink.posts + 1, sink.bytes + len(body)
+                if keep is not None:
+                    keep(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")

@@ -4,36 +4,26 @@ from __future__ import annotations
 
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from mlxpipe.bench.tracing import Sink
 
 
-class Receiver:
+class Receiver(Sink):
+    """``bench tracing``'s receiver, keeping every span it gets."""
+
     def __init__(self):
         self.spans: list = []  # dicts: trace_id, span_id, parent_id (hex), name, start, end (ns), attrs
         self._lock = threading.Lock()
-        receiver = self
+        super().__init__(keep=self._keep)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    def _keep(self, body: bytes) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                request = ExportTraceServiceRequest.FromString(body)
-                with receiver._lock:
-                    for rs in request.resource_spans:
-                        for ss in rs.scope_spans:
-                            receiver.spans.extend(_span(s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        request = ExportTraceServiceRequest.FromString(body)
+        with self._lock:
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    self.spans.extend(_span(s) for s in ss.spans)
 
     def trace(self, trace_id: str, until: str = "", timeout: float = 30.0) -> list:
         """The spans of one trace received so far, once one named ``until`` is among them."""
@@ -44,9 +34,6 @@ class Receiver:
             if (not until or any(s["name"] == until for s in spans)) or time.monotonic() > deadline:
                 return spans
             time.sleep(0.1)
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def _span(s) -> dict:

@@ -117,8 +117,10 @@ class Priorities:
         """The sequences of a group its next decode step carries: all, but while ``guarding``, of a group
         of batch sequences alone as many as hold a stage at most ``max_stall`` at the measured cost of a
         prefill position at their context (at least one; the others go first in the group's next step)."""
+        if not self.guarding or any(not self._batch(seqs[s]) for s in members):
+            return list(members)  # (every decode step of every group comes here: the cheap tests first)
         stall = prefill.stall(small=True)
-        if stall <= 0 or not self.guarding or any(not self._batch(seqs[s]) for s in members):
+        if stall <= 0:
             return list(members)
         fits = prefill.tokens_within(stall, max(seqs[s].cached for s in members))
         if fits is None or fits >= len(members):
